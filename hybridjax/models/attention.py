@@ -1,0 +1,101 @@
+"""Dot-product attention with grouped-query heads, and the dense KV cache.
+
+A KV cache is any pytree with the method
+
+    attend(layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, positions_BxT, token_mask_BxT)
+        -> (out_BxTxHxD, new_cache)
+
+that stores the new keys/values of `layer` at their positions and attends the queries to every
+cached key at a position <= the query's. `DenseKVCache` below is the simple one (a slot per
+position); the rollout engine brings a paged one with the same method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def attention_mask(
+    q_positions_BxT: jax.Array,
+    k_positions_BxS: jax.Array,
+    k_valid_BxS: jax.Array,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean mask B×T×S: key valid, causal by position, inside the sliding window (if any)."""
+    q = q_positions_BxT[:, :, None]
+    k = k_positions_BxS[:, None, :]
+    mask = k_valid_BxS[:, None, :] & (k <= q)
+    if sliding_window is not None:
+        mask &= q - k < sliding_window
+    return mask
+
+
+def dot_product_attention(
+    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Softmax(q·kᵀ/√D)·v with H query heads sharing K = H/G key/value heads (GQA).
+
+    Logits and softmax are computed in float32; the output has q's dtype. A query row with no
+    valid key (a padding token) returns zeros rather than NaN.
+    """
+    b, t, h, d = q_BxTxHxD.shape
+    kv = k_BxSxKxD.shape[2]
+    q = q_BxTxHxD.reshape(b, t, kv, h // kv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+    logits = logits * (d**-0.5)
+    mask = mask_BxTxS[:, None, None, :, :]
+    logits = jnp.where(mask, logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+    return out.reshape(b, t, h, d)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseKVCache:
+    """A dense cache: slot `p` of row `b` holds the key/value of position `p`.
+
+    k, v: per layer, B×S×K×D.  valid: B×S bool, True where a slot holds a token.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    valid: jax.Array
+    sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> DenseKVCache:
+        """An empty cache for `config` (a ModelConfig), `batch` rows of `max_len` positions."""
+        shape = (batch, max_len, config.num_key_value_heads, config.resolved_head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        return cls(
+            k=zeros,
+            v=zeros,
+            valid=jnp.zeros((batch, max_len), bool),
+            sliding_window=config.sliding_window,
+        )
+
+    def attend(self, layer, q, k, v, positions, token_mask):
+        b, s = self.valid.shape
+        # Padding tokens write nowhere (index s is out of bounds and dropped).
+        idx = jnp.where(token_mask, positions, s)
+        rows = jnp.arange(b)[:, None]
+        k_cache = self.k[layer].at[rows, idx].set(k.astype(self.k[layer].dtype), mode="drop")
+        v_cache = self.v[layer].at[rows, idx].set(v.astype(self.v[layer].dtype), mode="drop")
+        valid = self.valid.at[rows, idx].set(True, mode="drop")
+        k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+        mask = attention_mask(positions, k_pos, valid, self.sliding_window)
+        out = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+        new = dataclasses.replace(
+            self,
+            k=self.k[:layer] + (k_cache,) + self.k[layer + 1 :],
+            v=self.v[:layer] + (v_cache,) + self.v[layer + 1 :],
+            valid=valid,
+        )
+        return out, new

@@ -1,0 +1,191 @@
+"""Model configuration shared by the decoder, the HF loader and the sharding rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# HF `architectures` values we can load, and the family each belongs to.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen2ForTokenClassification": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "LlamaForSequenceClassification": "llama",
+    "LlamaForTokenClassification": "llama",
+    "MistralForCausalLM": "mistral",
+    "MistralForSequenceClassification": "mistral",
+    "MistralForTokenClassification": "mistral",
+}
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def to_dtype(name: str | Any) -> Any:
+    """Turns 'float32' / 'bfloat16' / 'float16' (or a dtype) into a jnp dtype; raises ValueError."""
+    if not isinstance(name, str):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Qwen2 / Llama / Mistral decoder, with HF `config.json` names.
+
+    `param_dtype` is the dtype parameters are stored in; `dtype` the dtype matmuls run in.
+    Attention softmax, RMSNorm statistics and RoPE tables are always computed in float32.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Frozen tuple of (key, value) pairs of HF's `rope_scaling` dict (hashable), or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    family: str = "qwen2"
+    num_labels: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: bool = False
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Number of parameters of the causal LM (embedding counted once when tied)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        h, kv = self.num_attention_heads, self.num_key_value_heads
+        attn = d * hd * (h + 2 * kv) + h * hd * d
+        if self.attention_bias:
+            attn += hd * (h + 2 * kv)
+        layer = attn + 3 * d * f + 2 * d
+        n = self.num_hidden_layers * layer + d
+        if include_embedding:
+            n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+        """Builds a config from a parsed HF `config.json`.
+
+        Raises:
+          ValueError: `architectures` names a model we do not support (the message lists the
+            supported ones), or the RoPE scaling type is unknown.
+        """
+        archs = hf.get("architectures") or []
+        family = hf.get("model_type")
+        if archs:
+            unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+            if unknown:
+                raise ValueError(
+                    f"unsupported architectures {unknown}; supported: "
+                    f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+            family = SUPPORTED_ARCHITECTURES[archs[0]]
+        if family not in {"qwen2", "llama", "mistral"}:
+            raise ValueError(
+                f"unsupported model_type {family!r}; supported architectures: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = hf.get("rope_scaling")
+        if rope:
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in {"default", "linear", "llama3"}:
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
+                )
+            rope = tuple(sorted({**rope, "rope_type": rope_type}.items()))
+        if family == "llama" and hf.get("attention_bias"):
+            raise ValueError("Llama with attention_bias=true (o_proj bias) is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(eos)
+        use_window = hf.get("use_sliding_window", family == "mistral")
+        kwargs = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_scaling=rope or None,
+            # Qwen2 always has q/k/v biases; Llama's flag would also add an o_proj bias.
+            attention_bias=family == "qwen2" or hf.get("attention_bias", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            sliding_window=hf.get("sliding_window") if use_window else None,
+            family=family,
+            num_labels=hf.get("num_labels", len(hf.get("id2label", {}) or {}) or 1),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self, architecture: str | None = None) -> dict[str, Any]:
+        """The HF `config.json` content for this model (`architecture` defaults to the causal LM)."""
+        model_type = self.family
+        arch = architecture or {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[
+            model_type
+        ] + "ForCausalLM"
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.resolved_head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": self.param_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id)
+            if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if model_type == "llama":
+            out["attention_bias"] = self.attention_bias
+            out["mlp_bias"] = False
+        if model_type in ("qwen2", "mistral"):
+            out["sliding_window"] = self.sliding_window
+            out["use_sliding_window"] = self.sliding_window is not None
+        if "Classification" in arch:
+            out["num_labels"] = self.num_labels
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        return out

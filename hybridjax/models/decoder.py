@@ -1,0 +1,248 @@
+"""One decoder-only transformer for the Qwen2 / Llama / Mistral families, in Flax NNX.
+
+The module tree mirrors HF's parameter names (`model.layers.3.self_attn.q_proj`, `lm_head`,
+`score`) so that checkpoint I/O is a rename plus a reshape. Every parameter carries the logical
+axis names of its dimensions in its `axes` metadata; `hybridjax.sharding` maps them to mesh axes.
+
+Logical axes: `vocab`, `embed` (model width), `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`
+(RMSNorm scales, always replicated) and `label` (classifier outputs).
+
+Two call paths share one implementation:
+  * full sequences with a padding mask and position ids (training, log-probs, values);
+  * incremental decoding against an external KV cache (`hybridjax.models.attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridjax.models.attention import attention_mask, dot_product_attention
+from hybridjax.models.config import ModelConfig, to_dtype
+
+INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+def default_positions(token_mask_BxT: jax.Array) -> jax.Array:
+    """Position ids for a (left- or right-) padded batch: 0 at each row's first valid token."""
+    return jnp.maximum(jnp.cumsum(token_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies (head_dim/2,), float32, with `linear` or `llama3` scaling applied.
+
+    llama3 scaling follows HF `_compute_llama3_parameters` (Llama 3.1 report): low frequencies
+    divided by `factor`, high ones kept, a smooth blend between.
+    """
+    d = config.resolved_head_dim
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    scaling = config.rope_scaling_dict
+    if not scaling or scaling["rope_type"] == "default":
+        return inv
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in HF's rotate-half convention (first half / second half pairs)."""
+    angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # B×T×D/2
+    cos = jnp.cos(angles)[:, :, None, :].astype(x_BxTxHxD.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x_BxTxHxD.dtype)
+    x1, x2 = jnp.split(x_BxTxHxD, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, h, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        hd = config.resolved_head_dim
+        pd = to_dtype(config.param_dtype)
+        self.q_proj = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        if config.attention_bias:
+            self.q_bias = _param(rngs, (h, hd), ("heads", "head_dim"), pd, init="zeros")
+            self.k_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.config = config
+
+    def _project(self, x, name):
+        dtype = x.dtype
+        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj").value.astype(dtype))
+        if self.config.attention_bias:
+            y = y + getattr(self, f"{name}_bias").value.astype(dtype)
+        return y
+
+    def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, inv_freq, cache=None, layer=0):
+        q = apply_rope(self._project(x_BxTxD, "q"), positions_BxT, inv_freq)
+        k = apply_rope(self._project(x_BxTxD, "k"), positions_BxT, inv_freq)
+        v = self._project(x_BxTxD, "v")
+        if cache is None:
+            mask = attention_mask(
+                positions_BxT, positions_BxT, token_mask_BxT, self.config.sliding_window
+            )
+            out = dot_product_attention(q, k, v, mask)
+        else:
+            out, cache = cache.attend(layer, q, k, v, positions_BxT, token_mask_BxT)
+        o = self.o_proj.value.astype(x_BxTxD.dtype)
+        return jnp.einsum("bthk,hkd->btd", out.astype(x_BxTxD.dtype), o), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f, pd = config.hidden_size, config.intermediate_size, to_dtype(config.param_dtype)
+        self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        gate = jax.nn.silu(x @ self.gate_proj.value.astype(dt))
+        return (gate * (x @ self.up_proj.value.astype(dt))) @ self.down_proj.value.astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        pd = to_dtype(config.param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, h, positions, token_mask, inv_freq, cache=None, layer=0):
+        a, cache = self.self_attn(
+            self.input_layernorm(h), positions, token_mask, inv_freq, cache, layer
+        )
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class Transformer(nnx.Module):
+    """The backbone (HF `model.`): embeddings, decoder layers, final norm → hidden states."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        pd = to_dtype(config.param_dtype)
+        self.config = config
+        self.embed_tokens = _param(
+            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+
+    def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None):
+        """Hidden states B×T×D in the compute dtype, and the updated cache (or None)."""
+        dtype = to_dtype(self.config.dtype)
+        h = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(dtype)
+        inv_freq = rope_frequencies(self.config)
+        token_mask_BxT = token_mask_BxT.astype(bool)
+        for i, layer in enumerate(self.layers):
+            if self.config.remat and cache is None:
+                h, _ = nnx.remat(lambda lyr, x: lyr(x, positions_BxT, token_mask_BxT, inv_freq))(
+                    layer, h
+                )
+            else:
+                h, cache = layer(h, positions_BxT, token_mask_BxT, inv_freq, cache, i)
+        return self.norm(h), cache
+
+
+class CausalLM(nnx.Module):
+    """HF `*ForCausalLM`: backbone + LM head (tied to the embedding when configured)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Transformer(config, rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs,
+                (config.hidden_size, config.vocab_size),
+                ("embed", "vocab"),
+                to_dtype(config.param_dtype),
+            )
+
+    def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+        """Logits B×T×V in float32 from hidden states."""
+        if self.config.tie_word_embeddings:
+            w = self.model.embed_tokens.value.astype(hidden_BxTxD.dtype)
+            out = jnp.einsum("btd,vd->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head.value.astype(hidden_BxTxD.dtype)
+            out = jnp.einsum("btd,dv->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+        return out.astype(jnp.float32)
+
+    def __call__(self, input_ids_BxT, attention_mask_BxT, positions_BxT=None) -> jax.Array:
+        """Full-sequence forward. Returns float32 logits B×T×V (garbage at padding positions)."""
+        if positions_BxT is None:
+            positions_BxT = default_positions(attention_mask_BxT)
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
+        return self.logits(hidden)
+
+    def decode(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache):
+        """Incremental forward against a KV cache. Returns (float32 logits B×T×V, new cache)."""
+        hidden, cache = self.model(input_ids_BxT, positions_BxT, token_mask_BxT, cache)
+        return self.logits(hidden), cache
+
+
+class SequenceClassifier(nnx.Module):
+    """HF `*ForSequenceClassification` (`score.weight`): a scalar head for critic / reward model.
+
+    `__call__` returns per-token scores B×T×num_labels (float32); the critic reads every response
+    position, the reward model the last valid token (`last_token_scores`).
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Transformer(config, rngs)
+        self.score = _param(
+            rngs,
+            (config.hidden_size, config.num_labels),
+            ("embed", "label"),
+            to_dtype(config.param_dtype),
+        )
+
+    def __call__(self, input_ids_BxT, attention_mask_BxT, positions_BxT=None) -> jax.Array:
+        if positions_BxT is None:
+            positions_BxT = default_positions(attention_mask_BxT)
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
+        w = self.score.value.astype(hidden.dtype)
+        return jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
+
+    def last_token_scores(self, input_ids_BxT, attention_mask_BxT) -> jax.Array:
+        """Scores B×num_labels at each row's last valid token (HF's pooling for padded rows)."""
+        scores = self(input_ids_BxT, attention_mask_BxT)
+        t = attention_mask_BxT.shape[1]
+        last = t - 1 - jnp.argmax(attention_mask_BxT[:, ::-1].astype(jnp.int32), axis=1)
+        return jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,142 @@
+"""The full RL trainer configuration: every key, its default, and verl's name for it.
+
+`base_config()` is the schema: a config file starts from it and changes values, and
+`hybridjax.trainer.validate` rejects any key that is not here. Key names follow verl's
+`ppo_trainer.yaml` (`data.*`, `actor_rollout_ref.{model,actor,ref,rollout}.*`, `critic.*`,
+`reward_model.*`, `custom_reward_function.*`, `algorithm.*`, `trainer.*`), plus `mesh.*` for the
+two device layouts of the hybrid engine. Empty strings mean "not set" (ConfigDict fields keep
+their type, so `None` defaults would break `--config.a.b=x` overrides).
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+
+def _optim(lr: float) -> ConfigDict:
+    return ConfigDict(
+        dict(
+            lr=lr,
+            lr_warmup_steps=-1,  # -1: use lr_warmup_steps_ratio
+            lr_warmup_steps_ratio=0.0,
+            warmup_style="constant",  # constant | cosine
+            min_lr_ratio=0.0,
+            weight_decay=0.01,
+            betas=(0.9, 0.999),
+            total_training_steps=-1,  # -1: filled from the trainer's step count
+        )
+    )
+
+
+def base_config() -> ConfigDict:
+    """Every trainer key with its default (verl's defaults where verl has the key)."""
+    c = ConfigDict()
+    c.data = dict(
+        train_files="",
+        val_files="",
+        tokenizer="",  # tokenizer.json path; "" = the model path's tokenizer
+        prompt_key="prompt",
+        max_prompt_length=512,
+        max_response_length=512,
+        train_batch_size=1024,
+        val_batch_size=-1,  # -1: the whole validation set in batches of train_batch_size
+        truncation="error",
+        filter_overlong_prompts=False,
+        shuffle=True,
+        seed=1,
+        val_max_samples=-1,  # -1: every validation row
+    )
+    c.actor_rollout_ref = dict(
+        model=dict(
+            path="",  # HF checkpoint dir; "" = random init from override_config
+            override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
+            enable_gradient_checkpointing=False,
+            dtype="float32",  # compute dtype of training matmuls
+        ),
+        actor=dict(
+            ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
+            ppo_micro_batch_size_per_gpu=8,  # in responses, per data-parallel shard
+            ppo_epochs=1,
+            shuffle=False,
+            grad_clip=1.0,
+            clip_ratio=0.2,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            clip_ratio_c=3.0,
+            loss_agg_mode="token-mean",
+            policy_loss=dict(loss_mode="vanilla"),
+            entropy_coeff=0.0,
+            use_kl_loss=False,
+            kl_loss_coef=0.001,
+            kl_loss_type="low_var_kl",
+            optim=_optim(1e-6),
+        ),
+        ref=dict(log_prob_micro_batch_size_per_gpu=16),
+        rollout=dict(
+            name="hybridjax",
+            n=1,
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            do_sample=True,
+            prompt_length=512,
+            response_length=512,
+            dtype="float32",  # generation-layout dtype (update_weights casts to it)
+            gpu_memory_utilization=0.5,
+            num_pages=-1,  # -1: sized from gpu_memory_utilization
+            page_size=16,
+            max_num_seqs=256,
+            log_prob_micro_batch_size_per_gpu=16,
+            val_kwargs=dict(n=1, temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
+        ),
+    )
+    c.critic = dict(
+        enable=False,
+        model=dict(path="", override_config=ConfigDict()),
+        ppo_mini_batch_size=256,
+        ppo_micro_batch_size_per_gpu=8,
+        ppo_epochs=1,
+        grad_clip=1.0,
+        cliprange_value=0.5,
+        loss_agg_mode="token-mean",
+        optim=_optim(1e-5),
+    )
+    c.reward_model = dict(
+        enable=False,
+        model=dict(path=""),
+        micro_batch_size_per_gpu=16,
+        reward_manager="naive",
+    )
+    c.custom_reward_function = dict(path="", name="compute_score")
+    c.algorithm = dict(
+        adv_estimator="gae",
+        gamma=1.0,
+        lam=1.0,
+        norm_adv_by_std_in_grpo=True,
+        use_kl_in_reward=False,
+        kl_penalty="kl",
+        kl_ctrl=dict(type="fixed", kl_coef=0.001, horizon=10000, target_kl=0.1),
+    )
+    c.trainer = dict(
+        project_name="hybridjax",
+        experiment_name="run",
+        logger=("console", "jsonl", "tensorboard"),
+        total_epochs=1,
+        total_training_steps=-1,  # -1: total_epochs × batches per epoch
+        seed=0,
+        save_freq=-1,  # -1: only at the end and on SIGTERM/SIGINT
+        test_freq=-1,  # -1: no periodic validation
+        val_before_train=False,
+        critic_warmup=0,
+        default_local_dir="checkpoints/hybridjax/run",
+        resume_mode="auto",  # auto | disable | a checkpoint path
+        max_actor_ckpt_to_keep=2,
+        max_consecutive_nan_steps=3,
+        peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
+        progress_bar=True,
+    )
+    c.mesh = dict(
+        train=dict(data=-1, fsdp=1, tensor=1),
+        generate=dict(data=-1, tensor=1),
+    )
+    return c

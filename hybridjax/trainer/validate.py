@@ -1,0 +1,269 @@
+"""Start-of-run config validation: every problem found, reported in one message.
+
+Checks, in order: unknown keys (against `base_config()`), value types, ranges and choices,
+divisibility of the batch sizes, and lengths. Registries (advantage estimators, policy losses)
+are asked for their valid names, so the check never disagrees with what the step can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from hybridjax.models.config import ModelConfig
+from hybridjax.trainer.config import base_config
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+WARMUP_STYLES = ("constant", "cosine")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+class ConfigError(ValueError):
+    """A config has problems; the message lists each one as `key: problem (value)`."""
+
+
+def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ConfigDict | dict) and not key == "override_config":
+            yield from _walk(ConfigDict(value) if isinstance(value, dict) else value, path + ".")
+        else:
+            yield path, value
+
+
+def _get(cfg: ConfigDict, path: str) -> Any:
+    for part in path.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def _type_problem(key: str, value: Any, default: Any) -> str | None:
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif isinstance(default, tuple | list):
+        ok = isinstance(value, tuple | list)
+    else:
+        ok = isinstance(value, type(default))
+    if ok:
+        return None
+    return f"{key}: expected {type(default).__name__}, got {type(value).__name__} ({value!r})"
+
+
+def _schema_problems(cfg: ConfigDict) -> list[str]:
+    schema = dict(_walk(base_config()))
+    problems = []
+    for key, value in _walk(cfg):
+        if key not in schema:
+            problems.append(f"{key}: unknown key ({value!r})")
+            continue
+        if key.endswith("override_config"):
+            unknown = sorted(set(dict(value)) - MODEL_FIELDS)
+            if unknown:
+                problems.append(f"{key}: unknown model fields {unknown}")
+            continue
+        problem = _type_problem(key, value, schema[key])
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _registry_names(module: str, attr: str) -> tuple[str, ...] | None:
+    """Valid names from a registry, or None when that registry is not importable."""
+    try:
+        mod = __import__(module, fromlist=[attr])
+        reg = getattr(mod, attr)
+    except (ImportError, AttributeError):
+        return None
+    return tuple(sorted(reg() if callable(reg) else reg))
+
+
+def _range_rules(c: ConfigDict, n_devices: int) -> list[tuple[str, Callable[[Any], bool], str]]:
+    a = c.actor_rollout_ref
+    positive = lambda v: v > 0
+    rules = [
+        ("data.train_batch_size", positive, "must be > 0"),
+        ("data.max_prompt_length", positive, "must be > 0"),
+        ("data.max_response_length", positive, "must be > 0"),
+        ("data.truncation", lambda v: v in TRUNCATIONS, f"must be one of {TRUNCATIONS}"),
+        ("data.train_files", lambda v: bool(v), "must name at least one parquet file"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.ppo_epochs", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.grad_clip", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.clip_ratio_low", lambda v: 0 < v < 1, "must be in (0, 1)"),
+        ("actor_rollout_ref.actor.clip_ratio_high", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.clip_ratio_c", lambda v: v > 1, "must be > 1"),
+        ("actor_rollout_ref.actor.entropy_coeff", lambda v: v >= 0, "must be >= 0"),
+        ("actor_rollout_ref.actor.kl_loss_coef", lambda v: v >= 0, "must be >= 0"),
+        ("actor_rollout_ref.actor.kl_loss_type", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
+        ("actor_rollout_ref.rollout.n", positive, "must be > 0"),
+        ("actor_rollout_ref.rollout.temperature", lambda v: v >= 0, "must be >= 0"),
+        ("actor_rollout_ref.rollout.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        ("actor_rollout_ref.rollout.page_size", positive, "must be > 0"),
+        (
+            "actor_rollout_ref.rollout.gpu_memory_utilization",
+            lambda v: 0 < v <= 1,
+            "must be in (0, 1]",
+        ),
+        ("critic.ppo_micro_batch_size_per_gpu", positive, "must be > 0"),
+        ("critic.ppo_mini_batch_size", positive, "must be > 0"),
+        ("critic.ppo_epochs", positive, "must be > 0"),
+        ("critic.grad_clip", positive, "must be > 0"),
+        ("critic.cliprange_value", positive, "must be > 0"),
+        ("algorithm.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+        ("algorithm.lam", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+        ("algorithm.kl_ctrl.type", lambda v: v in ("fixed", "adaptive"), "fixed or adaptive"),
+        ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, "must be >= 0"),
+        ("algorithm.kl_penalty", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
+        ("trainer.total_epochs", positive, "must be > 0"),
+        ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
+        ("trainer.max_consecutive_nan_steps", positive, "must be > 0"),
+        ("trainer.critic_warmup", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.peak_flops", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+        ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+        ("trainer.test_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+    ]
+    for role in ("actor_rollout_ref.actor", "critic"):
+        rules += [
+            (f"{role}.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"one of {LOSS_AGG_MODES}"),
+            (f"{role}.optim.lr", lambda v: v >= 0, "must be >= 0"),
+            (f"{role}.optim.weight_decay", lambda v: v >= 0, "must be >= 0"),
+            (f"{role}.optim.warmup_style", lambda v: v in WARMUP_STYLES, f"one of {WARMUP_STYLES}"),
+            (f"{role}.optim.lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+            (f"{role}.optim.min_lr_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+        ]
+    for name, attr, key in (
+        ("hybridjax.algorithms", "adv_estimator_names", "algorithm.adv_estimator"),
+        (
+            "hybridjax.algorithms",
+            "policy_loss_names",
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+        ),
+    ):
+        names = _registry_names(name, attr)
+        if names is not None:
+            rules.append((key, lambda v, names=names: v in names, f"one of {list(names)}"))
+    del a, n_devices
+    return rules
+
+
+def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
+    a, d = c.actor_rollout_ref, c.data
+    n = a.rollout.n
+    problems = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    mini, bsz = a.actor.ppo_mini_batch_size, d.train_batch_size
+    need(
+        mini <= 0 or bsz % mini == 0,
+        f"data.train_batch_size ({bsz}) must be divisible by "
+        f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini})",
+    )
+    cmini = c.critic.ppo_mini_batch_size
+    need(
+        cmini <= 0 or bsz % cmini == 0,
+        f"data.train_batch_size ({bsz}) must be divisible by critic.ppo_mini_batch_size ({cmini})",
+    )
+    dp = _data_parallel_size(c, n_devices)
+    for role, mb, micro in (
+        ("actor_rollout_ref.actor", mini, a.actor.ppo_micro_batch_size_per_gpu),
+        ("critic", cmini, c.critic.ppo_micro_batch_size_per_gpu),
+    ):
+        if mb > 0 and micro > 0 and dp > 0:
+            need(
+                (mb * n) % (micro * dp) == 0,
+                f"{role}.ppo_mini_batch_size × rollout.n ({mb} × {n} = {mb * n} responses) must "
+                f"be divisible by {role}.ppo_micro_batch_size_per_gpu × data-parallel size "
+                f"({micro} × {dp} = {micro * dp})",
+            )
+    need(
+        a.rollout.prompt_length == d.max_prompt_length,
+        f"actor_rollout_ref.rollout.prompt_length ({a.rollout.prompt_length}) must equal "
+        f"data.max_prompt_length ({d.max_prompt_length})",
+    )
+    need(
+        a.rollout.response_length == d.max_response_length,
+        f"actor_rollout_ref.rollout.response_length ({a.rollout.response_length}) must equal "
+        f"data.max_response_length ({d.max_response_length})",
+    )
+    override = dict(a.model.override_config)
+    max_pos = override.get("max_position_embeddings")
+    total = d.max_prompt_length + d.max_response_length
+    need(
+        max_pos is None or total <= max_pos,
+        f"data.max_prompt_length + data.max_response_length ({total}) exceeds "
+        f"actor_rollout_ref.model.override_config.max_position_embeddings ({max_pos})",
+    )
+    need(
+        bool(a.model.path) or bool(override),
+        "actor_rollout_ref.model.path is empty and actor_rollout_ref.model.override_config "
+        "is empty: give a checkpoint or the shape of a random model",
+    )
+    gen_dp = _mesh_product(c.mesh.generate, n_devices)
+    for mesh_name, size in (("mesh.train", dp), ("mesh.generate", gen_dp)):
+        need(size > 0, f"{mesh_name} axis sizes do not multiply to the {n_devices} devices")
+    if dp > 0:
+        need(
+            (bsz * n) % dp == 0,
+            f"data.train_batch_size × rollout.n ({bsz * n}) must be divisible by the "
+            f"data-parallel size {dp} (mesh.train.data × mesh.train.fsdp)",
+        )
+    return problems
+
+
+def _mesh_product(axes: ConfigDict, n_devices: int) -> int:
+    """The size of the first (data) axis once -1 is resolved; 0 if the sizes do not fit."""
+    sizes = list(axes.values())
+    fixed = math.prod(s for s in sizes if s != -1)
+    free = sizes.count(-1)
+    if free > 1 or fixed <= 0 or n_devices % fixed:
+        return 0
+    resolved = [n_devices // fixed if s == -1 else s for s in sizes]
+    if math.prod(resolved) != n_devices:
+        return 0
+    return resolved[0]
+
+
+def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
+    """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
+    data = _mesh_product(c.mesh.train, n_devices)
+    return data * c.mesh.train.fsdp if data else 0
+
+
+def validate(cfg: ConfigDict, n_devices: int) -> None:
+    """Checks `cfg` against the schema and the rules above for a run on `n_devices` devices.
+
+    Raises:
+      ConfigError: listing every problem, one per line, each naming its key and value.
+    """
+    problems = _schema_problems(cfg)
+    if not problems:  # ranges and structure assume well-typed values
+        for key, ok, why in _range_rules(cfg, n_devices):
+            value = _get(cfg, key)
+            if not ok(value):
+                problems.append(f"{key}: {why} (got {value!r})")
+        problems += _structure_problems(cfg, n_devices)
+    if problems:
+        raise ConfigError(
+            f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
+            + "\n  ".join(problems)
+        )

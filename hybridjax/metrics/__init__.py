@@ -1,1 +1,15 @@
-"""hybridjax.metrics."""
+"""Step metrics with verl's names, FLOP counting for MFU, and the console/JSONL/TensorBoard sinks."""
+
+from hybridjax.metrics.batch import compute_data_metrics
+from hybridjax.metrics.flops import matmul_params, measure_peak_flops, training_flops
+from hybridjax.metrics.tracking import LOGGERS, Tracking, console_line
+
+__all__ = [
+    "LOGGERS",
+    "Tracking",
+    "compute_data_metrics",
+    "console_line",
+    "matmul_params",
+    "measure_peak_flops",
+    "training_flops",
+]

@@ -1,0 +1,238 @@
+"""Advantage estimators: one registry, one signature.
+
+Every estimator is called as::
+
+    advantages_BxT, returns_BxT = estimator(
+        token_level_rewards_BxT, response_mask_BxT,
+        values_BxT=..., reward_baselines_B=..., group_size=n, config=algorithm_config)
+
+* `token_level_rewards_BxT` float32: the reward of each response token (KL penalty already
+  applied when `algorithm.use_kl_in_reward`); outcome estimators use the per-row sum over valid
+  tokens as the response's score.
+* `response_mask_BxT` 0/1: valid response tokens. Rows may have no valid token at all.
+* `values_BxT` (critic values, `gae` only) and `reward_baselines_B` (greedy-rollout scores,
+  `remax` only) are None when the stage that fills them did not run; an estimator that needs one
+  raises ValueError naming it (at trace time: no host sync).
+* `group_size` (static int, `rollout.n`): the n responses to one prompt are contiguous rows, so
+  group statistics are a reshape to (B/n, n). B must be a multiple of n.
+* `config`: the frozen `AlgorithmConfig` (`gamma`, `lam`, `norm_adv_by_std_in_grpo`, ...).
+
+Both outputs are 0 outside the response mask. Shapes are static; every estimator is jittable
+(pass `group_size` and `config` as static / closed-over values).
+
+Adding an estimator: write one function with this signature in any module, decorate it with
+`@register_adv_est("name")`, add a test, select it with `algorithm.adv_estimator=name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from hybridjax.algorithms.masked import masked_sum, masked_whiten
+from hybridjax.algorithms.registry import Registry
+
+if TYPE_CHECKING:
+    from hybridjax.algorithms.config import AlgorithmConfig
+
+GRPO_EPS = 1e-6  # added to the group std, as verl
+
+AdvantageEstimator = Callable[..., tuple[jax.Array, jax.Array]]
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+register_adv_est = ADV_ESTIMATORS.register
+get_adv_estimator_fn = ADV_ESTIMATORS.get
+
+
+def compute_advantage(
+    token_level_rewards_BxT: jax.Array,
+    response_mask_BxT: jax.Array,
+    *,
+    config: AlgorithmConfig,
+    group_size: int = 1,
+    values_BxT: jax.Array | None = None,
+    reward_baselines_B: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the estimator named by `config.adv_estimator`; returns (advantages, returns), B×T."""
+    estimator = get_adv_estimator_fn(config.adv_estimator)
+    return estimator(
+        token_level_rewards_BxT,
+        response_mask_BxT,
+        values_BxT=values_BxT,
+        reward_baselines_B=reward_baselines_B,
+        group_size=group_size,
+        config=config,
+    )
+
+
+def _require(value: jax.Array | None, name: str, estimator: str) -> jax.Array:
+    if value is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs {name}, which is missing")
+    return value
+
+
+def _group_view(scores_B: jax.Array, group_size: int) -> jax.Array:
+    """(B,) → (B/n, n); raises ValueError if B is not a multiple of n."""
+    (batch,) = scores_B.shape
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"batch size {batch} is not a multiple of group_size {group_size}")
+    return scores_B.reshape(batch // group_size, group_size)
+
+
+def response_scores(token_level_rewards_BxT: jax.Array, response_mask_BxT: jax.Array) -> jax.Array:
+    """Per-response score (B,): the sum of token rewards over valid tokens."""
+    return masked_sum(token_level_rewards_BxT, response_mask_BxT, axis=-1)
+
+
+def _broadcast(advantage_B: jax.Array, response_mask_BxT: jax.Array) -> jax.Array:
+    return advantage_B[:, None] * response_mask_BxT.astype(advantage_B.dtype)
+
+
+def discounted_returns(
+    token_level_rewards_BxT: jax.Array, response_mask_BxT: jax.Array, gamma: float
+) -> jax.Array:
+    """Return-to-go G_t = r_t + γ·G_next, walking backwards over valid tokens only (B×T).
+
+    Masked positions are skipped (they neither add reward nor discount) and come back as 0.
+    verl's REINFORCE++ resets the running return at every masked position instead; the two
+    agree on right-padded responses and differ only for masks with holes (multi-turn).
+    """
+    mask_TxB = response_mask_BxT.T.astype(jnp.float32)
+    rewards_TxB = jnp.where(mask_TxB > 0, token_level_rewards_BxT.T, 0.0)
+
+    def step(running_B, inputs):
+        reward_B, mask_B = inputs
+        running_B = jnp.where(mask_B > 0, reward_B + gamma * running_B, running_B)
+        return running_B, running_B * mask_B
+
+    _, returns_TxB = jax.lax.scan(
+        step, jnp.zeros(rewards_TxB.shape[1], jnp.float32), (rewards_TxB, mask_TxB), reverse=True
+    )
+    return returns_TxB.T
+
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(
+    token_level_rewards_BxT, response_mask_BxT, *, values_BxT, config, **_
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438).
+
+    δ_t = r_t + γ·V_next − V_t and A_t = δ_t + γλ·A_next, walking backwards over valid tokens
+    only: a masked position neither bootstraps its value nor breaks the chain (verl's
+    `compute_gae_advantage_return`). returns = A + V (before whitening); advantages are whitened
+    over all valid tokens of the batch. Needs `values_BxT`.
+    """
+    values_BxT = _require(values_BxT, "values_BxT", "gae")
+    gamma, lam = config.gamma, config.lam
+    mask_TxB = response_mask_BxT.T.astype(jnp.float32)
+    rewards_TxB = jnp.where(mask_TxB > 0, token_level_rewards_BxT.T, 0.0)
+    values_TxB = jnp.where(mask_TxB > 0, values_BxT.T, 0.0)
+
+    def step(carry, inputs):
+        next_value_B, last_gae_B = carry
+        reward_B, value_B, mask_B = inputs
+        delta_B = reward_B + gamma * next_value_B - value_B
+        gae_B = delta_B + gamma * lam * last_gae_B
+        valid_B = mask_B > 0
+        next_value_B = jnp.where(valid_B, value_B, next_value_B)
+        last_gae_B = jnp.where(valid_B, gae_B, last_gae_B)
+        return (next_value_B, last_gae_B), gae_B * mask_B
+
+    zeros_B = jnp.zeros(rewards_TxB.shape[1], jnp.float32)
+    _, advantages_TxB = jax.lax.scan(
+        step, (zeros_B, zeros_B), (rewards_TxB, values_TxB, mask_TxB), reverse=True
+    )
+    advantages_BxT = advantages_TxB.T
+    returns_BxT = (advantages_BxT + values_TxB.T) * mask_TxB.T
+    return masked_whiten(advantages_BxT, response_mask_BxT), returns_BxT
+
+
+@register_adv_est("grpo")
+def compute_grpo_outcome_advantage(
+    token_level_rewards_BxT, response_mask_BxT, *, group_size, config, **_
+) -> tuple[jax.Array, jax.Array]:
+    """GRPO (Shao et al. 2024, arXiv:2402.03300): A = (s − mean_group) / (std_group + 1e-6).
+
+    std is the unbiased (n−1) standard deviation. With `norm_adv_by_std_in_grpo=False` the
+    division is skipped (Dr.GRPO, arXiv:2503.20783). A singleton group (n=1) uses mean 0, std 1,
+    as verl. An all-equal group gives 0 everywhere. Returns = advantages.
+    """
+    scores_GxN = _group_view(
+        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
+    )
+    if group_size == 1:
+        mean_Gx1, std_Gx1 = jnp.zeros_like(scores_GxN), jnp.ones_like(scores_GxN)
+    else:
+        mean_Gx1 = jnp.mean(scores_GxN, axis=1, keepdims=True)
+        std_Gx1 = jnp.std(scores_GxN, axis=1, keepdims=True, ddof=1)
+    advantage_GxN = scores_GxN - mean_Gx1
+    if config.norm_adv_by_std_in_grpo:
+        advantage_GxN = advantage_GxN / (std_Gx1 + GRPO_EPS)
+    advantages_BxT = _broadcast(advantage_GxN.reshape(-1), response_mask_BxT)
+    return advantages_BxT, advantages_BxT
+
+
+@register_adv_est("rloo")
+def compute_rloo_outcome_advantage(
+    token_level_rewards_BxT, response_mask_BxT, *, group_size, **_
+) -> tuple[jax.Array, jax.Array]:
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = s_i − mean_{j≠i} s_j.
+
+    Computed as n/(n−1)·(s_i − mean_group). A singleton group keeps its raw score. Returns =
+    advantages.
+    """
+    scores_GxN = _group_view(
+        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
+    )
+    if group_size == 1:
+        advantage_GxN = scores_GxN
+    else:
+        mean_Gx1 = jnp.mean(scores_GxN, axis=1, keepdims=True)
+        advantage_GxN = (scores_GxN - mean_Gx1) * group_size / (group_size - 1)
+    advantages_BxT = _broadcast(advantage_GxN.reshape(-1), response_mask_BxT)
+    return advantages_BxT, advantages_BxT
+
+
+@register_adv_est("reinforce_plus_plus")
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards_BxT, response_mask_BxT, *, config, **_
+) -> tuple[jax.Array, jax.Array]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): γ-discounted return-to-go, whitened over the
+    valid tokens of the batch. Returns are the un-whitened returns-to-go.
+    """
+    returns_BxT = discounted_returns(token_level_rewards_BxT, response_mask_BxT, config.gamma)
+    return masked_whiten(returns_BxT, response_mask_BxT), returns_BxT
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards_BxT, response_mask_BxT, *, group_size, **_
+) -> tuple[jax.Array, jax.Array]:
+    """REINFORCE++-baseline (arXiv:2501.03262): s − mean_group broadcast over the response,
+    then whitened over the valid tokens of the batch. A singleton group uses mean 0 (verl).
+    Returns = advantages.
+    """
+    scores_GxN = _group_view(
+        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
+    )
+    if group_size > 1:
+        scores_GxN = scores_GxN - jnp.mean(scores_GxN, axis=1, keepdims=True)
+    advantages_BxT = _broadcast(scores_GxN.reshape(-1), response_mask_BxT)
+    advantages_BxT = masked_whiten(advantages_BxT, response_mask_BxT)
+    return advantages_BxT, advantages_BxT
+
+
+@register_adv_est("remax")
+def compute_remax_outcome_advantage(
+    token_level_rewards_BxT, response_mask_BxT, *, reward_baselines_B, **_
+) -> tuple[jax.Array, jax.Array]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): A_t = G_t − b, with G_t the undiscounted
+    return-to-go and b the score of a greedy rollout of the same prompt (`reward_baselines_B`).
+    Returns are G_t.
+    """
+    baselines_B = _require(reward_baselines_B, "reward_baselines_B", "remax")
+    returns_BxT = discounted_returns(token_level_rewards_BxT, response_mask_BxT, 1.0)
+    advantages_BxT = returns_BxT - _broadcast(baselines_B, response_mask_BxT)
+    return advantages_BxT, returns_BxT

@@ -1,0 +1,118 @@
+"""Start-of-run checks that the meshes, batch sizes and models fit together.
+
+Every problem is collected and reported in ONE `ValueError`, each line naming the config keys and
+their values, e.g.
+
+    data.train_batch_size × actor_rollout_ref.rollout.n = 6 × 1 = 6 is not divisible by the
+    training data-parallel size mesh.train.data × mesh.train.fsdp = 1 × 4 = 4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridjax.models.config import ModelConfig
+from hybridjax.sharding.mesh import GENERATE_AXES, TRAIN_AXES, MeshConfig, resolve_sizes
+
+# (batch-size key, which data-parallel size must divide key × rollout.n). Counted in prompts,
+# as in verl; a key absent from the config is skipped.
+BATCH_KEYS: tuple[tuple[str, str], ...] = (
+    ("data.train_batch_size", "train"),
+    ("data.train_batch_size", "generate"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", "train"),
+    ("critic.ppo_mini_batch_size", "train"),
+)
+
+
+def _get(config: Any, key: str) -> Any:
+    """`config["a"]["b"]` for `key="a.b"`, or None when any part is missing."""
+    node = config
+    for part in key.split("."):
+        if node is None or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _mesh_problems(mesh: MeshConfig, num_devices: int) -> tuple[list[str], dict, dict]:
+    problems, resolved = [], {}
+    for layout, sizes, names in (
+        ("train", mesh.train, TRAIN_AXES),
+        ("generate", mesh.generate, GENERATE_AXES),
+    ):
+        try:
+            resolved[layout] = dict(zip(names, resolve_sizes(sizes, num_devices), strict=True))
+        except ValueError:
+            given = ", ".join(f"mesh.{layout}.{a}={s}" for a, s in zip(names, sizes, strict=True))
+            problems.append(f"{given}: must multiply to the {num_devices} devices (at most one -1)")
+    return problems, resolved.get("train"), resolved.get("generate")
+
+
+def parallelism_problems(
+    config: Any, num_devices: int, model_configs: Mapping[str, ModelConfig] | None = None
+) -> list[str]:
+    """Every mesh / batch / head-count problem of `config` for `num_devices` devices.
+
+    Args:
+      config: ConfigDict (or nested dict) with `mesh.train`, `mesh.generate` and verl's batch keys
+        (`data.train_batch_size`, `actor_rollout_ref.rollout.n`, `...actor.ppo_mini_batch_size`,
+        `critic.ppo_mini_batch_size` — the critic's only when `critic.enable` is true).
+      num_devices: devices of the run (`jax.device_count()`, all processes).
+      model_configs: config key of each model → its ModelConfig, e.g.
+        `{"actor_rollout_ref.model": actor_cfg, "critic.model": critic_cfg}`.
+
+    Returns:
+      One line per problem, naming keys and values; empty when everything fits.
+    """
+    problems, train, generate = _mesh_problems(MeshConfig.from_config(config), num_devices)
+    n = _get(config, "actor_rollout_ref.rollout.n") or 1
+    dp = {}
+    if train:
+        dp["train"] = (
+            train["data"] * train["fsdp"],
+            f"training data-parallel size mesh.train.data × mesh.train.fsdp = "
+            f"{train['data']} × {train['fsdp']} = {train['data'] * train['fsdp']}",
+        )
+    if generate:
+        dp["generate"] = (
+            generate["data"],
+            f"generation data-parallel size mesh.generate.data = {generate['data']}",
+        )
+    for key, layout in BATCH_KEYS:
+        value = _get(config, key)
+        if value is None or layout not in dp:
+            continue
+        if key.startswith("critic.") and not _get(config, "critic.enable"):
+            continue
+        size, what = dp[layout]
+        if (value * n) % size:
+            problems.append(
+                f"{key} × actor_rollout_ref.rollout.n = {value} × {n} = {value * n} "
+                f"is not divisible by the {what}"
+            )
+    for model_key, model in (model_configs or {}).items():
+        for layout, sizes in (("train", train), ("generate", generate)):
+            if not sizes:
+                continue
+            tensor = sizes["tensor"]
+            for field in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(model, field)
+                if heads % tensor:
+                    problems.append(
+                        f"{model_key}.{field} = {heads} is not divisible by "
+                        f"mesh.{layout}.tensor = {tensor}"
+                    )
+    return problems
+
+
+def check_parallelism(
+    config: Any, num_devices: int, model_configs: Mapping[str, ModelConfig] | None = None
+) -> None:
+    """Raises ONE ValueError listing every `parallelism_problems` line; returns None if none."""
+    problems = parallelism_problems(config, num_devices, model_configs)
+    if problems:
+        raise ValueError(
+            f"invalid parallel layout for {num_devices} devices "
+            f"({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(problems)
+        )

@@ -1,0 +1,134 @@
+"""The trainer's entry point: `generate(engine, prompt_ids, sampling_params) -> RolloutOutput`.
+
+Continuous batching: requests wait in a queue; whenever slots are free (and the pool holds the
+prompt's group) prompts are prefilled, several per call, and their samples inserted; the decode
+loop returns to the host after `decode_steps_per_call` steps or as soon as enough slots finished
+to refill them. `continuous=False` runs the same engine as static batches (refill only once every
+slot finished), the baseline of the benchmark.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridjax.rollout.config import SamplingParams
+from hybridjax.rollout.engine import Engine, Prefix, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOutput:
+    """Responses of a batch, the `n` samples of each prompt contiguous (row = prompt·n + sample).
+
+    responses: (B·n)×R int32, right-padded with `pad_token_id`; R = max max_tokens.
+    response_mask: (B·n)×R int32, 1 on generated tokens (the stop token included).
+    rollout_log_probs: (B·n)×R float32, log-prob of each token under the distribution it was
+      sampled from (see `hybridjax.rollout.sampling`), 0 on padding.
+    finish_reason: per row, "stop" (EOS or a stop id) or "length" (max_tokens).
+    """
+
+    responses: np.ndarray
+    response_mask: np.ndarray
+    rollout_log_probs: np.ndarray
+    finish_reason: tuple[str, ...]
+
+
+def _prompts(prompt_ids, attention_mask) -> list[tuple[int, ...]]:
+    """Token-id tuples from a list of lists or a (left-)padded B×T array with its mask."""
+    if isinstance(prompt_ids, np.ndarray) or hasattr(prompt_ids, "shape"):
+        ids = np.asarray(prompt_ids)
+        mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask)
+        return [
+            tuple(int(t) for t in row[m.astype(bool)]) for row, m in zip(ids, mask, strict=True)
+        ]
+    return [tuple(int(t) for t in p) for p in prompt_ids]
+
+
+def generate(
+    engine: Engine,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    sampling_params: SamplingParams | Sequence[SamplingParams],
+    attention_mask: np.ndarray | None = None,
+    pad_token_id: int = 0,
+    continuous: bool = True,
+) -> RolloutOutput:
+    """Samples `n` responses per prompt with continuous batching.
+
+    Args:
+      engine: an idle `Engine` (no active slots); it is idle again on return, every page free.
+      prompt_ids: list of token-id lists, or a B×T array (left padding allowed) with
+        `attention_mask` (1 on tokens; None: every position is a token).
+      sampling_params: one for all prompts or one per prompt (prompt j uses request index j).
+      pad_token_id: fills responses past their end.
+      continuous: False refills only when every slot finished (static batching).
+    Raises:
+      ValueError: a prompt can never be served (too long, or its group needs more pages than
+        the pool has), before any work is done.
+    """
+    prompts = _prompts(prompt_ids, attention_mask)
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+    requests = [
+        Request(p, sp, j) for j, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
+    ]
+    for r in requests:
+        engine.check_request(r)
+    if engine.num_active:
+        raise RuntimeError("generate() needs an idle engine")
+
+    first_row = np.cumsum([0] + [r.params.n for r in requests])
+    width = max((r.params.max_tokens for r in requests), default=1)
+    tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
+    log_probs: list[list[float]] = [[] for _ in range(first_row[-1])]
+    reasons = ["length"] * int(first_row[-1])
+    queue = collections.deque(requests)
+    waiting: collections.deque[Prefix] = collections.deque()
+    owner: dict[int, int] = {}  # slot -> output row
+    steps = engine.config.decode_steps_per_call
+    refill_batch = max(1, engine.config.max_num_seqs // 4)
+
+    while queue or waiting or owner:
+        if continuous or not owner:
+            free = engine.free_slots
+            capacity = len(free) - sum(p.samples_left for p in waiting)
+            admitted = []
+            while queue and capacity > 0 and engine.can_prefill(queue[0]):
+                admitted.append(queue.popleft())
+                capacity -= admitted[-1].params.n
+            waiting.extend(engine.prefill(admitted))
+            for slot in free:
+                if not waiting:
+                    break
+                prefix = waiting[0]
+                owner[slot] = first_row[prefix.request.index] + prefix.next_sample
+                engine.insert(prefix, slot)
+                if prefix.samples_left == 0:
+                    waiting.popleft()
+        if not owner:
+            raise RuntimeError("no request could be admitted; the page pool is too small")
+        pending = len(queue) + sum(p.samples_left for p in waiting)
+        exit_when = min(pending, refill_batch) if (continuous and pending) else None
+        out = engine.generate(steps, exit_when_done=exit_when)
+        for slot, row in list(owner.items()):
+            valid = out.tokens[slot] >= 0
+            tokens[row].extend(out.tokens[slot, valid].tolist())
+            log_probs[row].extend(out.log_probs[slot, valid].tolist())
+            if out.finished[slot]:
+                reasons[row] = "stop" if out.stopped[slot] else "length"
+                engine.free_resource(slot)
+                del owner[slot]
+
+    rows = len(tokens)
+    responses = np.full((rows, width), pad_token_id, np.int32)
+    mask = np.zeros((rows, width), np.int32)
+    lps = np.zeros((rows, width), np.float32)
+    for i, (t, lp) in enumerate(zip(tokens, log_probs, strict=True)):
+        responses[i, : len(t)] = t
+        mask[i, : len(t)] = 1
+        lps[i, : len(lp)] = lp
+    return RolloutOutput(responses, mask, lps, tuple(reasons))

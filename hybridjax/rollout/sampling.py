@@ -1,0 +1,70 @@
+"""Token sampling with per-row parameters, and the log-probability of the sampled token.
+
+Order (as vLLM and HF): temperature, then top-k, then top-p on the top-k-renormalised
+distribution. The returned log-prob is that of the distribution actually sampled from:
+
+  * no top-k/top-p: log_softmax(logits / T)[token], exactly what the trainer computes with the
+    rollout temperature applied;
+  * with top-k/top-p: log-prob under the truncated distribution renormalised over the kept
+    tokens, i.e. the trainer's value minus log(kept probability mass) (>= the trainer's);
+  * greedy rows (T = 0): log_softmax(logits)[argmax] (temperature 1), what a trainer with T = 1
+    computes for the same token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k / top-p set to -inf (k <= 0 or p >= 1: off).
+
+    Ties at the threshold are all kept. Cost: a full sort of each row (B × V log V).
+    """
+    v = scaled_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)
+    rank = jnp.arange(v)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
+    in_top_k = rank[None, :] < k_B[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_BxV, NEG_INF), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & ((mass_before < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold_B = jnp.take_along_axis(sorted_BxV, (num_kept - 1)[:, None], axis=-1)
+    return jnp.where(scaled_BxV >= threshold_B, scaled_BxV, NEG_INF)
+
+
+def sample_tokens(
+    logits_BxV: jax.Array,
+    keys_Bx2: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
+    use_filter: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob (see the module docstring).
+
+    Args:
+      logits_BxV: float32 logits. keys_Bx2: one raw uint32 PRNG key per row.
+      temperature_B: float32, 0 for greedy. top_k_B: int32. top_p_B: float32.
+      use_filter: static; False skips top-k/top-p entirely (no sort).
+    Returns:
+      tokens_B int32, log_probs_B float32.
+    """
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    greedy_B = temperature_B <= 0.0
+    t_B = jnp.where(greedy_B, 1.0, temperature_B)
+    scaled_BxV = logits_BxV / t_B[:, None]
+    if use_filter:
+        # Greedy rows keep their full distribution (their log-prob is at T = 1, untruncated).
+        top_k_B = jnp.where(greedy_B, -1, top_k_B)
+        top_p_B = jnp.where(greedy_B, 1.0, top_p_B)
+        scaled_BxV = truncate_logits(scaled_BxV, top_k_B, top_p_B)
+    log_probs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    sampled_B = jax.vmap(jax.random.categorical)(keys_Bx2, scaled_BxV)
+    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
+    log_probs_B = jnp.take_along_axis(log_probs_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, log_probs_B

@@ -32,6 +32,49 @@ def to_dtype(name: str | Any) -> Any:
     return _DTYPES[name]
 
 
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, frozen rope_scaling or None) from a v4 (`rope_theta` + `rope_scaling`) or
+    v5 (`rope_parameters`, which also holds `rope_theta`) `config.json`."""
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", 10000.0)
+    theta = hf.get("rope_theta", theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in {"default", "linear", "llama3"}:
+        raise ValueError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    params.pop("type", None)
+    return float(theta), tuple(sorted({**params, "rope_type": rope_type}.items()))
+
+
+def _sliding_window_from_hf(hf: dict[str, Any], family: str) -> int | None:
+    """The attention window shared by every layer, or None for full attention.
+
+    Mistral applies `sliding_window` whenever it is set. Qwen2 applies it only with
+    `use_sliding_window`, and then only to layers >= `max_window_layers` (HF default 28), or as
+    listed in `layer_types`; a mix of windowed and full layers is rejected (ValueError).
+    """
+    window = hf.get("sliding_window")
+    if family != "qwen2" or window is None:
+        return window if family == "mistral" else None
+    if not hf.get("use_sliding_window", False):
+        return None
+    n = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise ValueError(f"per-layer sliding windows are not supported (layer_types={layer_types})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Qwen2 / Llama / Mistral decoder, with HF `config.json` names.
@@ -108,14 +151,7 @@ class ModelConfig:
                 f"unsupported model_type {family!r}; supported architectures: "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        rope = hf.get("rope_scaling")
-        if rope:
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in {"default", "linear", "llama3"}:
-                raise ValueError(
-                    f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
-                )
-            rope = tuple(sorted({**rope, "rope_type": rope_type}.items()))
+        rope_theta, rope = _rope_from_hf(hf)
         if family == "llama" and hf.get("attention_bias"):
             raise ValueError("Llama with attention_bias=true (o_proj bias) is not supported")
         if hf.get("hidden_act", "silu") != "silu":
@@ -123,7 +159,6 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(eos)
-        use_window = hf.get("use_sliding_window", family == "mistral")
         kwargs = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -131,15 +166,15 @@ class ModelConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=hf["num_attention_heads"],
             num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=rope or None,
+            rope_theta=rope_theta,
+            rope_scaling=rope,
             # Qwen2 always has q/k/v biases; Llama's flag would also add an o_proj bias.
             attention_bias=family == "qwen2" or hf.get("attention_bias", False),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            sliding_window=hf.get("sliding_window") if use_window else None,
+            sliding_window=_sliding_window_from_hf(hf, family),
             family=family,
             num_labels=hf.get("num_labels", len(hf.get("id2label", {}) or {}) or 1),
             bos_token_id=hf.get("bos_token_id"),
@@ -150,11 +185,13 @@ class ModelConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self, architecture: str | None = None) -> dict[str, Any]:
-        """The HF `config.json` content for this model (`architecture` defaults to the causal LM)."""
+        """HF `config.json` content for this model (`architecture` defaults to the causal LM)."""
         model_type = self.family
-        arch = architecture or {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[
-            model_type
-        ] + "ForCausalLM"
+        arch = (
+            architecture
+            or {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[model_type]
+            + "ForCausalLM"
+        )
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -184,6 +221,9 @@ class ModelConfig:
         if model_type in ("qwen2", "mistral"):
             out["sliding_window"] = self.sliding_window
             out["use_sliding_window"] = self.sliding_window is not None
+        if model_type == "qwen2":
+            # Qwen2 windows only layers >= max_window_layers; ours windows all of them or none.
+            out["max_window_layers"] = 0 if self.sliding_window else self.num_hidden_layers
         if "Classification" in arch:
             out["num_labels"] = self.num_labels
             out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}

@@ -82,7 +82,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * x32.astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -102,9 +102,9 @@ class Attention(nnx.Module):
 
     def _project(self, x, name):
         dtype = x.dtype
-        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj").value.astype(dtype))
+        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dtype))
         if self.config.attention_bias:
-            y = y + getattr(self, f"{name}_bias").value.astype(dtype)
+            y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
         return y
 
     def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, inv_freq, cache=None, layer=0):
@@ -118,7 +118,7 @@ class Attention(nnx.Module):
             out = dot_product_attention(q, k, v, mask)
         else:
             out, cache = cache.attend(layer, q, k, v, positions_BxT, token_mask_BxT)
-        o = self.o_proj.value.astype(x_BxTxD.dtype)
+        o = self.o_proj[...].astype(x_BxTxD.dtype)
         return jnp.einsum("bthk,hkd->btd", out.astype(x_BxTxD.dtype), o), cache
 
 
@@ -131,8 +131,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        gate = jax.nn.silu(x @ self.gate_proj.value.astype(dt))
-        return (gate * (x @ self.up_proj.value.astype(dt))) @ self.down_proj.value.astype(dt)
+        gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
+        return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -160,13 +160,15 @@ class Transformer(nnx.Module):
         self.embed_tokens = _param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None):
         """Hidden states B×T×D in the compute dtype, and the updated cache (or None)."""
         dtype = to_dtype(self.config.dtype)
-        h = jnp.take(self.embed_tokens.value, input_ids_BxT, axis=0).astype(dtype)
+        h = jnp.take(self.embed_tokens[...], input_ids_BxT, axis=0).astype(dtype)
         inv_freq = rope_frequencies(self.config)
         token_mask_BxT = token_mask_BxT.astype(bool)
         for i, layer in enumerate(self.layers):
@@ -196,10 +198,10 @@ class CausalLM(nnx.Module):
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         """Logits B×T×V in float32 from hidden states."""
         if self.config.tie_word_embeddings:
-            w = self.model.embed_tokens.value.astype(hidden_BxTxD.dtype)
+            w = self.model.embed_tokens[...].astype(hidden_BxTxD.dtype)
             out = jnp.einsum("btd,vd->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
         else:
-            w = self.lm_head.value.astype(hidden_BxTxD.dtype)
+            w = self.lm_head[...].astype(hidden_BxTxD.dtype)
             out = jnp.einsum("btd,dv->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
         return out.astype(jnp.float32)
 
@@ -237,7 +239,7 @@ class SequenceClassifier(nnx.Module):
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
         hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
-        w = self.score.value.astype(hidden.dtype)
+        w = self.score[...].astype(hidden.dtype)
         return jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
 
     def last_token_scores(self, input_ids_BxT, attention_mask_BxT) -> jax.Array:

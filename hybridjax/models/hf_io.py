@@ -1,0 +1,347 @@
+"""Load and save HF checkpoints (`config.json` + `*.safetensors`) for our decoder models.
+
+Loading builds the module abstractly (`nnx.eval_shape`: no memory), then fills each parameter
+one tensor at a time: read on the host with `safetensors.safe_open`, reshape/transpose to our
+layout, cast to `param_dtype`, place on devices with its target sharding. Host memory holds one
+tensor at a time, never the whole model.
+
+Our layout differs from HF's only by transposes and reshapes of the same numbers:
+
+  HF tensor                                    ours
+  `*.q_proj.weight` (H·Dh, D)                 `q_proj` (D, H, Dh)   (k/v: K instead of H)
+  `*.o_proj.weight` (D, H·Dh)                 `o_proj` (H, Dh, D)
+  `*.q_proj.bias`   (H·Dh,)                   `q_bias` (H, Dh)
+  `*_proj.weight` of the MLP (out, in)         (in, out)
+  `lm_head.weight` (V, D), `score.weight` (L, D)   (D, V), (D, L)
+  embeddings and norm weights                  unchanged
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hybridjax.models.config import ModelConfig, to_dtype
+from hybridjax.models.decoder import INIT_STD, CausalLM, SequenceClassifier
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE_BYTES = 5_000_000_000  # HF's long-standing default ("5GB")
+
+MODEL_KINDS = {"causal_lm": CausalLM, "classifier": SequenceClassifier}
+
+# (logical axes, global shape) -> where the parameter lives.
+ShardingFn = Callable[[tuple[str | None, ...], tuple[int, ...]], jax.sharding.Sharding]
+
+# HF tensors that carry nothing we need (buffers saved by old transformers versions).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# --------------------------------------------------------------------------- name/layout map
+
+
+def hf_name(path: tuple[Any, ...]) -> str:
+    """HF tensor name of our parameter at `path` (an NNX state path), e.g.
+    ('model', 'layers', 0, 'self_attn', 'q_bias') -> 'model.layers.0.self_attn.q_proj.bias'."""
+    *prefix, leaf = (str(p) for p in path)
+    if leaf in ("q_bias", "k_bias", "v_bias"):
+        return ".".join([*prefix, f"{leaf[0]}_proj", "bias"])
+    if leaf == "weight":  # RMSNorm scales already carry HF's name.
+        return ".".join([*prefix, leaf])
+    return ".".join([*prefix, leaf, "weight"])
+
+
+def _input_dims(path: tuple[Any, ...]) -> int | None:
+    """How many leading dims of our tensor are the input of a linear map (HF stores linear
+    weights as (out, in) matrices), or None if the tensor is stored in HF's order."""
+    leaf = str(path[-1])
+    if leaf == "o_proj":
+        return 2
+    if leaf.endswith("_proj") or leaf in ("lm_head", "score"):
+        return 1
+    return None  # embeddings, norms, biases: same order, biases flattened
+
+
+def hf_shape(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF checkpoint shape of our parameter of shape `shape` at `path`."""
+    n_in = _input_dims(path)
+    if n_in is not None:
+        return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+    if str(path[-1]).endswith("_bias"):
+        return (math.prod(shape),)
+    return tuple(shape)
+
+
+def from_hf_layout(array: np.ndarray, path: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor -> our layout (a transpose and/or reshape; copies at most once)."""
+    if _input_dims(path) is not None:
+        array = array.T
+    return np.ascontiguousarray(array.reshape(shape))
+
+
+def to_hf_layout(array: np.ndarray, path: tuple[Any, ...]) -> np.ndarray:
+    """Our tensor -> HF layout (inverse of `from_hf_layout`)."""
+    shape = hf_shape(path, array.shape)
+    n_in = _input_dims(path)
+    if n_in is not None:
+        return np.ascontiguousarray(array.reshape(shape[1], shape[0]).T)
+    return np.ascontiguousarray(array.reshape(shape))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_hf_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """The parsed `config.json` of checkpoint directory `path` (FileNotFoundError names it)."""
+    file = pathlib.Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"no HF config: {file} does not exist")
+    return json.loads(file.read_text())
+
+
+class CheckpointReader:
+    """Tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint, read one
+    at a time. Use as a context manager; shard files are opened lazily and memory-mapped."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif single.is_file():
+            self.files = None  # names come from the file header
+        else:
+            raise FileNotFoundError(f"no safetensors weights: neither {single} nor {index} exists")
+        self._stack = contextlib.ExitStack()
+        self._open: dict[pathlib.Path, Any] = {}
+        if self.files is None:
+            self.files = {name: single for name in self._handle(single).keys()}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _handle(self, file: pathlib.Path):
+        if file not in self._open:
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"checkpoint shard {file} (listed in {INDEX_FILE}) is missing"
+                )
+            self._open[file] = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+        return self._open[file]
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor as a host numpy array in the checkpoint's dtype (bf16 via ml_dtypes)."""
+        return self._handle(self.files[name]).get_tensor(name)
+
+
+def _check_tensors(
+    reader: CheckpointReader, expected: dict[str, tuple[int, ...]], optional: set[str]
+) -> None:
+    """Raises ValueError naming every missing / unexpected tensor and shape mismatch."""
+    found = set(reader.names())
+    problems = []
+    for name, shape in expected.items():
+        if name not in found:
+            if name not in optional:
+                problems.append(f"missing tensor {name!r} (model expects shape {shape})")
+        elif reader.shape(name) != shape:
+            problems.append(
+                f"tensor {name!r} has shape {reader.shape(name)} in the checkpoint but the model "
+                f"expects {shape}"
+            )
+    for name in sorted(found - set(expected)):
+        problems.append(f"unexpected tensor {name!r} with shape {reader.shape(name)}")
+    if problems:
+        raise ValueError(
+            f"checkpoint {reader.path} does not match the model:\n  " + "\n  ".join(problems)
+        )
+
+
+def _place(array: np.ndarray, axes, shardings: ShardingFn | None) -> jax.Array:
+    """Host array -> device array, with the sharding `shardings(axes, shape)` if given. Each
+    process transfers only its addressable pieces (works across hosts)."""
+    if shardings is None:
+        return jax.device_put(array)
+    sharding = shardings(tuple(axes), array.shape)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def load_pretrained(
+    path: str | pathlib.Path,
+    *,
+    kind: Literal["causal_lm", "classifier"] = "causal_lm",
+    shardings: ShardingFn | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    init_score_head: bool = False,
+    seed: int = 0,
+) -> CausalLM | SequenceClassifier:
+    """Loads an HF checkpoint directory into a `CausalLM` or `SequenceClassifier`.
+
+    Args:
+      path: directory with `config.json` and `model.safetensors` or a sharded
+        `model.safetensors.index.json`. Qwen2 / Llama / Mistral `*ForCausalLM`,
+        `*ForSequenceClassification` (`score.weight`) and the other `*For*` heads of those families.
+      kind: "causal_lm" (actor, reference) or "classifier" (critic, reward model).
+      shardings: None (default device) or `fn(logical_axes, shape) -> jax.sharding.Sharding`, called
+        once per parameter; see `hybridjax.sharding`.
+      config_overrides: `ModelConfig` fields to replace, e.g. `{"param_dtype": "bfloat16",
+        "remat": True}`. Tensors are cast to `param_dtype` (default float32) on the host.
+      init_score_head: for kind="classifier" only: a checkpoint without `score.weight` (a causal
+        LM, as when a critic starts from the actor's weights) gets a fresh head drawn from
+        N(0, 0.02²) with `seed`, and its `lm_head.weight` is skipped. Without this flag such a
+        checkpoint is an error. A classifier's `num_labels` is read from `score.weight` (1 for a
+        fresh head) unless `config_overrides` sets it.
+
+    Returns:
+      The module with concrete parameters placed on devices.
+
+    Raises:
+      FileNotFoundError: `config.json`, the weights, or a shard listed in the index is missing
+        (names the path).
+      ValueError: unsupported architecture (lists the supported ones); tensors missing,
+        unexpected, or of the wrong shape (names each tensor and both shapes); unknown `kind`.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(MODEL_KINDS)}")
+    if init_score_head and kind != "classifier":
+        raise ValueError("init_score_head=True needs kind='classifier'")
+    hf_config = read_hf_config(path)
+    overrides = dict(config_overrides or {})
+    with CheckpointReader(path) as reader:
+        new_head = init_score_head and "score.weight" not in reader.names()
+        if kind == "classifier":
+            # HF omits num_labels from config.json when it is its default (2): trust the tensor.
+            has_head = "score.weight" in reader.names()
+            overrides.setdefault("num_labels", reader.shape("score.weight")[0] if has_head else 1)
+        config = ModelConfig.from_hf_dict(hf_config, **overrides)
+        cls = MODEL_KINDS[kind]
+        abstract = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
+        params = list(nnx.to_flat_state(state))
+        expected = {hf_name(p): hf_shape(p, v.get_value().shape) for p, v in params}
+        optional = {"score.weight"} if new_head else set()
+        ignored = {n for n in reader.names() if n.endswith(_IGNORED_SUFFIXES)}
+        if config.tie_word_embeddings or new_head:
+            ignored.add("lm_head.weight")  # tied: HF drops it; fresh critic: not ours
+        _check_tensors(reader, expected, optional | (ignored & set(expected)))
+        for n in ignored & set(reader.names()) - set(expected):
+            reader.files.pop(n)
+        dtype = to_dtype(config.param_dtype)
+        for p, var in params:
+            shape = var.get_value().shape
+            name = hf_name(p)
+            if name in reader.files:
+                value = from_hf_layout(reader.get(name), p, shape)
+            else:  # only a fresh score head gets here
+                log.warning("%s has no %s: initialising a new head of shape %s", path, name, shape)
+                value = INIT_STD * np.random.default_rng(seed).standard_normal(shape)
+            axes = var.get_metadata()["axes"]
+            var.set_value(_place(value.astype(dtype), axes, shardings))
+    return nnx.merge(graphdef, state)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _gather(array: jax.Array) -> np.ndarray:
+    """Whole array on this host (a collective when the array spans several processes)."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Greedy split of tensor names (in order) into files of at most `max_bytes` (a tensor
+    larger than that gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    total = 0
+    for name, size in sizes.items():
+        if shards[-1] and total + size > max_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(name)
+        total += size
+    return shards
+
+
+def _architecture(model: CausalLM | SequenceClassifier) -> str:
+    prefix = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[model.config.family]
+    suffix = "ForCausalLM" if isinstance(model, CausalLM) else "ForSequenceClassification"
+    return prefix + suffix
+
+
+def _iter_params(model) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    yield from nnx.to_flat_state(nnx.state(model, nnx.Param))
+
+
+def save_pretrained(
+    model: CausalLM | SequenceClassifier,
+    path: str | pathlib.Path,
+    *,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+) -> None:
+    """Writes `model` as an HF checkpoint that `transformers` `from_pretrained` loads.
+
+    Files: `config.json` and `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
+    `model.safetensors.index.json` when the tensors exceed `max_shard_size_bytes`. Tensors keep
+    the parameter dtype. Tied embeddings are written once (no `lm_head.weight`, as HF does).
+    Parameters are gathered to the host one at a time; host memory peaks at one file's worth.
+    Every process must call this (gathering is collective); only process 0 writes.
+    """
+    path = pathlib.Path(path)
+    params = {hf_name(p): (p, v) for p, v in _iter_params(model)}
+    sizes = {name: v.get_value().nbytes for name, (_, v) in params.items()}
+    shards = _plan_shards(sizes, max_shard_size_bytes)
+    n = len(shards)
+    files = (
+        [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    writer = jax.process_index() == 0
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+            stale.unlink(missing_ok=True)  # weights of an earlier save would shadow ours
+    for file, names in zip(files, shards, strict=True):
+        tensors = {}
+        for name in names:
+            p, var = params[name]
+            tensors[name] = to_hf_layout(_gather(var.get_value()), p)
+        if writer:
+            save_file(tensors, str(path / file), metadata={"format": "pt"})
+        del tensors
+    if not writer:
+        return
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
+        }
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    hf_config = model.config.to_hf_dict(_architecture(model))
+    (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

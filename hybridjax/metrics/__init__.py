@@ -2,14 +2,17 @@
 
 from hybridjax.metrics.batch import compute_data_metrics
 from hybridjax.metrics.flops import matmul_params, measure_peak_flops, training_flops
+from hybridjax.metrics.perf import compute_perf_metrics, max_memory_allocated_gb
 from hybridjax.metrics.tracking import LOGGERS, Tracking, console_line
 
 __all__ = [
     "LOGGERS",
     "Tracking",
     "compute_data_metrics",
+    "compute_perf_metrics",
     "console_line",
     "matmul_params",
+    "max_memory_allocated_gb",
     "measure_peak_flops",
     "training_flops",
 ]

@@ -64,6 +64,7 @@ def base_config() -> ConfigDict:
             clip_ratio_high=0.2,
             clip_ratio_c=3.0,
             loss_agg_mode="token-mean",
+            loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length
             policy_loss=dict(loss_mode="vanilla"),
             entropy_coeff=0.0,
             use_kl_loss=False,
@@ -87,6 +88,10 @@ def base_config() -> ConfigDict:
             page_size=16,
             max_num_seqs=256,
             log_prob_micro_batch_size_per_gpu=16,
+            ignore_eos=False,
+            attention_impl="auto",  # auto | jnp | pallas
+            decode_steps_per_call=32,
+            min_prefill_bucket=16,
             val_kwargs=dict(n=1, temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
         ),
     )
@@ -106,8 +111,10 @@ def base_config() -> ConfigDict:
         model=dict(path=""),
         micro_batch_size_per_gpu=16,
         reward_manager="naive",
+        on_error="zero",  # a reward function that raises or returns NaN: zero | raise
+        num_workers=8,
     )
-    c.custom_reward_function = dict(path="", name="compute_score")
+    c.custom_reward_function = dict(path="", name="compute_score", reward_kwargs=ConfigDict())
     c.algorithm = dict(
         adv_estimator="gae",
         gamma=1.0,

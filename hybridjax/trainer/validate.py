@@ -8,25 +8,23 @@ are asked for their valid names, so the check never disagrees with what the step
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ml_collections import ConfigDict
 
+from hybridjax.algorithms.advantages import ADV_ESTIMATORS
+from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
+from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
+from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.models.config import ModelConfig
+from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.config import base_config
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 WARMUP_STYLES = ("constant", "cosine")
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+FREE_FORM = ("override_config", "reward_kwargs")  # dict-valued keys, checked as a whole
 
 
 class ConfigError(ValueError):
@@ -36,7 +34,7 @@ class ConfigError(ValueError):
 def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:
     for key, value in cfg.items():
         path = f"{prefix}{key}"
-        if isinstance(value, ConfigDict | dict) and not key == "override_config":
+        if isinstance(value, ConfigDict | dict) and key not in FREE_FORM:
             yield from _walk(ConfigDict(value) if isinstance(value, dict) else value, path + ".")
         else:
             yield path, value
@@ -71,6 +69,8 @@ def _schema_problems(cfg: ConfigDict) -> list[str]:
         if key not in schema:
             problems.append(f"{key}: unknown key ({value!r})")
             continue
+        if key.endswith("reward_kwargs"):
+            continue
         if key.endswith("override_config"):
             unknown = sorted(set(dict(value)) - MODEL_FIELDS)
             if unknown:
@@ -82,18 +82,7 @@ def _schema_problems(cfg: ConfigDict) -> list[str]:
     return problems
 
 
-def _registry_names(module: str, attr: str) -> tuple[str, ...] | None:
-    """Valid names from a registry, or None when that registry is not importable."""
-    try:
-        mod = __import__(module, fromlist=[attr])
-        reg = getattr(mod, attr)
-    except (ImportError, AttributeError):
-        return None
-    return tuple(sorted(reg() if callable(reg) else reg))
-
-
-def _range_rules(c: ConfigDict, n_devices: int) -> list[tuple[str, Callable[[Any], bool], str]]:
-    a = c.actor_rollout_ref
+def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
     positive = lambda v: v > 0
     rules = [
         ("data.train_batch_size", positive, "must be > 0"),
@@ -148,18 +137,12 @@ def _range_rules(c: ConfigDict, n_devices: int) -> list[tuple[str, Callable[[Any
             (f"{role}.optim.lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
             (f"{role}.optim.min_lr_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
         ]
-    for name, attr, key in (
-        ("hybridjax.algorithms", "adv_estimator_names", "algorithm.adv_estimator"),
-        (
-            "hybridjax.algorithms",
-            "policy_loss_names",
-            "actor_rollout_ref.actor.policy_loss.loss_mode",
-        ),
-    ):
-        names = _registry_names(name, attr)
-        if names is not None:
-            rules.append((key, lambda v, names=names: v in names, f"one of {list(names)}"))
-    del a, n_devices
+    registries = (
+        ("algorithm.adv_estimator", ADV_ESTIMATORS.names()),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSSES.names()),
+    )
+    for key, names in registries:
+        rules.append((key, lambda v, names=names: v in names, f"one of {list(names)}"))
     return rules
 
 
@@ -218,50 +201,36 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "actor_rollout_ref.model.path is empty and actor_rollout_ref.model.override_config "
         "is empty: give a checkpoint or the shape of a random model",
     )
-    gen_dp = _mesh_product(c.mesh.generate, n_devices)
-    for mesh_name, size in (("mesh.train", dp), ("mesh.generate", gen_dp)):
-        need(size > 0, f"{mesh_name} axis sizes do not multiply to the {n_devices} devices")
-    if dp > 0:
-        need(
-            (bsz * n) % dp == 0,
-            f"data.train_batch_size × rollout.n ({bsz * n}) must be divisible by the "
-            f"data-parallel size {dp} (mesh.train.data × mesh.train.fsdp)",
-        )
     return problems
-
-
-def _mesh_product(axes: ConfigDict, n_devices: int) -> int:
-    """The size of the first (data) axis once -1 is resolved; 0 if the sizes do not fit."""
-    sizes = list(axes.values())
-    fixed = math.prod(s for s in sizes if s != -1)
-    free = sizes.count(-1)
-    if free > 1 or fixed <= 0 or n_devices % fixed:
-        return 0
-    resolved = [n_devices // fixed if s == -1 else s for s in sizes]
-    if math.prod(resolved) != n_devices:
-        return 0
-    return resolved[0]
 
 
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
     """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
-    data = _mesh_product(c.mesh.train, n_devices)
-    return data * c.mesh.train.fsdp if data else 0
+    try:
+        sizes = MeshConfig.from_config(c).train_sizes(n_devices)
+    except ValueError:
+        return 0
+    return sizes["data"] * sizes["fsdp"]
 
 
-def validate(cfg: ConfigDict, n_devices: int) -> None:
-    """Checks `cfg` against the schema and the rules above for a run on `n_devices` devices.
+def validate(
+    cfg: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig] | None = None
+) -> None:
+    """Checks `cfg` against the schema and the rules above for a run on `n_devices` devices,
+    with the mesh, batch and head-count checks of `hybridjax.sharding` (`model_configs`: config
+    key of each model → its ModelConfig, for the head counts).
 
     Raises:
       ConfigError: listing every problem, one per line, each naming its key and value.
     """
     problems = _schema_problems(cfg)
     if not problems:  # ranges and structure assume well-typed values
-        for key, ok, why in _range_rules(cfg, n_devices):
+        for key, ok, why in _range_rules(cfg):
             value = _get(cfg, key)
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
+        problems += parallelism_problems(cfg, n_devices, model_configs)
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "

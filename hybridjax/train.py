@@ -1,0 +1,46 @@
+"""`python -m hybridjax.train [--config=configs/x.py] [--config.a.b=value ...] [--export_hf=DIR]`
+
+Runs RL training (PPO, GRPO, ...) as configured; with `--export_hf=DIR` it instead restores the
+newest checkpoint (`trainer.resume_mode`) and writes the actor as an HF checkpoint to DIR.
+Without `--config`, `DEFAULT_CONFIG` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "trainer config file")
+_EXPORT_HF = flags.DEFINE_string(
+    "export_hf", "", "write the restored actor as an HF checkpoint here, then exit"
+)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from hybridjax.checkpointing.export import export_actor
+    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.trainer.validate import ConfigError
+
+    try:
+        trainer = RLTrainer(_CONFIG.value)
+    except ConfigError as err:
+        sys.exit(str(err))
+    try:
+        if _EXPORT_HF.value:
+            export_actor(trainer, _EXPORT_HF.value)
+        else:
+            trainer.fit()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    app.run(main)

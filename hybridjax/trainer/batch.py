@@ -1,0 +1,96 @@
+"""The RL batch: one immutable pytree with verl's field names, filled stage by stage.
+
+Layout (verl's): `prompts` B×P left padded, `responses` B×R right padded, and the model input is
+`input_ids = concat(prompts, responses)` B×(P+R) with `attention_mask` and `position_ids` over
+it. The n responses to one prompt are contiguous rows, so group statistics are a reshape.
+Every per-token field over the response is B×R float32 and 0 outside `response_mask`.
+
+A stage returns `batch.replace(field=...)`; a stage that reads a field no earlier stage filled
+calls `batch.require("field")`, which raises with that field's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FILLED_BY = {
+    "rollout_log_probs": "gen",
+    "token_level_scores": "reward",
+    "token_level_rewards": "reward / adv (KL in reward)",
+    "old_log_probs": "old_log_prob",
+    "ref_log_prob": "ref",
+    "values": "values",
+    "advantages": "adv",
+    "returns": "adv",
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RLBatch:
+    """One step's batch of B = prompts × rollout.n responses (see the module docstring)."""
+
+    prompts: jax.Array  # B×P int32
+    responses: jax.Array  # B×R int32
+    response_mask: jax.Array  # B×R float32 0/1
+    attention_mask: jax.Array  # B×(P+R) int32 0/1
+    position_ids: jax.Array  # B×(P+R) int32
+    rollout_log_probs: jax.Array | None = None
+    token_level_scores: jax.Array | None = None
+    token_level_rewards: jax.Array | None = None
+    old_log_probs: jax.Array | None = None
+    ref_log_prob: jax.Array | None = None
+    values: jax.Array | None = None
+    advantages: jax.Array | None = None
+    returns: jax.Array | None = None
+
+    @property
+    def input_ids(self) -> jax.Array:
+        """B×(P+R) int32: prompt then response tokens."""
+        return jnp.concatenate([self.prompts, self.responses], axis=1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.responses.shape[0]
+
+    def replace(self, **fields) -> RLBatch:
+        return dataclasses.replace(self, **fields)
+
+    def require(self, *names: str) -> tuple[jax.Array, ...]:
+        """The named fields; raises ValueError naming a missing one and the stage that fills it."""
+        out = []
+        for name in names:
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(
+                    f"RLBatch.{name} is not set: the {FILLED_BY.get(name, '?')!r} stage fills it "
+                    "and has not run"
+                )
+            out.append(value)
+        return tuple(out)
+
+
+def make_batch(
+    prompt_ids_BxP: jax.Array,
+    prompt_mask_BxP: jax.Array,
+    response_ids_BxR: jax.Array,
+    response_mask_BxR: jax.Array,
+    rollout_log_probs_BxR: jax.Array | None = None,
+) -> RLBatch:
+    """Assembles an RLBatch from left-padded prompts and right-padded responses (rows already
+    repeated n times per prompt). Position ids count valid tokens from 0 at the first one."""
+    attention_mask = jnp.concatenate(
+        [prompt_mask_BxP.astype(jnp.int32), response_mask_BxR.astype(jnp.int32)], axis=1
+    )
+    position_ids = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    return RLBatch(
+        prompts=prompt_ids_BxP.astype(jnp.int32),
+        responses=response_ids_BxR.astype(jnp.int32),
+        response_mask=response_mask_BxR.astype(jnp.float32),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        rollout_log_probs=rollout_log_probs_BxR,
+    )

@@ -1,0 +1,118 @@
+"""Turning the ConfigDict into the run's objects: tokenizer, model configs, sharded models, and
+the frozen `StageConfig` the jitted stages take."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from hybridjax.algorithms.config import ActorLossConfig, AlgorithmConfig, CriticLossConfig
+from hybridjax.models.config import ModelConfig
+from hybridjax.models.decoder import CausalLM, SequenceClassifier
+from hybridjax.models.hf_io import load_pretrained, read_hf_config
+from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.sharding import ACTOR_TRAIN_RULES, CRITIC_RULES, init_sharded, sharding_fn
+from hybridjax.trainer.optim import OptimConfig
+from hybridjax.trainer.stages import StageConfig
+from hybridjax.trainer.update import UpdateConfig
+
+
+def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
+    """`data.tokenizer` if set, else the tokenizer of `actor_rollout_ref.model.path`."""
+    return Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+
+
+def _overrides(cfg: ConfigDict) -> dict[str, Any]:
+    model = cfg.actor_rollout_ref.model
+    out = {"remat": model.enable_gradient_checkpointing, "dtype": model.dtype}
+    return out | dict(model.override_config)
+
+
+def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+    """The actor's ModelConfig: `config.json` of `model.path` (or, when empty, a random model
+    whose vocabulary and special tokens come from the tokenizer), then `override_config`."""
+    path = cfg.actor_rollout_ref.model.path
+    overrides = _overrides(cfg)
+    if path:
+        return ModelConfig.from_hf_dict(read_hf_config(path), **overrides)
+    from_tokenizer = {
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token_id": tokenizer.eos_token_ids or None,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    return ModelConfig(**(from_tokenizer | overrides))
+
+
+def critic_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
+    """The critic's shape: the actor's with one output label and `critic.model.override_config`."""
+    return dataclasses.replace(actor, num_labels=1, **dict(cfg.critic.model.override_config))
+
+
+def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> CausalLM:
+    """The actor (and, called again, the reference) in the training layout, never unsharded."""
+    path = cfg.actor_rollout_ref.model.path
+    if path:
+        overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return load_pretrained(
+            path, shardings=sharding_fn(mesh, ACTOR_TRAIN_RULES), config_overrides=overrides
+        )
+    return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+
+
+def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> SequenceClassifier:
+    """The critic: `critic.model.path`, else the actor's checkpoint with a fresh value head,
+    else a random model of the actor's shape."""
+    path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
+    if path:
+        overrides = {"num_labels": 1, "remat": config.remat, "dtype": config.dtype}
+        return load_pretrained(
+            path,
+            kind="classifier",
+            shardings=sharding_fn(mesh, CRITIC_RULES),
+            config_overrides=overrides | dict(cfg.critic.model.override_config),
+            init_score_head=True,
+            seed=seed,
+        )
+    return init_sharded(SequenceClassifier, config, mesh, CRITIC_RULES, seed)
+
+
+def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
+    """Rows (responses) per step, per actor/critic mini-batch and per micro-batch (all devices)."""
+    a, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    return {
+        "batch": cfg.data.train_batch_size * n,
+        "actor_mini": a.actor.ppo_mini_batch_size * n,
+        "actor_micro": a.actor.ppo_micro_batch_size_per_gpu * data_parallel,
+        "critic_mini": cfg.critic.ppo_mini_batch_size * n,
+        "critic_micro": cfg.critic.ppo_micro_batch_size_per_gpu * data_parallel,
+        "log_prob_micro": a.rollout.log_prob_micro_batch_size_per_gpu * data_parallel,
+    }
+
+
+def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> StageConfig:
+    """The frozen config of the jitted stages (see `StageConfig`)."""
+    a = cfg.actor_rollout_ref
+    sizes = batch_sizes(cfg, data_parallel)
+    actor_loss = dict(a.actor.to_dict())
+    if actor_loss.get("loss_scale_factor", 0) <= 0:
+        actor_loss.pop("loss_scale_factor", None)
+    critic_loss = {k: v for k, v in cfg.critic.to_dict().items() if k != "loss_scale_factor"}
+    return StageConfig(
+        temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
+        group_size=a.rollout.n,
+        log_prob_micro_batch_size=min(sizes["log_prob_micro"], sizes["batch"]),
+        algorithm=AlgorithmConfig.from_dict(cfg.algorithm),
+        actor_loss=ActorLossConfig.from_dict(actor_loss),
+        critic_loss=CriticLossConfig.from_dict(critic_loss),
+        actor_update=UpdateConfig(
+            a.actor.ppo_epochs, sizes["actor_mini"], sizes["actor_micro"], a.actor.shuffle
+        ),
+        critic_update=UpdateConfig(
+            cfg.critic.ppo_epochs, sizes["critic_mini"], sizes["critic_micro"], False
+        ),
+        actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
+        critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
+    )

@@ -1,0 +1,80 @@
+"""Trainer-side forward passes over (prompt + response): response log-probs, entropy, values.
+
+The model reads `input_ids = prompts ++ responses` B×(P+R); the logit at position P−1+t predicts
+response token t, so response quantities are positions [P−1, P+R−1). Log-probs apply the
+sampler's temperature first (logits / T), as the rollout engine does, so old, rollout and
+current log-probs are of the same distribution. Values follow verl's critic: the value of
+response token t is the critic's output at position P−1+t (the state before emitting it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridjax.algorithms.entropy import entropy_from_logits
+
+
+def _response_logits(model, input_ids, attention_mask, position_ids, response_len, temperature):
+    logits_BxTxV = model(input_ids, attention_mask, position_ids)
+    logits_BxRxV = logits_BxTxV[:, -response_len - 1 : -1]
+    return logits_BxRxV / jnp.float32(max(temperature, 1e-6))
+
+
+def response_log_probs(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log π(response_t | prefix) and (optionally) the entropy at each response position.
+
+    Args:
+      graphdef, params: a `CausalLM` split with `nnx.split`.
+      fields: `input_ids`, `attention_mask`, `position_ids` (B×(P+R)) and `responses` (B×R).
+      temperature: the rollout temperature (a Python float; 0 is treated as 1e-6 → greedy).
+    Returns:
+      (log_probs B×R float32, entropy B×R float32 or None). Values at padding are garbage;
+      callers mask with `response_mask`.
+    """
+    model = nnx.merge(graphdef, params)
+    responses = fields["responses"]
+    logits = _response_logits(
+        model,
+        fields["input_ids"],
+        fields["attention_mask"],
+        fields["position_ids"],
+        responses.shape[1],
+        temperature if temperature > 0 else 1.0,
+    )
+    log_probs_BxRxV = jax.nn.log_softmax(logits, axis=-1)
+    log_probs = jnp.take_along_axis(log_probs_BxRxV, responses[..., None], axis=-1)[..., 0]
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.Array]) -> jax.Array:
+    """Critic values B×R float32 of a `SequenceClassifier` (num_labels 1), masked by
+    `fields["response_mask"]`."""
+    model = nnx.merge(graphdef, params)
+    mask = fields["response_mask"]
+    scores = model(fields["input_ids"], fields["attention_mask"], fields["position_ids"])
+    return scores[:, -mask.shape[1] - 1 : -1, 0] * mask
+
+
+def map_micro_batches(
+    fn: Callable[[dict[str, jax.Array]], Any], fields: dict[str, jax.Array], micro_batch_size: int
+) -> Any:
+    """Applies `fn` to micro-batches of `micro_batch_size` rows (sequentially, `lax.map`) and
+    reassembles B rows, so peak activation memory is one micro-batch's. Each micro-batch takes
+    rows spread over every data shard (row r → micro-batch r % K), as in `trainer.update`."""
+    b = fields["response_mask"].shape[0]
+    k = max(b // micro_batch_size, 1)
+    split = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(b // k, k, *x.shape[1:]), 1, 0), fields)
+    out = jax.lax.map(fn, split)
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, *y.shape[2:]), out)

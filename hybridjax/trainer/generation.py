@@ -1,0 +1,103 @@
+"""The `gen` stage (rollout) and the `reward` stage's host side, at the edge of the device step.
+
+`generate_batch` runs the paged engine on one batch of prompts (left-padded numpy arrays from
+`hybridjax.data`) and returns an `RLBatch` placed in the training layout, plus the host-side
+columns the reward function needs (data source, ground truth, extra info, repeated n times).
+`submit_rewards` decodes the responses and starts scoring them in the reward manager's thread
+pool; the trainer collects the future after the device stages that do not need scores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.rewards import RewardManager, RewardResult, decode_responses
+from hybridjax.rollout import Engine, SamplingParams, generate
+from hybridjax.trainer.batch import RLBatch, make_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class HostColumns:
+    """Per-response host values (B·n rows): what the reward function reads, and the lengths."""
+
+    data_source: list[str]
+    ground_truth: list[Any]
+    extra_info: list[Any]
+    row_mask: np.ndarray  # bool (B·n,): False on rows that only pad a short validation batch
+    prompt_lengths: np.ndarray  # int (B·n,)
+    response_lengths: np.ndarray  # int (B·n,)
+    responses: np.ndarray  # (B·n)×R int32, for decoding
+    response_mask: np.ndarray  # (B·n)×R
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A sampling seed per (run seed, step): every step samples fresh, a resumed step the same."""
+    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def generate_batch(
+    engine: Engine,
+    prompts: dict[str, Any],
+    sampling: SamplingParams,
+    pad_token_id: int,
+    sharding: NamedSharding,
+) -> tuple[RLBatch, HostColumns]:
+    """Samples `sampling.n` responses per prompt and assembles the step's batch.
+
+    Args:
+      engine: an idle rollout engine holding the current actor weights.
+      prompts: a batch from `hybridjax.data` (`input_ids`, `attention_mask` B×P left padded,
+        `data_source`, `ground_truth`, `extra_info`, `row_mask`).
+      sampling: sampling parameters (n, temperature, ..., seed).
+      pad_token_id: fills responses past their end.
+      sharding: where the batch rows go (the training mesh's batch axes).
+    Returns:
+      (RLBatch with `rollout_log_probs`, HostColumns), rows ordered prompt-major (n contiguous).
+    Host sync: the whole rollout (the engine returns numpy arrays).
+    """
+    out = generate(engine, prompts["input_ids"], sampling, prompts["attention_mask"], pad_token_id)
+    n = sampling.n
+    prompt_ids = np.repeat(prompts["input_ids"], n, axis=0)
+    prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
+    put = lambda x: jax.device_put(np.asarray(x), sharding)
+    batch = make_batch(
+        put(prompt_ids),
+        put(prompt_mask),
+        put(out.responses),
+        put(out.response_mask.astype(np.float32)),
+        put(out.rollout_log_probs),
+    )
+    repeat = lambda values: [v for v in values for _ in range(n)]
+    host = HostColumns(
+        data_source=repeat(prompts["data_source"]),
+        ground_truth=repeat(prompts["ground_truth"]),
+        extra_info=repeat(prompts["extra_info"]),
+        row_mask=np.repeat(np.asarray(prompts["row_mask"], bool), n),
+        prompt_lengths=prompt_mask.sum(-1),
+        response_lengths=out.response_mask.sum(-1),
+        responses=out.responses,
+        response_mask=out.response_mask,
+    )
+    return batch, host
+
+
+def submit_rewards(
+    manager: RewardManager, tokenizer: Tokenizer, host: HostColumns
+) -> concurrent.futures.Future[RewardResult]:
+    """Decodes the responses and starts scoring them (returns at once)."""
+    texts = decode_responses(tokenizer, host.responses, host.response_mask)
+    return manager.submit(
+        texts,
+        host.data_source,
+        host.ground_truth,
+        host.extra_info,
+        host.response_lengths,
+        host.responses.shape[1],
+    )

@@ -1,0 +1,198 @@
+"""The device stages of one RL step, each a pure function from batch to batch (+ metrics).
+
+    compute_old_log_prob → compute_ref_log_prob → compute_values → compute_advantage
+        → update_critic → update_actor
+
+(generation and reward live in `trainer.rollout` and `hybridjax.rewards`: they touch the host.)
+Each takes a frozen `StageConfig` and is jitted once by the trainer with the config and the
+models' graph definitions static. Algorithm choice happens inside the registries
+(`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`), never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridjax.algorithms.advantages import compute_advantage as estimate_advantage
+from hybridjax.algorithms.config import ActorLossConfig, AlgorithmConfig, CriticLossConfig
+from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
+from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
+from hybridjax.algorithms.masked import masked_mean
+from hybridjax.trainer.batch import RLBatch
+from hybridjax.trainer.forward import map_micro_batches, response_log_probs, response_values
+from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.trainer.update import TrainState, UpdateConfig, ppo_update
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """Everything the device stages need, built once from the ConfigDict (hashable, static)."""
+
+    temperature: float  # rollout temperature, applied to trainer log-probs
+    group_size: int  # rollout.n
+    log_prob_micro_batch_size: int  # rows per forward micro-batch, over all devices
+    algorithm: AlgorithmConfig
+    actor_loss: ActorLossConfig
+    critic_loss: CriticLossConfig
+    actor_update: UpdateConfig
+    critic_update: UpdateConfig
+    actor_optim: OptimConfig
+    critic_optim: OptimConfig
+
+
+def _fields(batch: RLBatch, *names: str) -> dict[str, jax.Array]:
+    base = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "responses": batch.responses,
+        "response_mask": batch.response_mask,
+    }
+    return base | dict(zip(names, batch.require(*names), strict=True))
+
+
+def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig) -> jax.Array:
+    fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature)[0]
+    return map_micro_batches(fn, _fields(batch), cfg.log_prob_micro_batch_size)
+
+
+def compute_old_log_prob(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> tuple[RLBatch, dict[str, jax.Array]]:
+    """Fills `old_log_probs` (B×R) with the current actor. When the rollout returned log-probs,
+    reports their gap `training/rollout_probs_diff_{mean,max}` = |p_trainer − p_rollout|."""
+    mask = batch.response_mask
+    old = _log_probs(graphdef, params, batch, cfg) * mask
+    metrics = {}
+    if batch.rollout_log_probs is not None:
+        diff = jnp.abs(jnp.exp(old) - jnp.exp(batch.rollout_log_probs)) * mask
+        metrics["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
+        metrics["training/rollout_probs_diff_max"] = jnp.max(diff)
+    return batch.replace(old_log_probs=old), metrics
+
+
+def compute_ref_log_prob(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> RLBatch:
+    """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
+    return batch.replace(
+        ref_log_prob=_log_probs(graphdef, params, batch, cfg) * batch.response_mask
+    )
+
+
+def compute_values(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> RLBatch:
+    """Fills `values` (B×R) with the critic."""
+    fn = lambda f: response_values(graphdef, params, f)
+    return batch.replace(
+        values=map_micro_batches(fn, _fields(batch), cfg.log_prob_micro_batch_size)
+    )
+
+
+def compute_advantage(
+    batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
+) -> tuple[RLBatch, jax.Array, dict[str, jax.Array]]:
+    """Token-level rewards (minus β·KL when `algorithm.use_kl_in_reward`), then the registered
+    estimator's advantages and returns. Returns (batch, next KL coefficient, metrics)."""
+    (scores,) = batch.require("token_level_scores")
+    algo, metrics = cfg.algorithm, {}
+    if algo.use_kl_in_reward:
+        old, ref = batch.require("old_log_probs", "ref_log_prob")
+        rewards, metrics = apply_kl_penalty(
+            scores, old, ref, batch.response_mask, kl_coef, algo.kl_penalty
+        )
+        kl_coef = update_kl_coef(
+            kl_coef, metrics["actor/reward_kl_penalty"], batch.batch_size, algo.kl_ctrl
+        )
+    else:
+        rewards = scores
+    advantages, returns = estimate_advantage(
+        rewards,
+        batch.response_mask,
+        config=algo,
+        group_size=cfg.group_size,
+        values_BxT=batch.values,
+    )
+    batch = batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    return batch, kl_coef, metrics
+
+
+def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """Fresh optimizer state for `params` (jit it so the state takes the params' shardings)."""
+    return TrainState(params, make_optimizer(optim).init(params), jnp.zeros((), jnp.int32))
+
+
+def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
+    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True)
+    if cfg.actor_loss.entropy_coeff == 0:
+        entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
+    return compute_actor_loss(
+        micro["old_log_probs"],
+        log_prob,
+        micro["advantages"],
+        micro["response_mask"],
+        config=cfg.actor_loss,
+        counts=counts,
+        entropy_BxT=entropy,
+        ref_log_prob_BxT=micro.get("ref_log_prob"),
+    )
+
+
+def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):
+    vpreds = response_values(graphdef, params, micro)
+    return compute_value_loss(
+        vpreds,
+        micro["returns"],
+        micro["values"],
+        micro["response_mask"],
+        cliprange_value=cfg.critic_loss.cliprange_value,
+        loss_agg_mode=cfg.critic_loss.loss_agg_mode,
+        counts=counts,
+        loss_scale_factor=cfg.critic_loss.loss_scale_factor,
+    )
+
+
+def _update(role, loss, optim, update_cfg, state, fields, rng):
+    lr = learning_rate(optim, state.step)
+    state = dataclasses.replace(state, opt_state=set_learning_rate(state.opt_state, lr))
+    state, raw = ppo_update(state, fields, loss, make_optimizer(optim), update_cfg, rng)
+    metrics = {k: v for k, v in raw.items() if "/" in k}
+    metrics |= {
+        f"{role}/grad_norm": raw["grad_norm"],
+        f"{role}/lr": lr,
+        f"{role}/nan_skipped_updates": raw["nan_steps"].astype(jnp.float32),
+    }
+    return state, metrics, raw["nan_steps"]
+
+
+def update_actor(
+    graphdef: nnx.GraphDef, state: TrainState, batch: RLBatch, rng: jax.Array, cfg: StageConfig
+) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
+    """PPO epochs over the batch with the registered policy loss (+ entropy and KL loss).
+    Returns (state, `actor/*` metrics, number of skipped non-finite updates)."""
+    names = ("old_log_probs", "advantages") + (
+        ("ref_log_prob",) if cfg.actor_loss.use_kl_loss else ()
+    )
+    loss = functools.partial(_actor_loss, graphdef, cfg)
+    state, metrics, nan = _update(
+        "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, *names), rng
+    )
+    metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef)
+    metrics.setdefault("actor/kl_loss", jnp.float32(0.0))
+    return state, metrics, nan
+
+
+def update_critic(
+    graphdef: nnx.GraphDef, state: TrainState, batch: RLBatch, rng: jax.Array, cfg: StageConfig
+) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
+    """Clipped value-loss epochs over the batch. Returns (state, `critic/*` metrics, skipped)."""
+    loss = functools.partial(_critic_loss, graphdef, cfg)
+    fields = _fields(batch, "values", "returns")
+    return _update("critic", loss, cfg.critic_optim, cfg.critic_update, state, fields, rng)

@@ -1,0 +1,334 @@
+"""The RL trainer: one controller driving the step as a straight line of named stages.
+
+    gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
+
+Each stage is timed as `timing_s/<stage>` (ending with a device sync so the time is the
+stage's own). Which stages run follows from the config (a critic when `critic.enable`, a
+reference when a KL term is configured); which algorithm runs is the registries' business.
+Metrics of a step are pulled to the host in one `device_get` at its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
+from hybridjax.data.dataset import DataConfig, train_loader, val_loader
+from hybridjax.metrics import (
+    Tracking,
+    compute_data_metrics,
+    compute_perf_metrics,
+    measure_peak_flops,
+)
+from hybridjax.models.config import to_dtype
+from hybridjax.rewards import RewardConfig, RewardManager
+from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
+from hybridjax.sharding import (
+    ACTOR_GENERATE_RULES,
+    MeshConfig,
+    make_meshes,
+    state_shardings,
+    update_weights,
+)
+from hybridjax.trainer import build, stages
+from hybridjax.trainer.generation import generate_batch, step_seed, submit_rewards
+from hybridjax.trainer.validate import validate as validate_config
+from hybridjax.trainer.validation import validate
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps whose updates were skipped for NaN/inf loss or gradients."""
+
+
+@contextlib.contextmanager
+def timed(timing: dict[str, float], name: str):
+    """Adds the wall time of the block to `timing[name]` (seconds)."""
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    """PPO / GRPO / ... trainer over one device set (verl's `RayPPOTrainer`, one process).
+
+    Args:
+      cfg: a full trainer ConfigDict (`hybridjax.trainer.config.base_config()` + changes).
+    Raises:
+      ConfigError: the config has problems (all listed in one message).
+    """
+
+    def __init__(self, cfg: ConfigDict):
+        self.cfg = cfg
+        self.n_devices = jax.device_count()
+        self.tokenizer = build.load_tokenizer(cfg)
+        self.actor_config = build.actor_model_config(cfg, self.tokenizer)
+        validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
+        self.meshes = make_meshes(MeshConfig.from_config(cfg))
+        dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
+        self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
+
+        data = DataConfig.from_config(cfg.data)
+        self.train_loader = train_loader(data, self.tokenizer)
+        self.val_loader = val_loader(data, self.tokenizer) if data.val_files else None
+        t = cfg.trainer
+        self.total_steps = (
+            t.total_training_steps
+            if t.total_training_steps > 0
+            else len(self.train_loader) * t.total_epochs
+        )
+        self.stage_cfg = build.stage_config(cfg, self.total_steps, dp)
+        self.use_critic = cfg.critic.enable
+        sc = self.stage_cfg
+        self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
+        self._build_models()
+        self._jit_stages()
+        self.rewards = RewardManager(RewardConfig.from_config(cfg))
+        self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
+        self.peak_flops = t.peak_flops or measure_peak_flops()
+        self.kl_coef = jnp.float32(cfg.algorithm.kl_ctrl.kl_coef)
+        self.global_step = 0
+        self.nan_consecutive = 0
+        self.nan_total = 0
+
+    # ------------------------------------------------------------------------------ set-up
+
+    def _build_models(self) -> None:
+        cfg, seed, mesh = self.cfg, self.cfg.trainer.seed, self.meshes.train
+        actor = build.build_actor(cfg, self.actor_config, mesh, seed)
+        self.actor_graphdef, params = nnx.split(actor)
+        self.ref_params = jax.tree.map(jnp.copy, params) if self.use_ref else None
+        init = jax.jit(stages.init_train_state, static_argnums=1)
+        self.actor_state = init(params, self.stage_cfg.actor_optim)
+        self.critic_state = None
+        if self.use_critic:
+            critic_config = build.critic_model_config(cfg, self.actor_config)
+            critic = build.build_critic(cfg, critic_config, mesh, seed + 1)
+            self.critic_graphdef, critic_params = nnx.split(critic)
+            self.critic_state = init(critic_params, self.stage_cfg.critic_optim)
+        rollout = cfg.actor_rollout_ref.rollout
+        self.gen_dtype = to_dtype(rollout.dtype)
+        self.gen_shardings = state_shardings(params, self.meshes.generate, ACTOR_GENERATE_RULES)
+        self.engine = Engine(actor, RolloutConfig.from_config(rollout), mesh=self.meshes.generate)
+        self._update_weights()
+
+    def _jit_stages(self) -> None:
+        static = dict(static_argnums=(0, 3))
+        self._old_log_prob = jax.jit(stages.compute_old_log_prob, **static)
+        self._ref_log_prob = jax.jit(stages.compute_ref_log_prob, **static)
+        self._values = jax.jit(stages.compute_values, **static)
+        self._advantage = jax.jit(stages.compute_advantage, static_argnums=2)
+        update = dict(static_argnums=(0, 4), donate_argnums=1)
+        self._update_actor = jax.jit(stages.update_actor, **update)
+        self._update_critic = jax.jit(stages.update_critic, **update)
+        self._data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
+
+    def _update_weights(self) -> int:
+        """Re-lays the actor's weights into the generation layout; returns bytes moved."""
+        params, nbytes = update_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
+        self.engine.update_weights(params)
+        return nbytes
+
+    def _sampling(self, step: int, validate: bool = False) -> SamplingParams:
+        rollout = self.cfg.actor_rollout_ref.rollout
+        seed = step_seed(self.cfg.trainer.seed, step, int(validate))
+        return SamplingParams.from_config(rollout, validate=validate, seed=seed)
+
+    # ------------------------------------------------------------------------------ the step
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One RL step on the next training batch; returns its metrics on the host."""
+        cfg, sc, timing = self.cfg, self.stage_cfg, {}
+        device: dict[str, jax.Array] = {}
+        rng = jax.random.fold_in(jax.random.key(cfg.trainer.seed), step)
+        with timed(timing, "step"):
+            epoch = self.train_loader.epoch
+            prompts = next(self.train_loader)
+            with timed(timing, "gen"):
+                batch, host = generate_batch(
+                    self.engine,
+                    prompts,
+                    self._sampling(step),
+                    self.tokenizer.pad_token_id,
+                    self.batch_sharding,
+                )
+            with timed(timing, "reward"):
+                scores = submit_rewards(self.rewards, self.tokenizer, host)
+            with timed(timing, "old_log_prob"):
+                batch, m = self._old_log_prob(
+                    self.actor_graphdef, self.actor_state.params, batch, sc
+                )
+                device |= jax.block_until_ready(m)
+            if self.use_ref:
+                with timed(timing, "ref"):
+                    batch = self._ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
+                    jax.block_until_ready(batch.ref_log_prob)
+            if self.use_critic:
+                with timed(timing, "values"):
+                    batch = self._values(self.critic_graphdef, self.critic_state.params, batch, sc)
+                    jax.block_until_ready(batch.values)
+            with timed(timing, "reward"):  # the scoring ran in threads meanwhile
+                result = scores.result()
+                token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
+                batch = batch.replace(token_level_scores=token_scores)
+            with timed(timing, "adv"):
+                batch, self.kl_coef, m = self._advantage(batch, self.kl_coef, sc)
+                device |= jax.block_until_ready(m)
+            nan_skipped = 0
+            if self.use_critic:
+                with timed(timing, "update_critic"):
+                    self.critic_state, m, nan = self._update_critic(
+                        self.critic_graphdef, self.critic_state, batch, rng, sc
+                    )
+                    device |= jax.block_until_ready(m)
+                    nan_skipped += int(nan)
+            if step > cfg.trainer.critic_warmup:
+                with timed(timing, "update_actor"):
+                    self.actor_state, m, nan = self._update_actor(
+                        self.actor_graphdef, self.actor_state, batch, rng, sc
+                    )
+                    device |= jax.block_until_ready(m)
+                    nan_skipped += int(nan)
+            with timed(timing, "reshard"):
+                nbytes = self._update_weights()
+                jax.block_until_ready(self.engine.state)
+            device |= self._data_metrics(batch, self.use_critic)
+            metrics = {k: float(v) for k, v in jax.device_get(device).items()}  # host sync
+        self._count_nans(nan_skipped, step)
+        metrics |= {k: float(v) for k, v in result.metrics.items()}
+        metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
+        seq_lens = host.prompt_lengths + host.response_lengths
+        metrics |= compute_perf_metrics(
+            seq_lens,
+            timing,
+            self.n_devices,
+            self.actor_config,
+            sc.actor_update.ppo_epochs,
+            self.peak_flops,
+        )
+        metrics |= {
+            "perf/reshard_bytes": float(nbytes),
+            "training/global_step": float(step),
+            "training/epoch": float(epoch),
+            "training/nan_skipped_updates_total": float(self.nan_total),
+            "actor/reward_kl_coef": float(self.kl_coef),
+        }
+        return metrics
+
+    def _count_nans(self, skipped: int, step: int) -> None:
+        self.nan_total += skipped
+        self.nan_consecutive = self.nan_consecutive + 1 if skipped else 0
+        if skipped:
+            log.warning("step %d: %d update(s) skipped for non-finite loss or grads", step, skipped)
+        limit = self.cfg.trainer.max_consecutive_nan_steps
+        if self.nan_consecutive >= limit:
+            raise NonFiniteLossError(
+                f"{self.nan_consecutive} consecutive steps with non-finite loss or gradients "
+                f"(trainer.max_consecutive_nan_steps={limit}); last at step {step}"
+            )
+
+    def validate(self) -> dict[str, float]:
+        """`val-core/<data_source>/acc/mean@n` on the validation files (empty if none)."""
+        if self.val_loader is None:
+            return {}
+        sampling = self._sampling(self.global_step, validate=True)
+        return validate(
+            self.engine,
+            self.val_loader,
+            sampling,
+            self.tokenizer,
+            self.rewards,
+            self.batch_sharding,
+        )
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _state_tree(self) -> dict[str, Any]:
+        tree = {"actor": self.actor_state, "kl_coef": self.kl_coef}
+        if self.critic_state is not None:
+            tree["critic"] = self.critic_state
+        return tree
+
+    def save(self) -> None:
+        """Checkpoints the current step (asynchronously; refused if any value is non-finite)."""
+        meta = {
+            "global_step": self.global_step,
+            "data": self.train_loader.get_state(),
+            "nan_consecutive": self.nan_consecutive,
+            "nan_total": self.nan_total,
+        }
+        self.checkpointer.save(self.global_step, self._state_tree(), meta)
+
+    def restore(self) -> int:
+        """Resumes per `trainer.resume_mode`; returns the restored step (0: fresh start)."""
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return 0
+        if mode == "auto":
+            restored = self.checkpointer.restore(self._state_tree())
+        else:
+            directory, step = split_checkpoint_path(mode)
+            source = Checkpointer(directory, self.cfg.trainer.max_actor_ckpt_to_keep)
+            restored = source.restore(self._state_tree(), step)
+        if restored is None:
+            return 0
+        step, tree, meta = restored
+        self.actor_state, self.kl_coef = tree["actor"], tree["kl_coef"]
+        self.critic_state = tree.get("critic")
+        self.train_loader.set_state(meta["data"])
+        self.global_step = meta["global_step"]
+        self.nan_consecutive, self.nan_total = meta["nan_consecutive"], meta["nan_total"]
+        self._update_weights()
+        log.info("resumed from step %d", step)
+        return step
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Trains from the restored (or first) step to `total_steps`; saves every
+        `trainer.save_freq` steps, at the end, and on SIGTERM/SIGINT (then returns early).
+        Returns the last step's metrics."""
+        t = self.cfg.trainer
+        start = self.restore()
+        self.global_step = start
+        log_dir = os.path.join(t.default_local_dir, "logs")
+        tracker = Tracking(t.logger, log_dir, self.total_steps, start, t.progress_bar)
+        metrics: dict[str, Any] = {}
+        try:
+            with StopRequest() as stop:
+                if t.val_before_train and start == 0 and self.val_loader is not None:
+                    tracker.log(self.validate(), 0)
+                for step in range(start + 1, self.total_steps + 1):
+                    metrics = self.train_step(step)
+                    self.global_step = step
+                    last = step == self.total_steps
+                    if t.test_freq > 0 and (step % t.test_freq == 0 or last):
+                        with timed(timing := {}, "testing"):
+                            metrics |= self.validate()
+                        metrics["timing_s/testing"] = timing["testing"]
+                    if last or stop.requested or (t.save_freq > 0 and step % t.save_freq == 0):
+                        with timed(timing := {}, "save_checkpoint"):
+                            self.save()
+                        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                    tracker.log(metrics, step)
+                    if stop.requested:
+                        break
+        finally:
+            self.checkpointer.wait()
+            tracker.close()
+        return metrics
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.rewards.close()

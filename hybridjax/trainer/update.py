@@ -1,0 +1,130 @@
+"""The update phase as one pure function: epochs × mini-batches × micro-batches.
+
+Shared by the actor and the critic. For each of `ppo_epochs` epochs the B rows are split into
+mini-batches; each mini-batch into micro-batches whose gradients are summed (gradient
+accumulation, `lax.scan`), then one optimizer step is taken. Loss functions return this
+micro-batch's *share* of the mini-batch loss (sums over global counts, see
+`hybridjax.algorithms.loss_agg`), so the summed gradient equals the full mini-batch gradient.
+
+Splitting keeps every micro-batch spread over all data-parallel shards: rows are viewed as
+(micro, K) with the sharded batch axis first, and micro-batch k is column k. No row crosses a
+device to form a micro-batch.
+
+Non-finite loss or gradient norm: the optimizer step is skipped (parameters and optimizer state
+kept), and counted in `nan_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hybridjax.algorithms.loss_agg import LossCounts, loss_counts
+
+# loss_fn(params, micro_batch: dict of B_micro×... arrays, counts) -> (loss, metrics dict)
+LossFn = Callable[[Any, dict[str, jax.Array], LossCounts], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """Static shape of the update phase (all counts in responses, over all devices)."""
+
+    ppo_epochs: int
+    mini_batch_size: int  # ppo_mini_batch_size × rollout.n
+    micro_batch_size: int  # ppo_micro_batch_size_per_gpu × data-parallel size
+    shuffle: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Parameters (an `nnx.State`), optimizer state, and the number of updates done."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar: training steps this role has been updated in
+
+
+def _split(x: jax.Array, num_chunks: int) -> jax.Array:
+    """B×... → num_chunks × (B/num_chunks)×...: row r goes to chunk r % num_chunks, so each chunk
+    keeps the batch axis's sharding (see the module docstring)."""
+    b = x.shape[0]
+    y = x.reshape(b // num_chunks, num_chunks, *x.shape[1:])
+    return jnp.moveaxis(y, 1, 0)
+
+
+def _select(finite: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def ppo_update(
+    state: TrainState,
+    fields: dict[str, jax.Array],
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    config: UpdateConfig,
+    rng: jax.Array,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Runs the whole update phase of one role. Jit it with `loss_fn`, `tx`, `config` static.
+
+    Args:
+      state: current parameters and optimizer state (learning rate already set).
+      fields: the batch columns the loss reads, each with the B rows first; must hold
+        `response_mask` (B×R) for the global counts.
+      loss_fn: see `LossFn`; its metrics must be micro-batch shares (they are summed).
+      tx: the optimizer.
+      config: epochs and batch sizes; B must be a multiple of `mini_batch_size`, which must be a
+        multiple of `micro_batch_size` (validated with the config at start).
+      rng: permutation key when `config.shuffle`.
+    Returns:
+      (new state with `step` + 1, metrics averaged over mini-batches and epochs, plus
+      `grad_norm` and `nan_steps`, the count of skipped optimizer steps).
+    """
+    b = fields["response_mask"].shape[0]
+    num_mini = b // config.mini_batch_size
+    num_micro = config.mini_batch_size // config.micro_batch_size
+
+    def micro_step(params, micro, counts):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, counts)
+        return grads, dict(metrics, loss=loss)
+
+    def mini_step(carry, mini):
+        params, opt_state, nan_steps = carry
+        counts = loss_counts(mini["response_mask"])
+        micros = jax.tree.map(lambda x: _split(x, num_micro), mini)
+
+        def accumulate(acc, micro):
+            grads, metrics = micro_step(params, micro, counts)
+            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+        first = jax.tree.map(lambda x: x[0], micros)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_step, params, first, counts))
+        (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micros)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params = _select(finite, new_params, params)
+        opt_state = _select(finite, new_opt, opt_state)
+        metrics = dict(metrics, grad_norm=grad_norm)
+        return (params, opt_state, nan_steps + (~finite).astype(jnp.int32)), metrics
+
+    def epoch(carry, key):
+        data = fields
+        if config.shuffle:
+            perm = jax.random.permutation(key, b)
+            data = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), fields)
+        minis = jax.tree.map(lambda x: _split(x, num_mini), data)
+        return jax.lax.scan(mini_step, carry, minis)
+
+    keys = jax.random.split(rng, config.ppo_epochs)
+    init = (state.params, state.opt_state, jnp.zeros((), jnp.int32))
+    (params, opt_state, nan_steps), metrics = jax.lax.scan(epoch, init, keys)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["nan_steps"] = nan_steps
+    return TrainState(params, opt_state, state.step + 1), metrics

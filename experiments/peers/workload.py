@@ -1,0 +1,188 @@
+"""The workload every system in the peer comparison runs: one HF checkpoint, tokenizer and prompts.
+
+`python experiments/peers/workload.py --name=a` writes `experiments/peers/.work/<name>/`:
+
+  model/          Qwen2-shaped random checkpoint (`config.json`, `model.safetensors`) plus the
+                  tokenizer (`tokenizer.json`, `tokenizer_config.json`), loadable by
+                  `AutoModelForCausalLM` / `AutoTokenizer`, by Tunix's safetensors loader and by
+                  `hybridjax.models`.
+  workload.json   prompts (8 GSM8K questions), their ground truths, lengths, sampling settings,
+                  batch shape and the number of timed steps.
+
+Workloads (issue 9):
+  a  ~4M parameters, prompts as they come, responses up to 64 tokens (overhead-bound regime).
+  b  ~100M parameters, prompts of exactly 64 tokens, responses of exactly 128 tokens
+     (compute-bound regime).
+
+Runs in any environment with `transformers`, `torch` and `tokenizers` (the project's own
+virtualenv has them). The checkpoint is a seeded random init, so every system starts from
+bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORK = ROOT / "experiments" / "peers" / ".work"
+GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+PROJECT_TOKENIZER = ROOT / "hybridjax" / "assets" / "tokenizers" / "gsm8k_bpe"
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+PAD, EOS = "<|endoftext|>", "<|im_end|>"
+
+# Model shapes (HF Qwen2 config names) and workload settings shared by all systems.
+WORKLOADS = {
+    "a": dict(
+        model=dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        prompt_length=None,  # natural length; max_prompt_length is set to the longest
+        response_length=64,
+        fixed_response_length=False,
+        steps=12,
+        warmup=3,
+    ),
+    "b": dict(
+        model=dict(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+        ),
+        prompt_length=64,
+        response_length=128,
+        fixed_response_length=True,
+        steps=5,
+        warmup=2,
+    ),
+}
+COMMON = dict(
+    num_prompts=8,
+    n=4,  # samples per prompt (rollout.n / num_generations)
+    temperature=1.0,
+    top_p=1.0,
+    top_k=None,
+    learning_rate=1e-6,
+    beta=0.0,  # no KL term, so no reference model pass in any system
+    epsilon=0.2,
+    seed=0,
+)
+
+
+def _train_tokenizer(out_dir: pathlib.Path) -> None:
+    """Byte-level BPE (1,024 tokens) trained on GSM8K train text, with Qwen's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = []
+    with open(GSM8K_TRAIN) as f:
+        for line in f:
+            row = json.loads(line)
+            texts += [row["question"], row["answer"]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=[PAD, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+
+
+def _write_tokenizer(out_dir: pathlib.Path) -> None:
+    if (PROJECT_TOKENIZER / "tokenizer.json").exists():
+        shutil.copy(PROJECT_TOKENIZER / "tokenizer.json", out_dir / "tokenizer.json")
+    else:
+        _train_tokenizer(out_dir)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": PAD,
+        "eos_token": EOS,
+        "model_max_length": 4096,
+        "padding_side": "left",
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _prompts(tokenizer, spec: dict) -> list[dict]:
+    """The first `num_prompts` GSM8K questions (exactly `prompt_length` tokens when set)."""
+    rows = []
+    with open(GSM8K_TRAIN) as f:
+        for line in f:
+            row = json.loads(line)
+            text = f"{row['question']} {INSTRUCTION}"
+            truth = row["answer"].split("####")[-1].strip().replace(",", "")
+            if spec["prompt_length"] is not None:
+                ids = tokenizer.encode(text)
+                if len(ids) < spec["prompt_length"]:
+                    continue
+                text = tokenizer.decode(ids[-spec["prompt_length"] :])
+                if len(tokenizer.encode(text)) != spec["prompt_length"]:
+                    continue  # BPE round trip changed the length; take another question
+            rows.append({"prompt": text, "ground_truth": truth})
+            if len(rows) == spec["num_prompts"]:
+                return rows
+    raise RuntimeError("not enough GSM8K questions of the requested length")
+
+
+def build(name: str, force: bool = False) -> pathlib.Path:
+    """Writes workload `name` under `.work/<name>/` (kept if present) and returns that folder."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = WORK / name
+    if (out / "workload.json").exists() and not force:
+        return out
+    spec = {**COMMON, **WORKLOADS[name], "name": name}
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **spec["model"],
+    )
+    torch.manual_seed(spec["seed"])
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    spec["num_params"] = sum(p.numel() for p in model.parameters())
+    spec["prompts"] = _prompts(tokenizer, spec)
+    lengths = [len(tokenizer.encode(p["prompt"])) for p in spec["prompts"]]
+    spec["prompt_lengths"] = lengths
+    spec["max_prompt_length"] = max(lengths)
+    spec["eos_token_id"] = tokenizer.eos_token_id
+    spec["pad_token_id"] = tokenizer.pad_token_id
+    spec["model_dir"] = str(model_dir)
+    (out / "workload.json").write_text(json.dumps(spec, indent=2))
+    return out
+
+
+def load(name: str) -> dict:
+    """The workload spec written by `build` (raises FileNotFoundError if not built yet)."""
+    return json.loads((WORK / name / "workload.json").read_text())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args()
+    print(build(args.name, args.force))

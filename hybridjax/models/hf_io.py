@@ -159,9 +159,13 @@ class CheckpointReader:
 
 
 def _check_tensors(
-    reader: CheckpointReader, expected: dict[str, tuple[int, ...]], optional: set[str]
+    reader: CheckpointReader,
+    expected: dict[str, tuple[int, ...]],
+    optional: set[str],
+    ignored: set[str],
 ) -> None:
-    """Raises ValueError naming every missing / unexpected tensor and shape mismatch."""
+    """Raises ValueError naming every missing (and not `optional`) or unexpected (and not
+    `ignored`) tensor, and every shape mismatch with both shapes."""
     found = set(reader.names())
     problems = []
     for name, shape in expected.items():
@@ -173,7 +177,7 @@ def _check_tensors(
                 f"tensor {name!r} has shape {reader.shape(name)} in the checkpoint but the model "
                 f"expects {shape}"
             )
-    for name in sorted(found - set(expected)):
+    for name in sorted(found - set(expected) - ignored):
         problems.append(f"unexpected tensor {name!r} with shape {reader.shape(name)}")
     if problems:
         raise ValueError(
@@ -247,9 +251,7 @@ def load_pretrained(
         ignored = {n for n in reader.names() if n.endswith(_IGNORED_SUFFIXES)}
         if config.tie_word_embeddings or new_head:
             ignored.add("lm_head.weight")  # tied: HF drops it; fresh critic: not ours
-        _check_tensors(reader, expected, optional | (ignored & set(expected)))
-        for n in ignored & set(reader.names()) - set(expected):
-            reader.files.pop(n)
+        _check_tensors(reader, expected, optional, ignored)
         dtype = to_dtype(config.param_dtype)
         for p, var in params:
             shape = var.get_value().shape

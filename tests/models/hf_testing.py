@@ -4,9 +4,11 @@ HF initialises weights with std 0.02, which makes logits nearly constant; `_spre
 redraws them larger (norm scales around 1) so that a wrong transpose, rope or mask shows.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
 VOCAB = 128
 COMMON = dict(
@@ -84,3 +86,14 @@ def hf_logits(model, ids, mask, positions) -> np.ndarray:
 def max_valid_diff(a, b, mask) -> float:
     """max |a - b| over valid (mask != 0) positions of B×T×… arrays."""
     return float(np.abs(np.asarray(a) - np.asarray(b))[np.asarray(mask).astype(bool)].max())
+
+
+@nnx.jit
+def _forward(model, ids, mask, positions):
+    return model(ids, mask, positions)
+
+
+def our_logits(model, batch) -> np.ndarray:
+    """Our model's float32 outputs on `batch` = (ids, mask, positions); jitted (one compile per
+    config and shape, which eager dispatch would pay per op)."""
+    return np.asarray(_forward(model, *(jnp.asarray(x) for x in batch)))

@@ -9,18 +9,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_testing import COMMON, hf_logits, max_valid_diff, write_hf_model
+from hf_testing import COMMON, hf_logits, max_valid_diff, our_logits, write_hf_model
 from safetensors import safe_open
 
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 
 PARITY_TOL = 1e-4
 MEASURED = {}  # family -> max |Δlogit|, printed at the end of the module (run with -s)
-
-
-def _our_logits(model, batch):
-    ids, mask, positions = (jnp.asarray(x) for x in batch)
-    return np.asarray(model(ids, mask, positions))
 
 
 def _params(model) -> dict:
@@ -43,7 +38,7 @@ def _report():
 def test_logits_match_transformers(family, hf_checkpoints, loaded, padded_batch):
     _, hf_model = hf_checkpoints[family]
     ref = hf_logits(hf_model, *padded_batch)
-    ours = _our_logits(loaded[family], padded_batch)
+    ours = our_logits(loaded[family], padded_batch)
     err = max_valid_diff(ours, ref, padded_batch[1])
     MEASURED[family] = err
     assert np.abs(ref).max() > 1.0  # logits are not trivially small
@@ -68,7 +63,7 @@ def test_parity_is_sensitive(family, change, hf_checkpoints, padded_batch):
     path, hf_model = hf_checkpoints[family]
     altered = load_pretrained(path, config_overrides=change)
     ref = hf_logits(hf_model, *padded_batch)
-    assert max_valid_diff(_our_logits(altered, padded_batch), ref, padded_batch[1]) > 1e-2
+    assert max_valid_diff(our_logits(altered, padded_batch), ref, padded_batch[1]) > 1e-2
 
 
 def test_classifier_scores_match_transformers(tmp_path, padded_batch):
@@ -90,11 +85,12 @@ def test_classifier_scores_match_transformers(tmp_path, padded_batch):
         ).logits.numpy()
     model = load_pretrained(tmp_path, kind="classifier")
     assert model.config.num_labels == 2
-    scores = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions)))
+    scores = our_logits(model, padded_batch)
     err = max_valid_diff(scores, ref_tokens, mask)
     MEASURED["qwen2-classifier"] = err
     assert err <= PARITY_TOL
-    pooled = np.asarray(model.last_token_scores(jnp.asarray(ids), jnp.asarray(mask)))
+    last_token_scores = nnx.jit(lambda m, i, k: m.last_token_scores(i, k))
+    pooled = np.asarray(last_token_scores(model, jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_allclose(pooled, ref_pooled, atol=PARITY_TOL)
 
 
@@ -123,7 +119,7 @@ def test_tied_embeddings_saved_once_and_reload_tied(tmp_path, loaded, padded_bat
     ours = load_pretrained(tmp_path)
     assert ours.config.tie_word_embeddings and not hasattr(ours, "lm_head")
     np.testing.assert_array_equal(
-        _our_logits(ours, padded_batch), _our_logits(loaded["qwen2"], padded_batch)
+        our_logits(ours, padded_batch), our_logits(loaded["qwen2"], padded_batch)
     )
 
 

@@ -17,6 +17,7 @@ replicated; a mesh axis already used by an earlier dimension of the same array i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,6 +162,16 @@ def model_shardings(model: nnx.Module, mesh: Mesh, rules: Rules) -> Any:
     return state_shardings(nnx.state(model), mesh, rules)
 
 
+@functools.cache
+def _initializer(model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rules: Rules):
+    """(graphdef, jitted `key -> state` writing each variable into its shards); cached, so
+    models of one class, config and layout (e.g. actor and reference) compile once."""
+    make = lambda key: model_cls(model_config, nnx.Rngs(key))  # Rngs(seed) == Rngs(key(seed))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
+    shardings = state_shardings(abstract_state, mesh, rules)
+    return graphdef, jax.jit(lambda key: nnx.split(make(key))[1], out_shardings=shardings)
+
+
 def init_sharded(
     model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rules: Rules, seed: int = 0
 ) -> nnx.Module:
@@ -169,10 +180,8 @@ def init_sharded(
     The module is first built abstractly (`nnx.eval_shape`, no memory), its shardings derived from
     the rule table, then a jitted initialiser writes every parameter straight into its shards
     (`out_shardings`): no unsharded copy ever exists. Values do not depend on the mesh (JAX's
-    partitionable threefry RNG), so the same seed gives the same model on any mesh.
+    partitionable threefry RNG), so the same seed gives the same model on any mesh. `model_config`
+    must be hashable (ModelConfig is); one compile per (class, config, mesh, rules).
     """
-    make = lambda: model_cls(model_config, nnx.Rngs(seed))
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-    shardings = state_shardings(abstract_state, mesh, rules)
-    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    graphdef, init = _initializer(model_cls, model_config, mesh, rules)
+    return nnx.merge(graphdef, init(jax.random.key(seed)))

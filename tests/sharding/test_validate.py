@@ -1,0 +1,66 @@
+"""Parallelism checks: one ValueError naming every offending key and its value."""
+
+import dataclasses
+
+import pytest
+from conftest import TINY
+from ml_collections import ConfigDict
+
+from hybridjax.sharding import check_parallelism, parallelism_problems
+
+
+def _config(**mesh):
+    return ConfigDict(
+        dict(
+            data=dict(train_batch_size=8),
+            actor_rollout_ref=dict(actor=dict(ppo_mini_batch_size=4), rollout=dict(n=2)),
+            critic=dict(enable=True, ppo_mini_batch_size=4),
+            mesh=dict(
+                train=mesh.get("train", dict(data=1, fsdp=-1, tensor=2)),
+                generate=mesh.get("generate", dict(data=-1, tensor=2)),
+            ),
+        )
+    )
+
+
+def test_a_fitting_config_has_no_problems():
+    assert parallelism_problems(_config(), 8, {"actor_rollout_ref.model": TINY}) == []
+    check_parallelism(_config(), 8, {"actor_rollout_ref.model": TINY})
+
+
+def test_every_problem_in_one_message():
+    # generation 2 × 2 ≠ 8 devices; training data-parallel size 1 × 2 = 2; tensor 4.
+    config = _config(train=dict(data=1, fsdp=-1, tensor=4), generate=dict(data=2, tensor=2))
+    config.data.train_batch_size = 3
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 1
+    config.critic.ppo_mini_batch_size = 1
+    config.actor_rollout_ref.rollout.n = 1  # 3, 1 and 1 responses: odd
+    model = dataclasses.replace(TINY, num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ValueError) as err:
+        check_parallelism(config, 8, {"actor_rollout_ref.model": model})
+    message = str(err.value)
+    assert "(6 problems)" in message
+    for line in (
+        "mesh.generate.data=2, mesh.generate.tensor=2: must multiply to the 8 devices",
+        "data.train_batch_size × actor_rollout_ref.rollout.n = 3 × 1 = 3 is not divisible by "
+        "the training data-parallel size mesh.train.data × mesh.train.fsdp = 1 × 2 = 2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size × actor_rollout_ref.rollout.n = 1 × 1 = 1",
+        "critic.ppo_mini_batch_size × actor_rollout_ref.rollout.n = 1 × 1 = 1",
+        "actor_rollout_ref.model.num_attention_heads = 6 is not divisible by mesh.train.tensor = 4",
+    ):
+        assert line in message
+    # The broken generation mesh is not checked against the head counts.
+    assert "mesh.generate.tensor = 2" not in message
+    assert "num_key_value_heads = 2 is not divisible by mesh.train.tensor = 4" in message
+
+
+def test_generation_data_parallel_and_disabled_critic():
+    config = _config(train=dict(data=1, fsdp=8, tensor=1), generate=dict(data=8, tensor=1))
+    config.data.train_batch_size = 12  # × n=2 = 24: 24 % 8 = 0 → fine
+    config.critic.enable = False
+    config.critic.ppo_mini_batch_size = 3  # not checked: critic disabled
+    assert parallelism_problems(config, 8) == []
+    config.data.train_batch_size = 6  # 12 responses over 8 shards
+    problems = parallelism_problems(config, 8)
+    assert len(problems) == 2
+    assert "generation data-parallel size mesh.generate.data = 8" in problems[1]

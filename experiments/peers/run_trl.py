@@ -72,6 +72,8 @@ def main() -> None:
         beta=spec["beta"],
         epsilon=spec["epsilon"],
         num_iterations=1,
+        # TRL's GRPO defaults to activation recomputation; the other systems keep activations.
+        gradient_checkpointing=False,
         max_steps=steps,
         logging_steps=1,
         save_strategy="no",

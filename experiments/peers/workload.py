@@ -6,6 +6,7 @@
                   tokenizer (`tokenizer.json`, `tokenizer_config.json`), loadable by
                   `AutoModelForCausalLM` / `AutoTokenizer`, by Tunix's safetensors loader and by
                   `hybridjax.models`.
+  train.parquet   the prompts in verl's schema (hybridjax's input).
   workload.json   prompts (8 GSM8K questions), their ground truths, lengths, sampling settings,
                   batch shape and the number of timed steps.
 
@@ -13,6 +14,7 @@ Workloads (issue 9):
   a  ~4M parameters, prompts as they come, responses up to 64 tokens (overhead-bound regime).
   b  ~100M parameters, prompts of exactly 64 tokens, responses of exactly 128 tokens
      (compute-bound regime).
+  tiny  a 1-layer model, 16-token prompts, 8-token responses (smoke tests only).
 
 Runs in any environment with `transformers`, `torch` and `tokenizers` (the project's own
 virtualenv has them). The checkpoint is a seeded random init, so every system starts from
@@ -63,6 +65,21 @@ WORKLOADS = {
         steps=5,
         warmup=2,
     ),
+    # Test-sized: a smoke test of the harness and the benchmarks, not a measurement.
+    "tiny": dict(
+        model=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        prompt_length=16,
+        response_length=8,
+        fixed_response_length=True,
+        steps=1,
+        warmup=1,
+    ),
 }
 COMMON = dict(
     num_prompts=8,
@@ -109,6 +126,8 @@ def _write_tokenizer(out_dir: pathlib.Path) -> None:
         "eos_token": EOS,
         "model_max_length": 4096,
         "padding_side": "left",
+        # Renders the user's text unchanged: every system sees the same raw prompt string.
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
@@ -132,6 +151,26 @@ def _prompts(tokenizer, spec: dict) -> list[dict]:
             if len(rows) == spec["num_prompts"]:
                 return rows
     raise RuntimeError("not enough GSM8K questions of the requested length")
+
+
+def _write_parquet(path: pathlib.Path, prompts: list[dict]) -> str:
+    """The prompts in verl's parquet schema (for hybridjax's data loader)."""
+    import pyarrow.parquet as pq
+
+    from hybridjax.data.schema import table_from_rows
+
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": p["prompt"]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": p["ground_truth"]},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i, p in enumerate(prompts)
+    ]
+    pq.write_table(table_from_rows(rows), path)
+    return str(path)
 
 
 def build(name: str, force: bool = False) -> pathlib.Path:
@@ -171,6 +210,7 @@ def build(name: str, force: bool = False) -> pathlib.Path:
     spec["eos_token_id"] = tokenizer.eos_token_id
     spec["pad_token_id"] = tokenizer.pad_token_id
     spec["model_dir"] = str(model_dir)
+    spec["train_files"] = _write_parquet(out / "train.parquet", spec["prompts"])
     (out / "workload.json").write_text(json.dumps(spec, indent=2))
     return out
 

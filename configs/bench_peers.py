@@ -1,0 +1,26 @@
+"""Benchmark: GRPO step time of TRL, Tunix and hybridjax on identical workloads (issue 9).
+
+Needs the peers' virtualenvs once: `experiments/peers/setup_venvs.sh`. Then
+    python -m experiments.benchmarks.run --config=configs/bench_peers.py
+Workload a: ~3.4M-parameter Qwen2-shaped random model, 8 GSM8K prompts × 4 samples, responses up
+to 64 tokens. Workload b: ~102M parameters, 64-token prompts, 128-token responses.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config():
+    return ConfigDict(
+        dict(
+            benchmark="peers",
+            results_root="results",
+            peers=dict(
+                workloads="a,b",
+                systems="trl,tunix,hybridjax",
+                rounds=2,
+                steps=0,  # timed steps per run; 0 = the workload's default
+                torch_threads=2,  # with OMP_WAIT_POLICY=PASSIVE
+                timeout_s=3600,
+            ),
+        )
+    )

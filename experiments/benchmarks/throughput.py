@@ -1,0 +1,189 @@
+"""Throughput of the full RL step: steps/hour, tokens/s, per-stage timing, MFU.
+
+Runs `warmup + steps` steps of `hybridjax.trainer.RLTrainer` on a peer workload
+(`experiments/peers/workload.py`: `a`, `b` or the test-sized `tiny`) or on a trainer config
+file, after measuring the peak matmul FLOP/s of the machine in the same process. MFU:
+
+  actor update  training FLOPs (6·N·tokens + attention, `hybridjax.metrics.flops`) × ppo_epochs
+                / (timing_s/update_actor · devices · peak)
+  whole step    FLOPs of every model pass of the step / (timing_s/step · devices · peak), where
+                a forward pass costs a third of a training pass and generation counts as one
+                forward over prompt + response tokens (a KV cache saves recomputation, not
+                these FLOPs): actor update + forward passes of rollout, old log-prob, reference
+                (when a KL term is on) and critic values + critic update (when a critic is on).
+
+Config keys (`throughput`): workload ("a", "b", "tiny"; "" = use trainer_config),
+trainer_config (path of a trainer config file), overrides (dotted trainer keys → values),
+warmup, steps. `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def load_trainer_config(path: str, overrides: dict | None = None):
+    """`get_config()` of a trainer config file, with dotted-key `overrides` applied."""
+    spec = importlib.util.spec_from_file_location("bench_trainer_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for key, value in (overrides or {}).items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def workload_trainer_config(name: str):
+    """The trainer config of peer workload `name` (built first if needed)."""
+    from experiments.benchmarks.peers import build_workload
+    from experiments.peers.run_hybridjax import trainer_config
+
+    spec = build_workload(name)
+    return trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_bench_")), spec
+
+
+def step_flops(actor, critic, seq_lens: np.ndarray, ppo_epochs: int, use_ref: bool) -> float:
+    """FLOPs of every model pass of one RL step (see the module docstring).
+
+    Args:
+      actor: the actor's ModelConfig; critic: the critic's, or None without a critic.
+      seq_lens: (B,) prompt + response tokens of each sequence.
+      ppo_epochs: update passes over the batch (actor and critic alike).
+      use_ref: whether a reference forward pass runs.
+    """
+    from hybridjax.metrics.flops import training_flops
+
+    train = training_flops(actor, seq_lens)
+    forwards = 2 + int(use_ref)  # rollout + old log-prob (+ reference)
+    total = train * ppo_epochs + forwards * train / 3
+    if critic is not None:
+        critic_train = training_flops(critic, seq_lens)
+        total += critic_train * ppo_epochs + critic_train / 3
+    return total
+
+
+def measure(trainer, warmup: int, steps: int) -> list[dict]:
+    """Runs `warmup + steps` trainer steps; returns each step's metrics plus host wall/CPU time
+    (`bench/wall_s`, `bench/cpu_s`)."""
+    out = []
+    for step in range(1, warmup + steps + 1):
+        wall, cpu = time.perf_counter(), time.process_time()
+        metrics = trainer.train_step(step)
+        metrics["bench/wall_s"] = time.perf_counter() - wall
+        metrics["bench/cpu_s"] = time.process_time() - cpu
+        log.info("step %d: %s", step, json.dumps(metrics))
+        out.append(metrics)
+    return out
+
+
+def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> dict:
+    """Medians over the timed steps: step time, steps/hour, tokens/s, stage times, MFU."""
+    from hybridjax.trainer.build import critic_model_config
+
+    timed = metrics[warmup:]
+    med = lambda key: statistics.median(m[key] for m in timed)
+    step_s, tokens = med("timing_s/step"), med("perf/total_num_tokens")
+    stages = sorted({k for m in timed for k in m if k.startswith("timing_s/")})
+    critic = critic_model_config(trainer.cfg, trainer.actor_config) if trainer.use_critic else None
+    epochs = trainer.stage_cfg.actor_update.ppo_epochs
+    seq_lens = _median_seq_lens(timed)
+    flops = step_flops(trainer.actor_config, critic, seq_lens, epochs, trainer.use_ref)
+    n = trainer.n_devices
+    return {
+        "devices": n,
+        "num_params": trainer.actor_config.num_params(),
+        "peak_flops_per_device": peak_flops,
+        "step_time_s": step_s,
+        "step_cpu_time_s": med("bench/cpu_s"),
+        "steps_per_hour": 3600.0 / step_s,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_device": tokens / step_s / n,
+        "mfu_actor": med("perf/mfu/actor"),
+        "mfu_step": flops / (step_s * n * peak_flops),
+        "stages_s": {k.removeprefix("timing_s/"): med(k) for k in stages},
+        "dominant_stage": max((k for k in stages if k != "timing_s/step"), key=med).removeprefix(
+            "timing_s/"
+        ),
+        "step_times_s": [m["timing_s/step"] for m in timed],
+    }
+
+
+def _median_seq_lens(timed: list[dict]) -> np.ndarray:
+    """Row lengths of the median-token step, as B rows of its mean length: the metrics keep no
+    rows, so the dense FLOP term is exact and the attention term (a few % at these lengths) is
+    slightly underestimated."""
+    mid = sorted(timed, key=lambda m: m["perf/total_num_tokens"])[len(timed) // 2]
+    mean = mid["prompt_length/mean"] + mid["response_length/mean"]
+    rows = round(mid["perf/total_num_tokens"] / mean)
+    return np.full(rows, mean, dtype=np.float64)
+
+
+def run(cfg, out_dir: pathlib.Path) -> dict:
+    from hybridjax.metrics import measure_peak_flops
+    from hybridjax.trainer.trainer import RLTrainer
+
+    if cfg.workload:
+        trainer_cfg, spec = workload_trainer_config(cfg.workload)
+    else:
+        trainer_cfg, spec = load_trainer_config(cfg.trainer_config), None
+    for key, value in dict(cfg.get("overrides", {})).items():
+        trainer_cfg.update_from_flattened_dict({key: value})
+    t = trainer_cfg.trainer
+    t.default_local_dir = str(out_dir / "checkpoints")
+    t.logger, t.progress_bar, t.resume_mode = (), False, "disable"
+    t.total_training_steps = cfg.warmup + cfg.steps
+    peak = measure_peak_flops()
+    log.info("peak matmul FLOP/s per device: %.3g", peak)
+    t.peak_flops = peak
+    trainer = RLTrainer(trainer_cfg)
+    try:
+        metrics = measure(trainer, cfg.warmup, cfg.steps)
+    finally:
+        trainer.close()
+    summary = summarize(metrics, cfg.warmup, trainer, peak)
+    if spec is not None:
+        summary["workload"] = spec["name"]
+    (out_dir / "steps.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return summary
+
+
+def plot(summary: dict, out_dir: pathlib.Path) -> None:
+    """Per-stage median time (`stages.png`) and step time per step (`steps.png`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = {k: v for k, v in summary["stages_s"].items() if k != "step"}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.barh(list(stages), list(stages.values()), color="C0")
+    ax.set_xlabel("median seconds per step")
+    ax.set_title(
+        f"step {summary['step_time_s']:.2f} s, {summary['tokens_per_s']:.0f} tokens/s, "
+        f"MFU actor {summary['mfu_actor']:.1%}, step {summary['mfu_step']:.1%}"
+    )
+    fig.tight_layout()
+    fig.savefig(out_dir / "stages.png", dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(summary["step_times_s"]) + 1), summary["step_times_s"], marker="o")
+    ax.set_xlabel("timed step")
+    ax.set_ylabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out_dir / "steps.png", dpi=100)
+    plt.close(fig)

@@ -7,6 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ml_collections import ConfigDict
 
 from hybridjax.data.dataset import (
@@ -297,3 +299,22 @@ def test_empty_after_filtering(ten_rows, tok):
 def test_fewer_rows_than_a_training_batch(ten_rows, tok):
     with pytest.raises(ValueError, match="10 rows < batch size 16"):
         PromptLoader(PromptDataset([ten_rows], tok, 32), 16, tok.pad_token_id)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 40), st.sampled_from(["left", "right", "middle"]))
+def test_truncate_keeps_ends_property(n, limit, mode):
+    ids = list(range(n))
+    out = truncate(ids, limit, mode)
+    assert len(out) == min(n, limit)
+    if n <= limit:
+        assert out == ids
+    elif mode == "left":
+        assert out == ids[n - limit :]
+    elif mode == "right":
+        assert out == ids[:limit]
+    else:
+        assert (
+            out[: limit // 2] == ids[: limit // 2]
+            and out[limit // 2 :] == ids[n - (limit - limit // 2) :]
+        )

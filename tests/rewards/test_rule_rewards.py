@@ -1,6 +1,8 @@
 """Rule-based reward functions: REFERENCE.md's cases, MATH `\\boxed{}`, the registry."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridjax.rewards import (
     default_compute_score,
@@ -101,3 +103,15 @@ def test_register_new_source():
         return {"score": float(len(solution_str) == int(ground_truth)), "length": len(solution_str)}
 
     assert default_compute_score("test/length", "abc", "3") == {"score": 1.0, "length": 3}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-(10**12), 10**12), st.sampled_from(["", "$", "**"]), st.booleans())
+def test_gsm8k_number_formatting_property(n, decoration, thousands):
+    """A right answer scores 1 however it is written; the neighbouring number scores 0."""
+    written = f"{n:,}" if thousands else str(n)
+    response = f"Work... #### {decoration}{written}{decoration[::-1]}."
+    assert gsm8k.compute_score(response, str(n)) == 1.0
+    assert gsm8k.compute_score(response, f"{n:,}") == 1.0
+    assert gsm8k.compute_score(response, str(n + 1)) == 0.0
+    assert gsm8k.compute_score(f"so {written} it is", str(n), method="flexible") == 1.0

@@ -100,6 +100,8 @@ class ModelConfig:
     sliding_window: int | None = None
     family: str = "qwen2"
     num_labels: int = 1
+    # HF `*ForTokenClassification` heads (verl's critic) have a `score.bias`; sequence ones do not.
+    score_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -177,6 +179,9 @@ class ModelConfig:
             sliding_window=_sliding_window_from_hf(hf, family),
             family=family,
             num_labels=hf.get("num_labels", len(hf.get("id2label", {}) or {}) or 1),
+            score_bias=bool(archs)
+            and archs[0].endswith("ForTokenClassification")
+            and hf.get("token_classification_bias", True),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),

@@ -220,6 +220,7 @@ class CausalLM(nnx.Module):
 
 class SequenceClassifier(nnx.Module):
     """HF `*ForSequenceClassification` (`score.weight`): a scalar head for critic / reward model.
+    With `config.score_bias`, HF `*ForTokenClassification` (`score.weight`, `score.bias`).
 
     `__call__` returns per-token scores B×T×num_labels (float32); the critic reads every response
     position, the reward model the last valid token (`last_token_scores`).
@@ -234,13 +235,19 @@ class SequenceClassifier(nnx.Module):
             ("embed", "label"),
             to_dtype(config.param_dtype),
         )
+        if config.score_bias:
+            pd = to_dtype(config.param_dtype)
+            self.score_bias = _param(rngs, (config.num_labels,), ("label",), pd, init="zeros")
 
     def __call__(self, input_ids_BxT, attention_mask_BxT, positions_BxT=None) -> jax.Array:
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
         hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
         w = self.score[...].astype(hidden.dtype)
-        return jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
+        if self.config.score_bias:
+            scores = scores + self.score_bias[...].astype(jnp.float32)
+        return scores
 
     def last_token_scores(self, input_ids_BxT, attention_mask_BxT) -> jax.Array:
         """Scores B×num_labels at each row's last valid token (HF's pooling for padded rows)."""

@@ -13,6 +13,7 @@ Our layout differs from HF's only by transposes and reshapes of the same numbers
   `*.q_proj.bias`   (H·Dh,)                   `q_bias` (H, Dh)
   `*_proj.weight` of the MLP (out, in)         (in, out)
   `lm_head.weight` (V, D), `score.weight` (L, D)   (D, V), (D, L)
+  `score.bias` (L,) of `*ForTokenClassification`  `score_bias` (L,)
   embeddings and norm weights                  unchanged
 """
 
@@ -60,6 +61,8 @@ def hf_name(path: tuple[Any, ...]) -> str:
     *prefix, leaf = (str(p) for p in path)
     if leaf in ("q_bias", "k_bias", "v_bias"):
         return ".".join([*prefix, f"{leaf[0]}_proj", "bias"])
+    if leaf == "score_bias":
+        return "score.bias"
     if leaf == "weight":  # RMSNorm scales already carry HF's name.
         return ".".join([*prefix, leaf])
     return ".".join([*prefix, leaf, "weight"])
@@ -294,8 +297,11 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 
 def _architecture(model: CausalLM | SequenceClassifier) -> str:
     prefix = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[model.config.family]
-    suffix = "ForCausalLM" if isinstance(model, CausalLM) else "ForSequenceClassification"
-    return prefix + suffix
+    if isinstance(model, CausalLM):
+        return prefix + "ForCausalLM"
+    return prefix + (
+        "ForTokenClassification" if model.config.score_bias else "ForSequenceClassification"
+    )
 
 
 def _iter_params(model) -> Iterator[tuple[tuple[Any, ...], Any]]:

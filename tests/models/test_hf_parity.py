@@ -180,3 +180,22 @@ def test_bf16_checkpoint_loads_and_saves(tmp_path, hf_checkpoints):
 def test_loaded_arrays_live_on_default_device(loaded):
     leaves = jax.tree.leaves(nnx.state(loaded["qwen2"], nnx.Param))
     assert all(x.devices() == {jax.devices()[0]} for x in leaves)
+
+
+def test_token_classifier_with_bias_round_trips(tmp_path, padded_batch):
+    """verl's critic is HF `*ForTokenClassification`: `score.weight` plus `score.bias`."""
+    config = transformers.LlamaConfig(**COMMON, num_labels=1)
+    hf_model = write_hf_model(tmp_path / "hf", transformers.LlamaForTokenClassification, config)
+    ids, mask, positions = (torch.tensor(x) for x in padded_batch)
+    with torch.no_grad():
+        ref = hf_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.numpy()
+    model = load_pretrained(tmp_path / "hf", kind="classifier")
+    assert model.config.score_bias and abs(float(model.score_bias[...][0])) > 0
+    err = max_valid_diff(our_logits(model, padded_batch), ref, padded_batch[1])
+    MEASURED["llama-token-classifier"] = err
+    assert err <= PARITY_TOL
+    save_pretrained(model, tmp_path / "ours")
+    reloaded = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "ours")
+    assert type(reloaded).__name__ == "LlamaForTokenClassification"
+    for name, p in hf_model.state_dict().items():
+        np.testing.assert_array_equal(reloaded.state_dict()[name].numpy(), p.numpy(), err_msg=name)

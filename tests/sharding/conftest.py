@@ -2,23 +2,10 @@
 
 import pytest
 from flax import nnx
+from sharding_testing import GENERATE_MESH, TINY, TRAIN_MESH
 
-from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
-
-# vocab, mlp and head counts divisible by tensor=2; embed (64) by fsdp=4.
-TINY = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    attention_bias=True,
-)
-TRAIN_MESH = (1, 4, 2)  # data, fsdp, tensor
-GENERATE_MESH = (-1, 2)  # data (= 4), tensor
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
 from flax import nnx
+from sharding_testing import TINY
 
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,

@@ -3,8 +3,8 @@
 import dataclasses
 
 import pytest
-from conftest import TINY
 from ml_collections import ConfigDict
+from sharding_testing import TINY
 
 from hybridjax.sharding import check_parallelism, parallelism_problems
 

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharding_testing import TINY
 
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.sharding import (

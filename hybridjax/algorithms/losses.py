@@ -45,6 +45,11 @@ register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
 
 
+def _float32(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Losses are computed in float32 whatever the dtype of the log-probs (e.g. bfloat16)."""
+    return tuple(jnp.asarray(x, jnp.float32) for x in arrays)
+
+
 def _apply_is_weights(losses_BxT: jax.Array, rollout_is_weights_BxT: jax.Array | None) -> jax.Array:
     if rollout_is_weights_BxT is None:
         return losses_BxT
@@ -69,6 +74,9 @@ def compute_policy_loss_vanilla(
     `pg_clipfrac_lower`: share where the dual clip applies; `ppo_kl`: mean(old_logp − logp).
     Aggregated with `config.loss_agg_mode`. Source: verl `compute_policy_loss_vanilla`.
     """
+    old_log_prob_BxT, log_prob_BxT, advantages_BxT = _float32(
+        old_log_prob_BxT, log_prob_BxT, advantages_BxT
+    )
     log_ratio_BxT = jnp.clip(log_prob_BxT - old_log_prob_BxT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_BxT = jnp.exp(log_ratio_BxT)
     losses1_BxT = -advantages_BxT * ratio_BxT
@@ -114,6 +122,9 @@ def compute_policy_loss_gspo(
     the PPO clip with ε_low/ε_high. Always aggregated `seq-mean-token-mean`, as the paper and
     verl (`actor.loss_agg_mode` is ignored). `pg_clipfrac_lower` is 0 (no dual clip).
     """
+    old_log_prob_BxT, log_prob_BxT, advantages_BxT = _float32(
+        old_log_prob_BxT, log_prob_BxT, advantages_BxT
+    )
     mask_BxT = response_mask_BxT.astype(jnp.float32)
     log_ratio_BxT = log_prob_BxT - old_log_prob_BxT
     seq_log_ratio_B = safe_divide(
@@ -187,7 +198,8 @@ def compute_actor_loss(
     if config.use_kl_loss:
         if ref_log_prob_BxT is None:
             raise ValueError("actor.use_kl_loss needs ref_log_prob_BxT")
-        kl_loss = aggregate(kl_penalty(log_prob_BxT, ref_log_prob_BxT, config.kl_loss_type))
+        kl_BxT = kl_penalty(*_float32(log_prob_BxT, ref_log_prob_BxT), config.kl_loss_type)
+        kl_loss = aggregate(kl_BxT)
         metrics["actor/kl_loss"] = kl_loss
         loss = loss + config.kl_loss_coef * kl_loss
     metrics = {name: jax.lax.stop_gradient(value) for name, value in metrics.items()}
@@ -212,6 +224,7 @@ def compute_value_loss(
     `returns_BxT` the estimator's returns. Metrics (additive shares): `critic/vf_loss`,
     `critic/vf_clipfrac` (share of tokens where the clipped term is larger), `critic/vpred_mean`.
     """
+    vpreds_BxT, returns_BxT, values_BxT = _float32(vpreds_BxT, returns_BxT, values_BxT)
     vpred_clipped_BxT = jnp.clip(
         vpreds_BxT, values_BxT - cliprange_value, values_BxT + cliprange_value
     )

@@ -201,6 +201,19 @@ def test_vanilla_matches_numpy(mode):
     np.testing.assert_allclose(metrics["actor/ppo_kl"], ppo_kl, rtol=1e-5)
 
 
+def test_bfloat16_log_probs_give_a_float32_loss():
+    params, batch = make_batch(3)
+    _, new = policy_outputs(params, batch)
+    old, adv, mask = new + batch["old_noise"], batch["advantages"], batch["response_mask"]
+    config = ActorLossConfig(use_kl_loss=True)
+    args = (old, new, adv, mask)
+    loss, _ = compute_actor_loss(*args, config=config, ref_log_prob_BxT=old)
+    low = [x.astype(jnp.bfloat16) for x in (old, new, adv)]
+    loss_bf16, _ = compute_actor_loss(*low, mask, config=config, ref_log_prob_BxT=low[0])
+    assert loss_bf16.dtype == jnp.float32
+    assert float(loss_bf16) == pytest.approx(float(loss), rel=2e-2)
+
+
 def test_importance_weights_scale_the_per_token_loss():
     params, batch = make_batch(3)
     _, new = policy_outputs(params, batch)

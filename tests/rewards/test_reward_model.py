@@ -1,5 +1,6 @@
 """Reward-model scoring: batched, jitted scores equal a forward without left padding."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,11 +26,13 @@ RESPONSE_LENGTHS = (6, 2, 0, 4)
 
 @pytest.fixture(scope="module")
 def model():
-    rm = SequenceClassifier(CONFIG, nnx.Rngs(0))
-    # Random (not zero) head and biases so that every input token matters.
-    head = 0.5 * np.random.default_rng(1).normal(size=(32, 1))
-    rm.score = nnx.Param(jnp.asarray(head, jnp.float32), axes=("embed", "label"))
-    return rm
+    """Random weights everywhere (biases and head included) so that every input token matters;
+    drawn with numpy into an abstract model (eager init would compile one op per shape)."""
+    abstract = nnx.eval_shape(lambda: SequenceClassifier(CONFIG, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(1)
+    state = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), x.dtype), state)
+    return nnx.merge(graphdef, state)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,9 @@ def _reference_scores(model, prompts, prompt_mask, responses, response_mask):
         row = np.concatenate([prompts[i][prompt_mask[i] == 1], responses[i][response_mask[i] == 1]])
         ids[i, : len(row)], mask[i, : len(row)] = row, 1
         last.append(len(row) - 1)
-    scores = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
+    scores = np.asarray(
+        nnx.jit(lambda m, i, k: m(i, k))(model, jnp.asarray(ids), jnp.asarray(mask))
+    )
     return scores[np.arange(b), last, 0]
 
 

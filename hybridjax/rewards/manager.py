@@ -22,7 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
+from hybridjax.rewards.registry import (
+    default_compute_score,
+    load_custom_reward_function,
+    registered_data_sources,
+)
 
 log = logging.getLogger(__name__)
 ON_ERROR_POLICIES = ("zero", "raise")
@@ -147,12 +151,24 @@ class RewardManager:
           response_width: R, the padded response length of `token_level_scores`.
 
         The future raises `RewardFunctionError` (policy `raise`) naming the first failing row.
+
+        Raises:
+          ValueError: the per-row lists differ in length, or (built-in dispatch) a row's
+            `data_source` has no registered reward function: a configuration error, raised at
+            once rather than scored 0 under `on_error=zero`.
         """
         n = len(responses)
         extra_infos = [None] * n if extra_infos is None else list(extra_infos)
         for name, values in (("data_sources", data_sources), ("ground_truths", ground_truths)):
             if len(values) != n:
                 raise ValueError(f"{name} has {len(values)} rows, responses {n}")
+        if self.compute_score is default_compute_score:
+            unknown = sorted(set(data_sources) - set(registered_data_sources()))
+            if unknown:
+                raise ValueError(
+                    f"no reward function for data_source {unknown}; known: "
+                    f"{registered_data_sources()} (or set custom_reward_function.path)"
+                )
         lengths = np.asarray(response_lengths_B)
         row_futures = [
             self._rows.submit(self._score_row, data_sources[i], responses[i], ground_truths[i],

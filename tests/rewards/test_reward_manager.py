@@ -148,6 +148,13 @@ def test_default_config_uses_builtin_dispatch():
     manager.close()
 
 
+def test_unknown_data_source_fails_at_once():
+    manager = RewardManager(RewardConfig(on_error="zero"))
+    with pytest.raises(ValueError, match=r"data_source \['my/task'\]; known: .*openai/gsm8k"):
+        manager.submit(["#### 1"], ["my/task"], ["1"], None, [1], 1)
+    manager.close()
+
+
 def test_decode_responses_uses_valid_tokens_only():
     tok = Tokenizer.from_pretrained(ASSET)
     a, b = tok.encode("#### 18"), tok.encode("hi")

@@ -121,7 +121,8 @@ class PromptDataset:
     """Tokenised prompts of verl-schema parquet files (a grain random-access data source).
 
     `dataset[i]` is a dict with `prompt_ids` (int32 array), `index` and the non-tensor fields.
-    `num_filtered` counts rows dropped by `filter_overlong_prompts`.
+    `num_filtered` counts rows dropped by `filter_overlong_prompts`. `max_samples > 0` keeps only
+    the first `max_samples` prompts (`data.val_max_samples`).
 
     Raises (at construction):
       DataError: a file is missing, unreadable or empty; a column is missing or mistyped; a row
@@ -152,12 +153,14 @@ class PromptDataset:
             table = read_table(path, prompt_key)
             columns = [prompt_key, "data_source", "reward_model"]
             columns += [c for c in ("extra_info", "ability") if c in table.column_names]
-            self._tables.append(table.select(columns))
-            for row, ids in self._tokenize(path, tokenizer, truncation, filter_overlong_prompts):
+            table = table.select(columns)
+            self._tables.append(table)
+            rows = self._tokenize(path, table, tokenizer, truncation, filter_overlong_prompts)
+            for row, ids in rows:
+                if 0 < max_samples <= len(locations):
+                    break
                 prompt_ids.append(ids)
                 locations.append((file_number, row))
-        if max_samples > 0:
-            prompt_ids, locations = prompt_ids[:max_samples], locations[:max_samples]
         if not locations:
             raise DataError(
                 ", ".join(self.files),
@@ -171,9 +174,8 @@ class PromptDataset:
         self._ids = np.fromiter((t for ids in prompt_ids for t in ids), np.int32, self._offsets[-1])
         self._locations = np.asarray(locations, np.int64)
 
-    def _tokenize(self, path, tokenizer, truncation, filter_overlong):
-        """Yields (row, token ids) of the last loaded file's kept rows, `_CHUNK` rows at a time."""
-        table = self._tables[-1]
+    def _tokenize(self, path, table, tokenizer, truncation, filter_overlong):
+        """Yields (row, token ids) of the kept rows of one file, templated `_CHUNK` at a time."""
         for start in range(0, table.num_rows, _CHUNK):
             records = table.slice(start, _CHUNK).to_pylist()
             texts = []

@@ -1,5 +1,6 @@
 """Prompt dataset and loader: length policy, padding, per-epoch shuffle, resume, named errors."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -155,6 +156,9 @@ def test_validation_pads_last_batch_with_row_mask(ten_rows, tok):
     assert [b["index"].tolist() for b in loader.iter_epoch()] == [
         b["index"].tolist() for b in batches
     ]
+    config = DataConfig(val_files=(ten_rows,), max_prompt_length=32, val_batch_size=4)
+    few = val_loader(dataclasses.replace(config, val_max_samples=3), tok)
+    assert len(few.dataset) == 3 and next(few)["ground_truth"] == ["0", "1", "2", "0"]
 
 
 def test_several_files_concatenate(ten_rows, tmp_path, tok):

@@ -1,0 +1,97 @@
+"""Sampling: hand-computed truncation and log-probs, greedy rows, the allocator, configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from hybridjax.rollout.allocator import OutOfPagesError, PageAllocator
+from hybridjax.rollout.config import RolloutConfig, SamplingParams
+from hybridjax.rollout.sampling import sample_tokens, truncate_logits
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, kept",
+    [
+        (-1, 1.0, 4),
+        (1, 1.0, 1),
+        (3, 1.0, 3),
+        (-1, 0.7, 2),
+        (-1, 0.81, 3),
+        (-1, 0.5, 1),
+        (2, 0.9, 2),
+    ],
+)
+def test_truncate_keeps_top_k_then_smallest_top_p_set(top_k, top_p, kept):
+    # top_p 0.7: 0.5 < 0.7, 0.5 + 0.3 ≥ 0.7 → {0, 1}; top_p 0.81 → {0, 1, 2}.
+    out = truncate_logits(LOGITS, jnp.array([top_k]), jnp.array([top_p], jnp.float32))
+    assert np.isfinite(out[0]).tolist() == [True] * kept + [False] * (4 - kept)
+
+
+def test_log_prob_is_of_the_renormalised_distribution():
+    keys = jax.random.split(jax.random.PRNGKey(0), 64)
+    logits = jnp.repeat(LOGITS, 64, axis=0)
+    ones = jnp.ones(64)
+    tok, lp = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, use_filter=True)
+    assert set(np.asarray(tok).tolist()) == {0, 1}
+    expect = np.log(PROBS[np.asarray(tok)] / 0.8)  # kept mass 0.8
+    np.testing.assert_allclose(lp, expect, rtol=1e-5)
+
+
+def test_temperature_log_prob_and_greedy_rows():
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    logits = jnp.repeat(LOGITS, 2, axis=0)
+    temperature = jnp.array([0.0, 2.0])
+    tok, lp = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
+    assert int(tok[0]) == 0
+    np.testing.assert_allclose(lp[0], np.log(0.5), rtol=1e-6)  # greedy: T = 1, not truncated
+    scaled = np.sqrt(PROBS) / np.sqrt(PROBS).sum()  # p^(1/T) renormalised, T = 2
+    np.testing.assert_allclose(lp[1], np.log(scaled[int(tok[1])]), rtol=1e-5)
+
+
+def test_sampling_follows_the_distribution():
+    keys = jax.random.split(jax.random.PRNGKey(2), 4000)
+    logits = jnp.repeat(LOGITS, 4000, axis=0)
+    tok, _ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
+    freq = np.bincount(np.asarray(tok), minlength=4) / 4000
+    np.testing.assert_allclose(freq, PROBS, atol=0.03)
+
+
+def test_allocator_free_list_and_refcounts():
+    a = PageAllocator(4)
+    pages = a.allocate(3)
+    assert pages == [0, 1, 2] and a.num_free == 1
+    a.share(pages[:2])
+    a.release(pages)
+    assert a.num_free == 2 and a.refcount(0) == 1  # 0 and 1 still shared once
+    a.release(pages[:2])
+    assert a.num_free == 4
+    with pytest.raises(OutOfPagesError, match="asked for 5 pages, 4 free"):
+        a.allocate(5)
+    with pytest.raises(ValueError, match="released more often"):
+        a.release([3])
+
+
+def test_configs_from_verl_keys():
+    rollout = ConfigDict(
+        dict(n=4, temperature=0.7, top_k=-1, top_p=0.95, do_sample=True, prompt_length=64,
+             response_length=32, gpu_memory_utilization=0.4, num_pages=-1, page_size=8,
+             max_num_seqs=16, val_kwargs=dict(n=1, temperature=0.0, top_k=-1, top_p=1.0,
+                                              do_sample=False))
+    )  # fmt: skip
+    sp = SamplingParams.from_config(rollout, seed=3)
+    assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.seed) == (4, 0.7, 0.95, 32, 3)
+    val = SamplingParams.from_config(rollout, validate=True)
+    assert (val.n, val.temperature) == (1, 0.0)
+    rc = RolloutConfig.from_config(rollout)
+    assert (rc.num_pages, rc.page_size, rc.max_num_seqs, rc.max_seq_len) == (None, 8, 16, 96)
+    assert rc.pages_per_seq == 12  # positions 0..94
+    assert rc.default_num_pages == 16 * 12
+    with pytest.raises(ValueError, match="attention_impl"):
+        RolloutConfig(attention_impl="flash")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)

@@ -122,18 +122,16 @@ class CheckpointReader:
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
+        self._stack = contextlib.ExitStack()
+        self._open: dict[pathlib.Path, Any] = {}
         index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: self.path / file for name, file in weight_map.items()}
         elif single.is_file():
-            self.files = None  # names come from the file header
+            self.files = {name: single for name in self._handle(single).keys()}
         else:
             raise FileNotFoundError(f"no safetensors weights: neither {single} nor {index} exists")
-        self._stack = contextlib.ExitStack()
-        self._open: dict[pathlib.Path, Any] = {}
-        if self.files is None:
-            self.files = {name: single for name in self._handle(single).keys()}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -265,7 +263,7 @@ def load_pretrained(
                 log.warning("%s has no %s: initialising a new head of shape %s", path, name, shape)
                 value = INIT_STD * np.random.default_rng(seed).standard_normal(shape)
             axes = var.get_metadata()["axes"]
-            var.set_value(_place(value.astype(dtype), axes, shardings))
+            var.set_value(_place(value.astype(dtype, copy=False), axes, shardings))
     return nnx.merge(graphdef, state)
 
 

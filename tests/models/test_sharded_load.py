@@ -6,8 +6,9 @@ import pytest
 from flax import nnx
 from hf_testing import max_valid_diff, our_logits
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors.numpy import load_file
 
-from hybridjax.models.hf_io import load_pretrained
+from hybridjax.models.hf_io import load_pretrained, save_pretrained
 
 # A plain FSDP × tensor-parallel mapping, independent of hybridjax.sharding's rule tables.
 RULES = {
@@ -63,3 +64,16 @@ def test_sharded_load_equals_single_device(family, mesh, hf_checkpoints, padded_
     mask = padded_batch[1]
     sharded_out = our_logits(sharded, padded_batch)
     assert max_valid_diff(sharded_out, our_logits(single, padded_batch), mask) <= 1e-5
+
+
+def test_save_from_sharded_model_writes_the_same_tensors(mesh, hf_checkpoints, tmp_path):
+    path, _ = hf_checkpoints["llama"]
+    sharded = load_pretrained(path, shardings=simple_shardings(mesh))
+    save_pretrained(sharded, tmp_path, max_shard_size_bytes=100_000)
+    written = {}
+    for file in tmp_path.glob("model-*.safetensors"):
+        written.update(load_file(str(file)))
+    original = load_file(str(path / "model.safetensors"))
+    assert written.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)

@@ -139,6 +139,20 @@ def test_micro_batched_gradient_equals_mini_batch_gradient(all_grads, case):
         assert_trees_close(got, expected)
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_loss_is_a_sum_of_row_shares_so_any_partition_works(mode):
+    """With mini-batch counts each row's share is independent of the others: any partition of
+    the rows (contiguous or interleaved micro-batches, devices) sums to the mini-batch loss."""
+    _, batch = make_batch(9)
+    losses, mask = batch["returns"], batch["response_mask"]
+    counts = loss_counts(mask)
+    rows = jax.vmap(lambda row, m: agg_loss(row[None], m[None], mode, counts))(losses, mask)
+    full = agg_loss(losses, mask, mode)
+    np.testing.assert_allclose(jnp.sum(rows), full, rtol=1e-6)
+    interleaved = sum(agg_loss(losses[k::4], mask[k::4], mode, counts) for k in range(4))
+    np.testing.assert_allclose(interleaved, full, rtol=1e-6)
+
+
 def test_per_micro_batch_means_would_differ():
     """The test above can fail: averaging micro-batch token means is not the mini-batch mean."""
     _, batch = make_batch()

@@ -4,7 +4,7 @@ Jitted code takes these dataclasses (static or closed over), never a `ConfigDict
 once from the config file's sections::
 
     algo = AlgorithmConfig.from_dict(config.algorithm)      # algorithm.*
-    actor = ActorLossConfig.from_dict(config.actor)         # actor.*
+    actor = ActorLossConfig.from_dict(config.actor_rollout_ref.actor)  # actor.*
     critic = CriticLossConfig.from_dict(config.critic)      # critic.*
 
 `from_dict` reads only the keys below and ignores the rest of the section (batch sizes, optimiser

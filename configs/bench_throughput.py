@@ -18,7 +18,7 @@ def get_config():
             throughput=dict(
                 workload="b",  # a | b | tiny; "" = trainer_config
                 trainer_config="",  # a trainer config file, used when workload is ""
-                overrides=ConfigDict(),  # dotted trainer keys -> values
+                overrides="",  # JSON: dotted trainer keys -> values
                 warmup=1,
                 steps=3,
                 devices=0,  # simulated CPU devices; 0 = the platform's default

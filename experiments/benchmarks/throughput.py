@@ -13,7 +13,8 @@ file, after measuring the peak matmul FLOP/s of the machine in the same process.
                 (when a KL term is on) and critic values + critic update (when a critic is on).
 
 Config keys (`throughput`): workload ("a", "b", "tiny"; "" = use trainer_config),
-trainer_config (path of a trainer config file), overrides (dotted trainer keys → values),
+trainer_config (path of a trainer config file), overrides (JSON object of dotted trainer keys →
+values, e.g. '{"data.train_batch_size": 4}'),
 warmup, steps. `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
 """
 
@@ -32,28 +33,26 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def load_trainer_config(path: str, overrides: dict | None = None):
-    """`get_config()` of a trainer config file, with dotted-key `overrides` applied."""
+def load_trainer_config(path: str):
+    """`get_config()` of a trainer config file (e.g. `configs/tiny.py`)."""
     spec = importlib.util.spec_from_file_location("bench_trainer_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = module.get_config()
-    for key, value in (overrides or {}).items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    return module.get_config()
 
 
 def workload_trainer_config(name: str):
-    """The trainer config of peer workload `name` (built first if needed)."""
+    """The trainer config of peer workload `name` (built first if needed), over all devices;
+    validation (when asked for) runs on the workload's own prompts."""
+    import jax
+
     from experiments.benchmarks.peers import build_workload
     from experiments.peers.run_hybridjax import trainer_config
 
     spec = build_workload(name)
-    return trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_bench_")), spec
+    cfg = trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_bench_"), jax.device_count())
+    cfg.data.val_files = spec["train_files"]
+    return cfg, spec
 
 
 def step_flops(actor, critic, seq_lens: np.ndarray, ppo_epochs: int, use_ref: bool) -> float:
@@ -141,8 +140,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
         trainer_cfg, spec = workload_trainer_config(cfg.workload)
     else:
         trainer_cfg, spec = load_trainer_config(cfg.trainer_config), None
-    for key, value in dict(cfg.get("overrides", {})).items():
-        trainer_cfg.update_from_flattened_dict({key: value})
+    trainer_cfg.update_from_flattened_dict(json.loads(cfg.overrides or "{}"))
     t = trainer_cfg.trainer
     t.default_local_dir = str(out_dir / "checkpoints")
     t.logger, t.progress_bar, t.resume_mode = (), False, "disable"

@@ -22,8 +22,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from workload import load  # noqa: E402
 
 
-def trainer_config(spec: dict, out_dir: str):
-    """The trainer ConfigDict for workload `spec` (GRPO, no critic, no reference)."""
+def trainer_config(spec: dict, out_dir: str, devices: int = 1):
+    """The trainer ConfigDict for workload `spec` (GRPO, no critic, no reference), its batch
+    split evenly over `devices` data-parallel shards."""
     from hybridjax.trainer.config import base_config
 
     c = base_config()
@@ -38,7 +39,7 @@ def trainer_config(spec: dict, out_dir: str):
     c.actor_rollout_ref.model.path = spec["model_dir"]
     actor = c.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = spec["num_prompts"]  # one optimizer update per step
-    actor.ppo_micro_batch_size_per_gpu = batch  # no gradient accumulation
+    actor.ppo_micro_batch_size_per_gpu = batch // devices  # no gradient accumulation
     actor.clip_ratio = actor.clip_ratio_low = actor.clip_ratio_high = spec["epsilon"]
     actor.optim.lr = spec["learning_rate"]
     rollout = c.actor_rollout_ref.rollout
@@ -50,9 +51,10 @@ def trainer_config(spec: dict, out_dir: str):
     rollout.response_length = spec["response_length"]
     rollout.ignore_eos = spec["fixed_response_length"]
     rollout.max_num_seqs = batch
-    rollout.log_prob_micro_batch_size_per_gpu = batch
+    rollout.log_prob_micro_batch_size_per_gpu = batch // devices
     c.critic.enable = False
     c.critic.ppo_mini_batch_size = spec["num_prompts"]  # validated even when disabled
+    c.critic.ppo_micro_batch_size_per_gpu = batch // devices
     c.algorithm.adv_estimator = "grpo"
     c.trainer.seed = spec["seed"]
     c.trainer.logger = ()
@@ -69,7 +71,7 @@ def run(spec: dict, steps: int) -> dict:
 
     from hybridjax.trainer.trainer import RLTrainer
 
-    cfg = trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_peers_"))
+    cfg = trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_peers_"), jax.device_count())
     cfg.trainer.total_training_steps = spec["warmup"] + steps
     trainer = RLTrainer(cfg)
     walls, cpus, metrics = [], [], []

@@ -1,0 +1,243 @@
+"""Benchmark suite: hand-checked helpers (fast) and every benchmark at a minimal size (slow).
+
+The smoke tests run each benchmark end to end on the test-sized peer workload `tiny` and check
+the shape of what it writes, never its timings. The TRL and Tunix runs are left out: they need
+the peers' own virtualenvs (`experiments/peers/setup_venvs.sh`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments" / "peers"))
+
+from reward import StepClock, gsm8k_score  # noqa: E402
+
+from experiments.benchmarks import algorithm, peers, run, scalability, throughput  # noqa: E402
+from hybridjax.models.config import ModelConfig  # noqa: E402
+
+# ---------------------------------------------------------------------------------- fast
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("#### 1,234", "1234", 1.0),
+        ("First #### 3 then #### 4", "4", 1.0),
+        ("#### -7", "-7", 1.0),
+        ("The answer is 42", "42", 0.0),
+        ("#### 5", "6", 0.0),
+        ("####", "1", 0.0),
+    ],
+)
+def test_gsm8k_score_matches_the_reference_cases(response, truth, score):
+    assert gsm8k_score(response, truth) == score
+
+
+def test_step_clock_times_gaps_between_reward_calls_and_counts_tokens():
+    clock = StepClock({"q1": "4", "q2": "5"}, lambda prompts, completions: 10 * len(prompts))
+    assert clock(["q1", "q2"], ["#### 4", "#### 4"]) == [1.0, 0.0]
+    assert clock(["q2"], ["#### 5"]) == [1.0]
+    assert clock.tokens == [20, 10]
+    assert clock.scores == [0.5, 1.0]
+    (gap,) = clock.step_times_s()
+    assert gap == clock.stamps[1] - clock.stamps[0] and gap >= 0
+    assert len(clock.step_cpu_times_s()) == 1
+    with pytest.raises(KeyError, match="not in the workload"):
+        clock(["q3"], ["x"])
+
+
+def _run(times, tokens, warmup=1, cpu=None):
+    return {
+        "warmup": warmup,
+        "step_times_s": times,
+        "step_cpu_times_s": cpu or times,
+        "tokens_per_step": tokens,
+    }
+
+
+def test_summarize_takes_medians_after_warm_up_over_all_runs():
+    s = peers.summarize([_run([9.0, 2.0, 4.0], [1, 100, 100]), _run([9.0, 3.0], [1, 100])])
+    assert s["step_time_s"] == 3.0  # median of 2, 4, 3
+    assert s["tokens_per_step"] == 100
+    assert s["tokens_per_s"] == pytest.approx(100 / 3)
+    assert s["steps_per_hour"] == pytest.approx(1200.0)
+    assert s["timed_steps"] == 3
+
+
+def test_ratio_is_against_the_faster_peer():
+    table = {
+        "trl": {"tokens_per_s": 100.0, "tokens_per_cpu_s": 50.0},
+        "tunix": {"tokens_per_s": 80.0, "tokens_per_cpu_s": 60.0},
+        "hybridjax": {"tokens_per_s": 300.0, "tokens_per_cpu_s": 120.0},
+    }
+    peers.add_ratios(table)
+    assert table["hybridjax"]["ratio_vs_faster_peer"] == pytest.approx(3.0)
+    assert table["hybridjax"]["cpu_ratio_vs_faster_peer"] == pytest.approx(2.0)
+
+
+def test_step_flops_counts_each_model_pass():
+    # 1 layer, D=4, F=8, H=K=1, Dh=4, V=8, untied: layer = 4·4·3 + 4·4 + 3·4·8 + 2·4 = 168,
+    # matmul params = 168 + 4 (final norm) + 8·4 (head) = 204. One row of 2 tokens:
+    # training = 6·204·2 + 12·4·4·1·1 = 2448 + 192 = 2640.
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=4,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
+    lens = np.array([2.0])
+    train = 2640.0
+    assert throughput.step_flops(cfg, None, lens, 1, False) == pytest.approx(train + 2 * train / 3)
+    assert throughput.step_flops(cfg, None, lens, 2, True) == pytest.approx(2 * train + train)
+    with_critic = throughput.step_flops(cfg, cfg, lens, 1, False)
+    assert with_critic == pytest.approx(train + 2 * train / 3 + train + train / 3)
+
+
+def test_scalability_points_are_three_sweeps_through_one_base_point():
+    cfg = ConfigDict(
+        dict(
+            batches="2,8",
+            response_lengths="16,64",
+            devices="1,4",
+            base_batch=8,
+            base_response_length=64,
+        )
+    )
+    pts = scalability.points(cfg)
+    assert pts[0] == {"batch": 8, "response_length": 64, "devices": 1}
+    assert len(pts) == 4  # base + batch 2 + length 16 + 4 devices
+    assert {"batch": 8, "response_length": 64, "devices": 4} in pts
+
+
+def test_point_overrides_split_the_batch_over_devices():
+    o = scalability.point_overrides(batch=4, response_length=32, devices=2, n=4)
+    assert o["data.train_batch_size"] == 4
+    assert o["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 8
+    assert o["actor_rollout_ref.rollout.response_length"] == 32
+    with pytest.raises(ValueError, match="do not split over 3 devices"):
+        scalability.point_overrides(batch=1, response_length=8, devices=3, n=4)
+
+
+def test_algorithm_overrides_select_estimator_and_critic():
+    assert algorithm.algorithm_overrides("ppo", 4)["critic.enable"] is True
+    assert algorithm.algorithm_overrides("ppo", 4)["actor_rollout_ref.rollout.n"] == 1
+    assert algorithm.algorithm_overrides("rloo", 4)["algorithm.adv_estimator"] == "rloo"
+    with pytest.raises(ValueError, match="known: grpo, rloo, ppo"):
+        algorithm.algorithm_overrides("dpo", 4)
+
+
+def test_results_dir_is_a_new_timestamped_folder(tmp_path):
+    a, b = run.results_dir(tmp_path), run.results_dir(tmp_path)
+    assert a != b and a.is_dir() and b.is_dir()
+    assert len(a.name.split("_")[0]) == 8 and len(a.name.split("_")[1]) == 6  # YYYYMMDD_HHMMSS
+
+
+def test_unknown_benchmark_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known: throughput, scalability"):
+        run.run_benchmark(ConfigDict(dict(benchmark="nope")))
+
+
+# ---------------------------------------------------------------------------------- smoke
+
+
+def _check_results(out: pathlib.Path, pngs: list[str]) -> dict:
+    for name in ["summary.json", "config.json", "log.txt", *pngs]:
+        assert (out / name).is_file(), name
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_throughput_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="throughput",
+            results_root=str(tmp_path),
+            throughput=dict(
+                workload="tiny", trainer_config="", overrides="", warmup=0, steps=1, devices=0
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["stages.png", "steps.png"])
+    assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
+    for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
+        assert np.isfinite(s[key]) and s[key] > 0, key
+    assert {"gen", "old_log_prob", "update_actor", "reshard"} <= set(s["stages_s"])
+
+
+@pytest.mark.slow
+def test_scalability_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="scalability",
+            results_root=str(tmp_path),
+            scalability=dict(
+                workload="tiny",
+                batches="",
+                response_lengths="4",
+                devices="2",
+                base_batch=2,
+                base_response_length=8,
+                warmup=0,
+                steps=1,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["scalability.png"])
+    got = [(p["response_length"], p["devices"]) for p in s["points"]]
+    assert got == [(8, 1), (4, 1), (8, 2)]
+    assert all(p["step_time_s"] > 0 for p in s["points"])
+
+
+@pytest.mark.slow
+def test_algorithm_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="algorithm",
+            results_root=str(tmp_path),
+            algorithm=dict(
+                trainer_config="",
+                workload="tiny",
+                algorithms="grpo,ppo,rloo",
+                n=4,
+                steps=1,
+                test_freq=1,
+                overrides="",
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["algorithm.png"])
+    assert set(s["curves"]) == {"grpo", "ppo", "rloo"}
+    for curve in s["curves"].values():
+        assert len(curve) == 1 and 0.0 <= curve[0]["val_acc"] <= 1.0
+
+
+@pytest.mark.slow
+def test_peer_comparison_hybridjax_side_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="peers",
+            results_root=str(tmp_path),
+            peers=dict(
+                workloads="tiny",
+                systems="hybridjax",
+                rounds=1,
+                steps=1,
+                torch_threads=1,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["peers.png"])
+    row = s["workloads"]["tiny"]["systems"]["hybridjax"]
+    assert row["tokens_per_step"] == 8 * 4 * (16 + 8) and row["timed_steps"] == 1

@@ -76,7 +76,7 @@ def test_cast_to_bfloat16_for_decoding(actor, gen_shardings):
 def test_donation_frees_the_source(actor, gen_shardings):
     _, params = actor
     copy = jax.tree.map(jnp.copy, params)
-    moved, _ = update_weights(copy, gen_shardings, donate=True, chunk_bytes=1)
+    moved, _ = update_weights(copy, gen_shardings, donate=True)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(copy))
     for want, got in zip(_leaves(params), _leaves(moved), strict=True):
         np.testing.assert_array_equal(got, want)

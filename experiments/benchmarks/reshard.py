@@ -1,0 +1,204 @@
+"""Re-layout benchmark: `update_weights` training → generation layout against copying the bytes.
+
+`python -m experiments.benchmarks.reshard [--sizes=25M,100M,400M] [--layouts=...]` runs on 8
+simulated CPU devices and writes `results/YYYYMMDD_HHMMSS/{config.json,summary.json,log.txt,
+reshard.png}` through `experiments.benchmarks.run` (also reachable as `run --config=...` with
+`benchmark="reshard"`).
+
+For each parameter set (a Qwen2-shaped `CausalLM` of about 25M / 100M / 400M float32 values,
+initialised straight into the training layout) and each layout pair, it times (median of
+`repeats` after one warm-up):
+
+* `reshard_s`  — `update_weights(params, generation shardings)`, the hybrid engine's move;
+* `copy_s`     — numpy `np.copyto` of the same number of bytes as the move writes (every
+  device's destination shards, replicas included) between two preallocated, already-touched
+  buffers: the memory-bandwidth limit of this machine;
+* `host_round_trip_s` — `jax.device_put(jax.device_get(params), generation shardings)`, the
+  naive path through one host copy.
+
+The ratios `reshard_s / copy_s` (goal ≤ 2 from 100M up) and `reshard_s / host_round_trip_s`
+go into `summary.json`. On one CPU the 8 "devices" share the same memory and cores, so this
+measures memory traffic and XLA's collective implementation, not an interconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import statistics
+import time
+
+import numpy as np
+from ml_collections import ConfigDict
+
+log = logging.getLogger(__name__)
+
+# Qwen2-shaped models (tied embeddings) of about 25M, 100M and 400M parameters.
+SIZES = {
+    "25M": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
+                num_attention_heads=8, num_key_value_heads=4),
+    "100M": dict(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
+                 num_attention_heads=12, num_key_value_heads=4),
+    "400M": dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
+                 num_attention_heads=16, num_key_value_heads=8),
+}  # fmt: skip
+# name → (mesh.train data, fsdp, tensor; mesh.generate data, tensor)
+LAYOUTS = {
+    "fsdp4xtp2->dp4xtp2": ((1, 4, 2), (4, 2)),
+    "fsdp8->tp8": ((1, 8, 1), (1, 8)),
+}
+COPY_CHUNK_BYTES = 256 << 20
+
+
+def default_config() -> ConfigDict:
+    """Settings of the `reshard` benchmark (the `reshard` node of a benchmark config)."""
+    return ConfigDict(
+        dict(
+            devices=8,
+            sizes="25M,100M,400M",
+            layouts=",".join(LAYOUTS),
+            repeats=3,
+            dtype="",  # "" keeps float32; "bfloat16" casts during the move
+        )
+    )
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles, first-touch page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def numpy_copy_seconds(nbytes: int, repeats: int) -> float:
+    """Seconds for `np.copyto` to write `nbytes` (in chunks of at most 256 MiB between two
+    preallocated, touched buffers, so only memory bandwidth is measured)."""
+    chunk = min(nbytes, COPY_CHUNK_BYTES) // 4
+    src, dst = np.ones(chunk, np.float32), np.zeros(chunk, np.float32)
+    full, rest = divmod(nbytes // 4, chunk)
+
+    def copy():
+        for _ in range(full):
+            np.copyto(dst, src)
+        np.copyto(dst[:rest], src[:rest])
+
+    return _median_time(copy, repeats)
+
+
+def measure(size: str, layout: str, repeats: int, dtype: str = "") -> dict:
+    """Times one parameter set and layout pair; returns the row of `summary.json`."""
+    import jax
+    from flax import nnx
+
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.models.decoder import CausalLM
+    from hybridjax.sharding import (
+        ACTOR_GENERATE_RULES,
+        ACTOR_TRAIN_RULES,
+        MeshConfig,
+        init_sharded,
+        make_meshes,
+        state_shardings,
+        update_weights,
+    )
+
+    config = ModelConfig(**SIZES[size], tie_word_embeddings=True)
+    train, generate = LAYOUTS[layout]
+    meshes = make_meshes(MeshConfig(train=train, generate=generate))
+    start = time.perf_counter()
+    _, params = nnx.split(init_sharded(CausalLM, config, meshes.train, ACTOR_TRAIN_RULES))
+    init_s = time.perf_counter() - start
+    shardings = state_shardings(params, meshes.generate, ACTOR_GENERATE_RULES)
+    cast = dtype or None
+    moved_bytes = update_weights(params, shardings, cast)[1]
+    reshard_s = _median_time(lambda: update_weights(params, shardings, cast), repeats)
+    copy_s = numpy_copy_seconds(moved_bytes, repeats)
+    host_s = _median_time(
+        lambda: jax.block_until_ready(jax.device_put(jax.device_get(params), shardings)), repeats
+    )
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    row = dict(
+        size=size,
+        layout=layout,
+        num_params=config.num_params(),
+        param_bytes=param_bytes,
+        reshard_bytes=moved_bytes,
+        init_s=init_s,
+        reshard_s=reshard_s,
+        copy_s=copy_s,
+        host_round_trip_s=host_s,
+        reshard_gb_per_s=moved_bytes / reshard_s / 1e9,
+        copy_gb_per_s=moved_bytes / copy_s / 1e9,
+        ratio_to_copy=reshard_s / copy_s,
+        ratio_to_host_round_trip=reshard_s / host_s,
+    )
+    log.info("%s", json.dumps(row))
+    return row
+
+
+def run(cfg: ConfigDict, out_dir: pathlib.Path) -> dict:
+    """Every (size, layout) row plus the goal check (`ratio_to_copy` ≤ 2 from 100M up)."""
+    del out_dir
+    rows = [
+        measure(size, layout, cfg.repeats, cfg.dtype)
+        for size in str(cfg.sizes).split(",")
+        for layout in str(cfg.layouts).split(",")
+    ]
+    big = [r for r in rows if r["num_params"] >= 80e6]
+    return dict(
+        rows=rows,
+        goal="reshard_s <= 2 x copy_s from 100M parameters up",
+        goal_met=bool(big) and all(r["ratio_to_copy"] <= 2 for r in big),
+    )
+
+
+def plot(summary: dict, out_dir: pathlib.Path) -> None:
+    """`reshard.png`: seconds per parameter set for the move and both baselines, per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = sorted({r["layout"] for r in summary["rows"]})
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4), squeeze=False)
+    for ax, layout in zip(axes[0], layouts, strict=True):
+        rows = [r for r in summary["rows"] if r["layout"] == layout]
+        x = [r["num_params"] / 1e6 for r in rows]
+        for key, label in (
+            ("reshard_s", "update_weights"),
+            ("copy_s", "numpy copy, same bytes"),
+            ("host_round_trip_s", "device_get + device_put"),
+        ):
+            ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="seconds", title=layout)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "reshard.png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = default_config()
+    for key in ("sizes", "layouts", "repeats", "dtype"):
+        parser.add_argument(f"--{key}", type=type(defaults[key]), default=defaults[key])
+    args = parser.parse_args()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", defaults.devices)
+    from experiments.benchmarks.run import run_benchmark
+
+    settings = ConfigDict({**defaults.to_dict(), **vars(args)})
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(run_benchmark(ConfigDict(dict(benchmark="reshard", reshard=settings))))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,14 +27,21 @@ STEP_PREFIX = "global_step"
 log = logging.getLogger(__name__)
 
 
-def all_finite(tree: Any) -> bool:
-    """True when every floating-point leaf of `tree` is finite. Host sync (one scalar)."""
-    leaves = [
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    flags = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(tree)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+        if jnp.issubdtype(x.dtype, jnp.floating)
     ]
-    return bool(jnp.all(jnp.stack(leaves))) if leaves else True
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def all_finite(tree: Any) -> bool:
+    """True when every floating-point leaf of `tree` is finite. One compile per tree structure;
+    host sync (one scalar)."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return bool(_all_finite(arrays))
 
 
 def split_checkpoint_path(path: str) -> tuple[str, int]:

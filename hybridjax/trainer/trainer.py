@@ -52,6 +52,17 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps whose updates were skipped for NaN/inf loss or gradients."""
 
 
+# Jitted once per process, shared by every trainer (graph definitions and StageConfig static).
+_old_log_prob = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
+_ref_log_prob = jax.jit(stages.compute_ref_log_prob, static_argnums=(0, 3))
+_values = jax.jit(stages.compute_values, static_argnums=(0, 3))
+_advantage = jax.jit(stages.compute_advantage, static_argnums=2)
+_update_actor = jax.jit(stages.update_actor, static_argnums=(0, 4), donate_argnums=1)
+_update_critic = jax.jit(stages.update_critic, static_argnums=(0, 4), donate_argnums=1)
+_data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
+_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
+
+
 @contextlib.contextmanager
 def timed(timing: dict[str, float], name: str):
     """Adds the wall time of the block to `timing[name]` (seconds)."""
@@ -93,11 +104,11 @@ class RLTrainer:
         sc = self.stage_cfg
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self._build_models()
-        self._jit_stages()
         self.rewards = RewardManager(RewardConfig.from_config(cfg))
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
         self.peak_flops = t.peak_flops or measure_peak_flops()
-        self.kl_coef = jnp.float32(cfg.algorithm.kl_ctrl.kl_coef)
+        replicated = NamedSharding(self.meshes.train, PartitionSpec())
+        self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
         self.global_step = 0
         self.nan_consecutive = 0
         self.nan_total = 0
@@ -109,30 +120,18 @@ class RLTrainer:
         actor = build.build_actor(cfg, self.actor_config, mesh, seed)
         self.actor_graphdef, params = nnx.split(actor)
         self.ref_params = jax.tree.map(jnp.copy, params) if self.use_ref else None
-        init = jax.jit(stages.init_train_state, static_argnums=1)
-        self.actor_state = init(params, self.stage_cfg.actor_optim)
+        self.actor_state = _init_train_state(params, self.stage_cfg.actor_optim)
         self.critic_state = None
         if self.use_critic:
             critic_config = build.critic_model_config(cfg, self.actor_config)
             critic = build.build_critic(cfg, critic_config, mesh, seed + 1)
             self.critic_graphdef, critic_params = nnx.split(critic)
-            self.critic_state = init(critic_params, self.stage_cfg.critic_optim)
+            self.critic_state = _init_train_state(critic_params, self.stage_cfg.critic_optim)
         rollout = cfg.actor_rollout_ref.rollout
         self.gen_dtype = to_dtype(rollout.dtype)
         self.gen_shardings = state_shardings(params, self.meshes.generate, ACTOR_GENERATE_RULES)
         self.engine = Engine(actor, RolloutConfig.from_config(rollout), mesh=self.meshes.generate)
         self._update_weights()
-
-    def _jit_stages(self) -> None:
-        static = dict(static_argnums=(0, 3))
-        self._old_log_prob = jax.jit(stages.compute_old_log_prob, **static)
-        self._ref_log_prob = jax.jit(stages.compute_ref_log_prob, **static)
-        self._values = jax.jit(stages.compute_values, **static)
-        self._advantage = jax.jit(stages.compute_advantage, static_argnums=2)
-        update = dict(static_argnums=(0, 4), donate_argnums=1)
-        self._update_actor = jax.jit(stages.update_actor, **update)
-        self._update_critic = jax.jit(stages.update_critic, **update)
-        self._data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
 
     def _update_weights(self) -> int:
         """Re-lays the actor's weights into the generation layout; returns bytes moved."""
@@ -166,36 +165,34 @@ class RLTrainer:
             with timed(timing, "reward"):
                 scores = submit_rewards(self.rewards, self.tokenizer, host)
             with timed(timing, "old_log_prob"):
-                batch, m = self._old_log_prob(
-                    self.actor_graphdef, self.actor_state.params, batch, sc
-                )
+                batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
                 device |= jax.block_until_ready(m)
             if self.use_ref:
                 with timed(timing, "ref"):
-                    batch = self._ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
+                    batch = _ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
                     jax.block_until_ready(batch.ref_log_prob)
             if self.use_critic:
                 with timed(timing, "values"):
-                    batch = self._values(self.critic_graphdef, self.critic_state.params, batch, sc)
+                    batch = _values(self.critic_graphdef, self.critic_state.params, batch, sc)
                     jax.block_until_ready(batch.values)
             with timed(timing, "reward"):  # the scoring ran in threads meanwhile
                 result = scores.result()
                 token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
                 batch = batch.replace(token_level_scores=token_scores)
             with timed(timing, "adv"):
-                batch, self.kl_coef, m = self._advantage(batch, self.kl_coef, sc)
+                batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
                 device |= jax.block_until_ready(m)
             nan_skipped = 0
             if self.use_critic:
                 with timed(timing, "update_critic"):
-                    self.critic_state, m, nan = self._update_critic(
+                    self.critic_state, m, nan = _update_critic(
                         self.critic_graphdef, self.critic_state, batch, rng, sc
                     )
                     device |= jax.block_until_ready(m)
                     nan_skipped += int(nan)
             if step > cfg.trainer.critic_warmup:
                 with timed(timing, "update_actor"):
-                    self.actor_state, m, nan = self._update_actor(
+                    self.actor_state, m, nan = _update_actor(
                         self.actor_graphdef, self.actor_state, batch, rng, sc
                     )
                     device |= jax.block_until_ready(m)
@@ -203,7 +200,7 @@ class RLTrainer:
             with timed(timing, "reshard"):
                 nbytes = self._update_weights()
                 jax.block_until_ready(self.engine.state)
-            device |= self._data_metrics(batch, self.use_critic)
+            device |= _data_metrics(batch, self.use_critic)
             metrics = {k: float(v) for k, v in jax.device_get(device).items()}  # host sync
         self._count_nans(nan_skipped, step)
         metrics |= {k: float(v) for k, v in result.metrics.items()}

@@ -105,7 +105,7 @@ def ppo_update(
         first = jax.tree.map(lambda x: x[0], micros)
         zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_step, params, first, counts))
         (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micros)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -1,0 +1,132 @@
+"""Full RL steps on the tiny config, real GSM8K rows and the shipped tokenizer, 8 CPU devices."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from hybridjax.trainer.trainer import RLTrainer
+from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
+
+pytestmark = pytest.mark.slow
+
+PPO_KEYS = {
+    *(f"timing_s/{s}" for s in ("step", "gen", "reward", "old_log_prob", "values", "adv")),
+    *(f"timing_s/{s}" for s in ("update_critic", "update_actor", "reshard", "save_checkpoint")),
+    "perf/total_num_tokens",
+    "perf/throughput",
+    "perf/mfu/actor",
+    "perf/max_memory_allocated_gb",
+    *(f"critic/{k}/{s}" for k in ("score", "rewards", "advantages", "returns", "values")
+      for s in ("mean", "max", "min")),
+    "critic/vf_explained_var",
+    *(f"response_length/{s}" for s in ("mean", "max", "min", "clip_ratio")),
+    *(f"prompt_length/{s}" for s in ("mean", "max", "min", "clip_ratio")),
+    *(f"actor/{k}" for k in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy",
+                             "kl_loss", "kl_coef", "grad_norm", "lr")),
+    *(f"critic/{k}" for k in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")),
+    "training/global_step",
+    "training/epoch",
+    "training/rollout_probs_diff_mean",
+}  # fmt: skip
+VAL_KEY = "val-core/openai/gsm8k/acc/mean@1"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return gsm8k_subset(tmp_path_factory.mktemp("gsm8k"))
+
+
+def _params(trainer) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(trainer.actor_state.params))]
+
+
+def _deterministic(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def _run(config, stop_after: int | None = None) -> RLTrainer:
+    trainer = RLTrainer(config)
+    if stop_after is not None:  # SIGTERM arrives during step `stop_after`
+        step = trainer.train_step
+
+        def interrupted(n):
+            if n == stop_after:
+                signal.raise_signal(signal.SIGTERM)
+            return step(n)
+
+        trainer.train_step = interrupted
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
+    """PPO with a critic: every metric present and finite; SIGTERM at step 2, resume, and
+    step 3 gives bit-identical parameters and metrics to the uninterrupted run."""
+    changes = {"trainer.total_training_steps": 3}
+    whole = _run(tiny_config(data, tmp_path / "whole", **changes))
+    metrics = read_metrics(tmp_path / "whole")
+    for step in (1, 2, 3):
+        missing = PPO_KEYS - set(metrics[step])
+        assert not missing, f"step {step} lacks {sorted(missing)}"
+        bad = {k: v for k, v in metrics[step].items() if not math.isfinite(v)}
+        assert not bad, f"step {step} has non-finite metrics {bad}"
+    assert VAL_KEY in metrics[2] and 0.0 <= metrics[2][VAL_KEY] <= 1.0
+    assert metrics[3]["training/global_step"] == 3
+    assert metrics[1]["training/rollout_probs_diff_mean"] < 1e-5  # engine = trainer log-probs
+
+    first = _run(tiny_config(data, tmp_path / "cut", **changes), stop_after=2)
+    assert first.global_step == 2
+    assert first.checkpointer.steps() == [1, 2]
+    resumed = _run(tiny_config(data, tmp_path / "cut", **changes))
+    assert resumed.global_step == 3
+    for a, b in zip(_params(whole), _params(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    cut = read_metrics(tmp_path / "cut")
+    for step in (1, 2, 3):
+        assert _deterministic(cut[step]) == _deterministic(metrics[step]), step
+
+
+def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
+    """GRPO, n = 4, KL loss to the reference, one mini-batch per step: the first update is
+    exactly on-policy (ratio 1: ppo_kl and pg_clipfrac are 0) and every metric is finite.
+
+    Later steps are on-policy too, but the old-log-prob pass and the update are different XLA
+    programs, which may round differently once the biases and norm scales have moved off their
+    initial 0 and 1: there the ratio is 1 to within float32 rounding."""
+    config = tiny_config(
+        data,
+        tmp_path,
+        **{
+            "algorithm.adv_estimator": "grpo",
+            "critic.enable": False,
+            "actor_rollout_ref.rollout.n": 4,
+            "actor_rollout_ref.actor.use_kl_loss": True,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
+            "trainer.total_training_steps": 2,
+            "custom_reward_function.path": str(pathlib.Path(__file__).parent / "length_reward.py"),
+        },
+    )
+    trainer = _run(config)
+    metrics = read_metrics(tmp_path)
+    expected = {k for k in PPO_KEYS if not k.startswith(("critic/v", "critic/grad", "critic/lr"))}
+    expected -= {"timing_s/values", "timing_s/update_critic"}
+    expected |= {"timing_s/ref", VAL_KEY}
+    for step in (1, 2):
+        assert not expected - set(metrics[step]) - ({VAL_KEY} if step == 1 else set())
+        assert all(math.isfinite(v) for v in metrics[step].values())
+        assert abs(metrics[step]["actor/ppo_kl"]) < 1e-7
+        assert metrics[step]["actor/pg_clipfrac"] == 0.0
+        assert metrics[step]["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics[1]["actor/ppo_kl"] == 0.0
+    assert metrics[1]["actor/kl_loss"] == 0.0  # the reference equals the actor before step 1
+    assert metrics[1]["critic/advantages/max"] > 0.0  # the custom reward varies in groups
+    assert metrics[2]["actor/kl_loss"] > 0.0
+    assert trainer.checkpointer.steps() == [1, 2]

@@ -1,0 +1,258 @@
+"""Generation benchmark: the rollout engine against HF `transformers` `generate`, same weights.
+
+`python -m experiments.benchmarks.generation [--quick] [--models=4M,100M] [--batches=1,8,32]`
+writes `results/YYYYMMDD_HHMMSS/{config.json,summary.json,log.txt,generation.png}` through
+`experiments.benchmarks.run` (also reachable as `run --config=...` with
+`benchmark="generation"`). `--quick` is a smoke test on a tiny model (well under a minute).
+
+In one process, on the default (single) CPU device:
+
+1. peak float32 matmul FLOP/s of this machine (`hybridjax.metrics.flops.measure_peak_flops`);
+2. for each Qwen2-shaped model (random weights, tied embeddings; ~4M: hidden 256 × 4 layers,
+   ~100M: hidden 768 × 12 layers) and batch size: tokens/s of
+   * hybridjax: `hybridjax.rollout.generate` on an `Engine` with `max_num_seqs` = batch;
+   * HF: `AutoModelForCausalLM.generate` on the checkpoint written by
+     `hybridjax.models.hf_io.save_pretrained`, torch on `hf_threads` threads;
+   both sample at temperature 1 with no top-k/top-p, `prompt_len` prompt tokens, exactly
+   `new_tokens` new tokens (EOS ignored), median wall time over `repeats` after a warm-up
+   (prefill included). Roofline fraction = tokens/s × 2 × parameters / peak FLOP/s;
+3. continuous vs static batching (4M model): `requests` prompts with stop ids chosen so that
+   response lengths spread over 8 .. new_tokens, on `max_num_seqs` slots; the same engine with
+   refills as slots free (continuous) and refilling only when every slot finished (static).
+
+Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s, hf_tok_s,
+ratio, hybridjax_roofline, hf_roofline}}`, `continuous.{continuous_s, static_s, speedup,
+lengths}`, `compiles`. The machine is shared with other work: read ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+from ml_collections import ConfigDict
+
+log = logging.getLogger(__name__)
+
+# Qwen2-shaped models (q/k/v bias, tied embeddings).
+MODELS = {
+    "4M": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2),
+    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def default_config(quick: bool = False) -> ConfigDict:
+    """Settings of the `generation` benchmark (the `generation` node of a benchmark config)."""
+    if quick:
+        return ConfigDict(
+            dict(models="tiny", batches="1,4", prompt_len=16, new_tokens=16, repeats=1,
+                 hf_threads=1, continuous_model="tiny", requests=16, max_num_seqs=4,
+                 page_size=8, decode_steps_per_call=8)
+        )  # fmt: skip
+    return ConfigDict(
+        dict(models="4M,100M", batches="1,8,32", prompt_len=64, new_tokens=128, repeats=3,
+             hf_threads=1, continuous_model="4M", requests=128, max_num_seqs=32, page_size=16,
+             decode_steps_per_call=32)
+    )  # fmt: skip
+
+
+def make_model(name: str, seed: int = 0):
+    """A randomly initialised Qwen2-shaped `CausalLM` (std 0.02, the decoder's init)."""
+    from flax import nnx
+
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.models.decoder import CausalLM
+
+    config = ModelConfig(**MODELS[name], attention_bias=True, tie_word_embeddings=True)
+    return CausalLM(config, nnx.Rngs(seed))
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hybridjax_seconds(model, prompts: np.ndarray, cfg: ConfigDict) -> tuple[float, int]:
+    """Median seconds of `generate` for the batch, and the engine's compile count."""
+    from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+
+    b, t = prompts.shape
+    engine = Engine(
+        model,
+        RolloutConfig(page_size=cfg.page_size, max_num_seqs=b, prompt_length=t,
+                      response_length=cfg.new_tokens,
+                      decode_steps_per_call=cfg.decode_steps_per_call),
+    )  # fmt: skip
+    sp = SamplingParams(temperature=1.0, max_tokens=cfg.new_tokens, ignore_eos=True)
+    seconds = _median_seconds(lambda: generate(engine, prompts, sp), cfg.repeats)
+    return seconds, engine.num_compiles
+
+
+def hf_seconds(checkpoint: pathlib.Path, prompts: np.ndarray, cfg: ConfigDict) -> float:
+    """Median seconds of HF `generate` (torch CPU, `hf_threads` threads) for the batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(cfg.hf_threads)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), max_new_tokens=cfg.new_tokens,
+        min_new_tokens=cfg.new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        pad_token_id=0,
+    )  # fmt: skip
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(ids, **kwargs)
+        assert out.shape == (ids.shape[0], ids.shape[1] + cfg.new_tokens), out.shape
+
+    return _median_seconds(run, cfg.repeats)
+
+
+def bench_model(name: str, cfg: ConfigDict, peak: float) -> dict:
+    """Both systems on every batch size for model `name`."""
+    from hybridjax.models.hf_io import save_pretrained
+
+    model = make_model(name)
+    params = model.config.num_params()
+    flop_per_token = 2 * params
+    rng = np.random.default_rng(0)
+    batches = {}
+    with tempfile.TemporaryDirectory(prefix="hybridjax_gen_bench_") as tmp:
+        save_pretrained(model, tmp)
+        for b in (int(x) for x in cfg.batches.split(",")):
+            prompts = rng.integers(1, model.config.vocab_size, (b, cfg.prompt_len)).astype(np.int32)
+            ours, compiles = hybridjax_seconds(model, prompts, cfg)
+            hf = hf_seconds(pathlib.Path(tmp), prompts, cfg)
+            tokens = b * cfg.new_tokens
+            row = dict(
+                hybridjax_s=ours, hf_s=hf, hybridjax_tok_s=tokens / ours, hf_tok_s=tokens / hf,
+                ratio=hf / ours, hybridjax_roofline=tokens / ours * flop_per_token / peak,
+                hf_roofline=tokens / hf * flop_per_token / peak, compiles=compiles,
+            )  # fmt: skip
+            log.info("%s batch %d: %s", name, b, row)
+            batches[str(b)] = row
+    return dict(params=params, batches=batches)
+
+
+def bench_continuous(cfg: ConfigDict) -> dict:
+    """Continuous vs static batching on responses whose stop ids end them at 8 .. new_tokens.
+
+    Token streams depend only on (seed, prompt, sample, step), so a first run without stop ids
+    gives every response's tokens in advance; request i's stop id is its token at a drawn
+    length where that token occurs for the first time (the nearest such position).
+    """
+    from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+
+    model = make_model(cfg.continuous_model)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, model.config.vocab_size, (cfg.requests, cfg.prompt_len))
+    engine = Engine(
+        model,
+        RolloutConfig(page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs,
+                      prompt_length=cfg.prompt_len, response_length=cfg.new_tokens,
+                      decode_steps_per_call=cfg.decode_steps_per_call),
+    )  # fmt: skip
+    base = SamplingParams(temperature=1.0, max_tokens=cfg.new_tokens, ignore_eos=True, seed=7)
+    planned = generate(engine, prompts, base).responses
+    params, lengths = [], []
+    low = min(8, cfg.new_tokens)
+    for row in planned:
+        firsts = [j for j in range(low - 1, cfg.new_tokens) if row[j] not in row[:j]]
+        target = int(rng.integers(low, cfg.new_tokens + 1)) - 1
+        j = min(firsts, key=lambda f: abs(f - target)) if firsts else cfg.new_tokens - 1
+        params.append(SamplingParams(**{**base.__dict__, "stop_token_ids": (int(row[j]),)}))
+        lengths.append(j + 1)
+    out = generate(engine, prompts, params)
+    assert out.response_mask.sum(1).tolist() == lengths
+    continuous = _median_seconds(lambda: generate(engine, prompts, params), cfg.repeats)
+    static = _median_seconds(
+        lambda: generate(engine, prompts, params, continuous=False), cfg.repeats
+    )
+    result = dict(
+        continuous_s=continuous, static_s=static, speedup=static / continuous,
+        tokens=int(sum(lengths)), tok_s_continuous=sum(lengths) / continuous,
+        tok_s_static=sum(lengths) / static,
+        lengths=dict(min=min(lengths), mean=float(np.mean(lengths)), max=max(lengths)),
+        compiles=engine.num_compiles,
+    )  # fmt: skip
+    log.info("continuous vs static: %s", result)
+    return result
+
+
+def run(cfg: ConfigDict, out_dir: pathlib.Path) -> dict:
+    import jax
+
+    from hybridjax.metrics.flops import measure_peak_flops
+
+    peak = measure_peak_flops(1024)
+    log.info("peak %.1f GFLOP/s on %s", peak / 1e9, jax.devices()[0])
+    summary = dict(peak_flops=peak, devices=str(jax.devices()), hf_threads=cfg.hf_threads)
+    summary["models"] = {name: bench_model(name, cfg, peak) for name in cfg.models.split(",")}
+    summary["continuous"] = bench_continuous(cfg)
+    summary["peak_flops_after"] = measure_peak_flops(1024)  # the machine is shared: drift
+    return summary
+
+
+def plot(summary: dict, out_dir: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = summary["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, (name, m) in zip(axes[0], models.items(), strict=True):
+        batches = list(m["batches"])
+        x = np.arange(len(batches))
+        ours = [m["batches"][b]["hybridjax_tok_s"] for b in batches]
+        hf = [m["batches"][b]["hf_tok_s"] for b in batches]
+        ax.bar(x - 0.2, ours, 0.4, label="hybridjax")
+        ax.bar(x + 0.2, hf, 0.4, label="HF transformers")
+        ax.set_xticks(x, [f"batch {b}" for b in batches])
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{name} ({m['params'] / 1e6:.1f}M params)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "generation.png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model smoke test")
+    args, rest = parser.parse_known_args()
+    defaults = default_config(args.quick)
+    for key in defaults:
+        parser.add_argument(f"--{key}", type=type(defaults[key]), default=defaults[key])
+    settings = ConfigDict({**defaults.to_dict(), **{
+        k: v for k, v in vars(parser.parse_args()).items() if k != "quick"}})  # fmt: skip
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from experiments.benchmarks.run import run_benchmark
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(run_benchmark(ConfigDict(dict(benchmark="generation", generation=settings))))
+
+
+if __name__ == "__main__":
+    main()

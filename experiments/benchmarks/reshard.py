@@ -45,6 +45,8 @@ SIZES = {
                  num_attention_heads=12, num_key_value_heads=4),
     "400M": dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
                  num_attention_heads=16, num_key_value_heads=8),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=8, num_key_value_heads=8),  # for the smoke test
 }  # fmt: skip
 # name → (mesh.train data, fsdp, tensor; mesh.generate data, tensor)
 LAYOUTS = {

@@ -1,0 +1,104 @@
+"""Config files load, validate, and bad values fail naming their keys — all in one message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from ml_collections import ConfigDict
+
+from hybridjax.models.config import ModelConfig
+from hybridjax.trainer.validate import ConfigError, validate
+from tests.trainer.tiny_run import REPO, load_config_file
+
+ACTOR = {"actor_rollout_ref.model": ModelConfig(num_attention_heads=4, num_key_value_heads=2)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo"])
+def test_shipped_configs_are_valid_on_8_devices(name):
+    config = load_config_file(name)
+    if (
+        not config.actor_rollout_ref.model.path
+        and not config.actor_rollout_ref.model.override_config
+    ):
+        config.actor_rollout_ref.model.path = "/models/Qwen2.5-0.5B-Instruct"
+    validate(config, 8, ACTOR)
+
+
+def test_recipes_keep_verl_quick_start_values():
+    ppo, grpo = load_config_file("gsm8k_ppo"), load_config_file("gsm8k_grpo")
+    assert ppo.data.train_batch_size == 256
+    assert ppo.actor_rollout_ref.actor.optim.lr == 1e-6 and ppo.critic.optim.lr == 1e-5
+    assert ppo.data.max_prompt_length == ppo.data.max_response_length == 512
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.critic.enable
+    assert grpo.actor_rollout_ref.rollout.n == 5 and grpo.algorithm.adv_estimator == "grpo"
+    actor = grpo.actor_rollout_ref.actor
+    assert actor.use_kl_loss and actor.kl_loss_type == "low_var_kl" and actor.kl_loss_coef == 0.001
+
+
+def test_every_problem_is_reported_with_its_key():
+    config = load_config_file("tiny")
+    config.actor_rollout_ref.actor.optim.lr = -1.0  # range
+    config.algorithm.adv_estimator = "ppo2"  # registry lookup
+    config.data.truncation = "sideways"  # choice
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 3  # 16 % 3 != 0
+    config.actor_rollout_ref.rollout.response_length = 64  # != data.max_response_length
+    with pytest.raises(ConfigError) as err:
+        validate(config, 8, ACTOR)
+    message = str(err.value)
+    for key in (
+        "actor_rollout_ref.actor.optim.lr",
+        "algorithm.adv_estimator",
+        "'gae'",  # the valid estimator names are listed
+        "data.truncation",
+        "actor_rollout_ref.actor.ppo_mini_batch_size (3)",
+        "actor_rollout_ref.rollout.response_length (64)",
+    ):
+        assert key in message, (key, message)
+
+
+def test_unknown_keys_and_wrong_types_are_named():
+    """A config file that builds its own dicts (not from `base_config()`) is still checked."""
+    raw = load_config_file("tiny").to_dict()
+    raw["trainer"]["unlocked"] = True  # not in the schema
+    raw["trainer"]["save_freq"] = "often"
+    raw["actor_rollout_ref"]["model"]["override_config"]["hiden_size"] = 8
+    config = ConfigDict(raw)
+    with pytest.raises(ConfigError) as err:
+        validate(config, 8, ACTOR)
+    message = str(err.value)
+    assert "trainer.unlocked: unknown key" in message
+    assert "trainer.save_freq: expected int, got str ('often')" in message
+    assert "unknown model fields ['hiden_size']" in message
+
+
+def test_micro_batches_must_tile_the_mini_batch_over_devices():
+    config = load_config_file("tiny")
+    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 3  # 8 × 1 responses vs 3 × 8
+    config.mesh.train.data = 3  # 3 does not divide 8 devices
+    with pytest.raises(ConfigError) as err:
+        validate(config, 8, ACTOR)
+    message = str(err.value)
+    assert "mesh.train.data=3" in message
+
+
+def test_command_line_overrides_reach_validation():
+    """`--config.a.b=x` overrides through config_flags; bad values exit naming the keys."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridjax.train",
+            f"--config={REPO / 'configs' / 'tiny.py'}",
+            "--config.data.train_batch_size=12",
+            "--config.actor_rollout_ref.rollout.top_p=1.5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert "data.train_batch_size (12) must be divisible" in out.stderr
+    assert "actor_rollout_ref.rollout.top_p: must be in (0, 1] (got 1.5)" in out.stderr

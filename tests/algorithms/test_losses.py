@@ -318,7 +318,7 @@ def entropy_and_grad(logits, weights, entropy_fn):
     return entropy_fn(logits), grad
 
 
-@pytest.mark.parametrize("chunk_size", [4, 5, 12, 64])
+@pytest.mark.parametrize("chunk_size", [4, 5, 12])
 def test_chunked_entropy_equals_direct_entropy_and_gradient(chunk_size):
     logits = 3 * jax.random.normal(jax.random.PRNGKey(7), (2, T, V))
     weights = jax.random.normal(jax.random.PRNGKey(8), (2, T))

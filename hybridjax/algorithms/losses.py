@@ -7,7 +7,8 @@ Every policy loss is called as::
         config=actor_loss_config, counts=loss_counts(mini_batch_mask),
         rollout_is_weights_BxT=None)
 
-* log-probs are float32 log π(token) of the sampled tokens; `log_prob_BxT` carries the gradient.
+* log-probs are log π(token) of the sampled tokens (bfloat16 is upcast; losses are float32);
+  `log_prob_BxT` carries the gradient.
 * `counts` (`loss_agg.LossCounts`) are the whole mini-batch's denominators; None means these rows
   are the whole mini-batch. The loss and **every metric** are this micro-batch's additive share:
   sum them over the micro-batches of a mini-batch to get the mini-batch values (so the summed

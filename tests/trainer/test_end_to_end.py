@@ -9,7 +9,11 @@ import signal
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors import safe_open
 
+from hybridjax.checkpointing.export import export_actor
+from hybridjax.models.hf_io import load_pretrained
 from hybridjax.trainer.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
@@ -91,6 +95,15 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
     cut = read_metrics(tmp_path / "cut")
     for step in (1, 2, 3):
         assert _deterministic(cut[step]) == _deterministic(metrics[step]), step
+
+    exporter = RLTrainer(tiny_config(data, tmp_path / "cut", **changes))
+    assert export_actor(exporter, str(tmp_path / "hf")) == 3
+    exporter.close()
+    reloaded = load_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
+        assert "lm_head.weight" not in f.keys()  # tied embeddings: one tensor
+    for a, b in zip(_params(whole), jax.tree.leaves(nnx.state(reloaded, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):

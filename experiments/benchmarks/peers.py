@@ -140,8 +140,30 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     return result
 
 
+def markdown_table(summary: dict) -> str:
+    """The README table: one row per workload and system."""
+    lines = [
+        "| workload | system | s/step (wall) | CPU s/step | tokens/step | tokens/s | "
+        "vs faster peer (wall / CPU) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, w in summary["workloads"].items():
+        for system, r in w["systems"].items():
+            ratio = ""
+            if "ratio_vs_faster_peer" in r:
+                ratio = f"{r['ratio_vs_faster_peer']:.2f}× / {r['cpu_ratio_vs_faster_peer']:.2f}×"
+            lines.append(
+                f"| {name} ({w['num_params'] / 1e6:.1f}M) | {system} | {r['step_time_s']:.2f} | "
+                f"{r['step_cpu_time_s']:.2f} | {r['tokens_per_step']:.0f} | "
+                f"{r['tokens_per_s']:.0f} | {ratio} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: dict, out_dir: pathlib.Path) -> None:
-    """Bar chart of prompt+response tokens/s per system and workload (`peers.png`)."""
+    """Bar chart of prompt+response tokens/s per system and workload (`peers.png`), and the
+    markdown table (`table.md`)."""
+    (out_dir / "table.md").write_text(markdown_table(summary))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -73,10 +73,11 @@ def main() -> None:
     truth = {p["prompt"]: p["ground_truth"] for p in spec["prompts"]}
 
     def count_tokens(prompts, completions, **_):
-        return sum(
-            len(tokenizer.encode(p)) + len(tokenizer.encode(c))
-            for p, c in zip(prompts, completions, strict=True)
-        )
+        # Tunix hands the reward only text: re-encoding random-model text can split it into
+        # more tokens than were sampled, so a response counts at most response_length tokens.
+        cap = spec["response_length"]
+        prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+        return prompt_tokens + sum(min(len(tokenizer.encode(c)), cap) for c in completions)
 
     clock = StepClock(truth, count_tokens)
     batch = spec["num_prompts"]

@@ -13,7 +13,13 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, read_hf_config
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.sharding import ACTOR_TRAIN_RULES, CRITIC_RULES, init_sharded, sharding_fn
+from hybridjax.sharding import (
+    ACTOR_TRAIN_RULES,
+    CRITIC_RULES,
+    REWARD_MODEL_RULES,
+    init_sharded,
+    sharding_fn,
+)
 from hybridjax.trainer.optim import OptimConfig
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import UpdateConfig
@@ -79,16 +85,41 @@ def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Seque
     return init_sharded(SequenceClassifier, config, mesh, CRITIC_RULES, seed)
 
 
+def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
+    """The reward model (`reward_model.model.path`, an HF `*ForSequenceClassification`),
+    forward-only, in the reward-model layout of the training mesh."""
+    return load_pretrained(
+        cfg.reward_model.model.path,
+        kind="classifier",
+        shardings=sharding_fn(mesh, REWARD_MODEL_RULES),
+    )
+
+
+def forward_micro_batch(requested: int, rows: int, data_parallel: int) -> int:
+    """Rows per micro-batch of a forward-only pass: the largest multiple of `data_parallel` that
+    divides `rows` and is at most `requested` per device × `data_parallel` (at least one per
+    device). `rows` is a multiple of `data_parallel` (validated)."""
+    per_device = rows // data_parallel
+    size = max(d for d in range(1, min(requested, per_device) + 1) if per_device % d == 0)
+    return size * data_parallel
+
+
 def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
     """Rows (responses) per step, per actor/critic mini-batch and per micro-batch (all devices)."""
     a, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    rows = cfg.data.train_batch_size * n
     return {
-        "batch": cfg.data.train_batch_size * n,
+        "batch": rows,
         "actor_mini": a.actor.ppo_mini_batch_size * n,
         "actor_micro": a.actor.ppo_micro_batch_size_per_gpu * data_parallel,
         "critic_mini": cfg.critic.ppo_mini_batch_size * n,
         "critic_micro": cfg.critic.ppo_micro_batch_size_per_gpu * data_parallel,
-        "log_prob_micro": a.rollout.log_prob_micro_batch_size_per_gpu * data_parallel,
+        "log_prob_micro": forward_micro_batch(
+            a.rollout.log_prob_micro_batch_size_per_gpu, rows, data_parallel
+        ),
+        "reward_micro": forward_micro_batch(
+            cfg.reward_model.micro_batch_size_per_gpu, rows, data_parallel
+        ),
     }
 
 
@@ -103,7 +134,7 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
     return StageConfig(
         temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
         group_size=a.rollout.n,
-        log_prob_micro_batch_size=min(sizes["log_prob_micro"], sizes["batch"]),
+        log_prob_micro_batch_size=sizes["log_prob_micro"],
         algorithm=AlgorithmConfig.from_dict(cfg.algorithm),
         actor_loss=ActorLossConfig.from_dict(actor_loss),
         critic_loss=CriticLossConfig.from_dict(critic_loss),

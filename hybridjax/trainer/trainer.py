@@ -32,6 +32,7 @@ from hybridjax.metrics import (
 )
 from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig, RewardManager
+from hybridjax.rewards.reward_model import score_responses
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -127,6 +128,9 @@ class RLTrainer:
             critic = build.build_critic(cfg, critic_config, mesh, seed + 1)
             self.critic_graphdef, critic_params = nnx.split(critic)
             self.critic_state = _init_train_state(critic_params, self.stage_cfg.critic_optim)
+        self.reward_model = None
+        if cfg.reward_model.enable:
+            self.reward_model = nnx.split(build.build_reward_model(cfg, mesh))
         rollout = cfg.actor_rollout_ref.rollout
         self.gen_dtype = to_dtype(rollout.dtype)
         self.gen_shardings = state_shardings(params, self.meshes.generate, ACTOR_GENERATE_RULES)
@@ -164,6 +168,8 @@ class RLTrainer:
                 )
             with timed(timing, "reward"):
                 scores = submit_rewards(self.rewards, self.tokenizer, host)
+                if self.reward_model is not None:  # replaces the rule score, as verl's
+                    rm_scores = self._score_with_reward_model(batch)
             with timed(timing, "old_log_prob"):
                 batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
                 device |= jax.block_until_ready(m)
@@ -178,6 +184,8 @@ class RLTrainer:
             with timed(timing, "reward"):  # the scoring ran in threads meanwhile
                 result = scores.result()
                 token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
+                if self.reward_model is not None:
+                    token_scores = jax.block_until_ready(rm_scores)
                 batch = batch.replace(token_level_scores=token_scores)
             with timed(timing, "adv"):
                 batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
@@ -222,6 +230,22 @@ class RLTrainer:
             "actor/reward_kl_coef": float(self.kl_coef),
         }
         return metrics
+
+    def _score_with_reward_model(self, batch) -> jax.Array:
+        """B×R reward-model scores on each response's last valid token (queued, no sync)."""
+        graphdef, params = self.reward_model
+        dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
+        micro = build.batch_sizes(self.cfg, dp)["reward_micro"]
+        token_scores, _ = score_responses(
+            graphdef,
+            params,
+            batch.prompts,
+            batch.attention_mask[:, : batch.prompts.shape[1]],
+            batch.responses,
+            batch.response_mask,
+            micro_batch_size=micro,
+        )
+        return token_scores
 
     def _count_nans(self, skipped: int, step: int) -> None:
         self.nan_total += skipped

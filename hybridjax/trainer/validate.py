@@ -155,27 +155,22 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         if not ok:
             problems.append(message)
 
-    mini, bsz = a.actor.ppo_mini_batch_size, d.train_batch_size
-    need(
-        mini <= 0 or bsz % mini == 0,
-        f"data.train_batch_size ({bsz}) must be divisible by "
-        f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini})",
-    )
-    cmini = c.critic.ppo_mini_batch_size
-    need(
-        cmini <= 0 or bsz % cmini == 0,
-        f"data.train_batch_size ({bsz}) must be divisible by critic.ppo_mini_batch_size ({cmini})",
-    )
-    dp = _data_parallel_size(c, n_devices)
-    for role, mb, micro in (
-        ("actor_rollout_ref.actor", mini, a.actor.ppo_micro_batch_size_per_gpu),
-        ("critic", cmini, c.critic.ppo_micro_batch_size_per_gpu),
-    ):
-        if mb > 0 and micro > 0 and dp > 0:
+    bsz, dp = d.train_batch_size, _data_parallel_size(c, n_devices)
+    roles = [("actor_rollout_ref.actor", a.actor)]
+    if c.critic.enable:  # a disabled critic's batch sizes are never used
+        roles.append(("critic", c.critic))
+    for role, section in roles:
+        mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+        need(
+            mini <= 0 or bsz % mini == 0,
+            f"data.train_batch_size ({bsz}) must be divisible by {role}.ppo_mini_batch_size "
+            f"({mini})",
+        )
+        if mini > 0 and micro > 0 and dp > 0:
             need(
-                (mb * n) % (micro * dp) == 0,
-                f"{role}.ppo_mini_batch_size × rollout.n ({mb} × {n} = {mb * n} responses) must "
-                f"be divisible by {role}.ppo_micro_batch_size_per_gpu × data-parallel size "
+                (mini * n) % (micro * dp) == 0,
+                f"{role}.ppo_mini_batch_size × rollout.n ({mini} × {n} = {mini * n} responses) "
+                f"must be divisible by {role}.ppo_micro_batch_size_per_gpu × data-parallel size "
                 f"({micro} × {dp} = {micro * dp})",
             )
     need(
@@ -195,6 +190,10 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         max_pos is None or total <= max_pos,
         f"data.max_prompt_length + data.max_response_length ({total}) exceeds "
         f"actor_rollout_ref.model.override_config.max_position_embeddings ({max_pos})",
+    )
+    need(
+        not c.reward_model.enable or bool(c.reward_model.model.path),
+        "reward_model.enable is true but reward_model.model.path is empty",
     )
     need(
         bool(a.model.path) or bool(override),

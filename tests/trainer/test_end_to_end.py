@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import pathlib
 import signal
 
 import jax
@@ -13,7 +13,9 @@ from flax import nnx
 from safetensors import safe_open
 
 from hybridjax.checkpointing.export import export_actor
-from hybridjax.models.hf_io import load_pretrained
+from hybridjax.models.decoder import SequenceClassifier
+from hybridjax.models.hf_io import load_pretrained, save_pretrained
+from hybridjax.trainer import build
 from hybridjax.trainer.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
@@ -107,7 +109,8 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
 
 
 def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
-    """GRPO, n = 4, KL loss to the reference, one mini-batch per step: the first update is
+    """GRPO, n = 4, KL loss to the reference, a (random) reward model, one mini-batch per step:
+    the first update is
     exactly on-policy (ratio 1: ppo_kl and pg_clipfrac are 0) and every metric is finite.
 
     Later steps are on-policy too, but the old-log-prob pass and the update are different XLA
@@ -124,9 +127,13 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
             "trainer.total_training_steps": 2,
-            "custom_reward_function.path": str(pathlib.Path(__file__).parent / "length_reward.py"),
+            "reward_model.enable": True,
+            "reward_model.model.path": str(tmp_path / "rm"),
         },
     )
+    tokenizer = build.load_tokenizer(config)
+    shape = dataclasses.replace(build.actor_model_config(config, tokenizer), num_labels=1)
+    save_pretrained(SequenceClassifier(shape, nnx.Rngs(7)), tmp_path / "rm")
     trainer = _run(config)
     metrics = read_metrics(tmp_path)
     expected = {k for k in PPO_KEYS if not k.startswith(("critic/v", "critic/grad", "critic/lr"))}
@@ -140,6 +147,7 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
         assert metrics[step]["actor/pg_clipfrac_lower"] == 0.0
     assert metrics[1]["actor/ppo_kl"] == 0.0
     assert metrics[1]["actor/kl_loss"] == 0.0  # the reference equals the actor before step 1
-    assert metrics[1]["critic/advantages/max"] > 0.0  # the custom reward varies in groups
+    assert metrics[1]["critic/advantages/max"] > 0.0  # reward-model scores vary in groups
+    assert 0.0 < metrics[1]["critic/score/max"] < 1.0  # a model score, not a rule's 0 / 1
     assert metrics[2]["actor/kl_loss"] > 0.0
     assert trainer.checkpointer.steps() == [1, 2]

@@ -83,6 +83,9 @@ def summarize(runs: list[dict]) -> dict:
     wall, cpu, tok = (statistics.median(x) for x in (walls, cpus, tokens))
     return {
         "step_time_s": wall,
+        # Robust to a system that overlaps the next rollout with this update (Tunix's async
+        # data preparation), where single gaps between reward calls alternate long and short.
+        "step_time_mean_s": sum(walls) / len(walls),
         "step_cpu_time_s": cpu,
         "tokens_per_step": tok,
         "tokens_per_s": tok / wall,

@@ -16,9 +16,9 @@ Workloads (issue 9):
      (compute-bound regime).
   tiny  a 1-layer model, 16-token prompts, 8-token responses (smoke tests only).
 
-Runs in any environment with `transformers`, `torch` and `tokenizers` (the project's own
-virtualenv has them). The checkpoint is a seeded random init, so every system starts from
-bit-identical weights.
+Runs in the project's virtualenv (hybridjax writes the checkpoint with its HF exporter;
+`transformers` reads the tokenizer back). The checkpoint is a seeded random init, so every
+system starts from bit-identical weights.
 """
 
 from __future__ import annotations
@@ -173,10 +173,34 @@ def _write_parquet(path: pathlib.Path, prompts: list[dict]) -> str:
     return str(path)
 
 
+def _write_checkpoint(model_dir: pathlib.Path, spec: dict, tokenizer) -> int:
+    """A seeded random Qwen2-shaped `hybridjax` model exported with `hf_io.save_pretrained`
+    (so every peer loads the project's own export); returns its parameter count."""
+    from flax import nnx
+
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.models.decoder import CausalLM
+    from hybridjax.models.hf_io import save_pretrained
+
+    config = ModelConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        attention_bias=True,  # Qwen2's q/k/v biases
+        tie_word_embeddings=False,
+        family="qwen2",
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec["model"],
+    )
+    save_pretrained(CausalLM(config, nnx.Rngs(spec["seed"])), model_dir)
+    return config.num_params()
+
+
 def build(name: str, force: bool = False) -> pathlib.Path:
     """Writes workload `name` under `.work/<name>/` (kept if present) and returns that folder."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     out = WORK / name
     if (out / "workload.json").exists() and not force:
@@ -186,23 +210,7 @@ def build(name: str, force: bool = False) -> pathlib.Path:
     model_dir.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        **spec["model"],
-    )
-    torch.manual_seed(spec["seed"])
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    spec["num_params"] = sum(p.numel() for p in model.parameters())
+    spec["num_params"] = _write_checkpoint(model_dir, spec, tokenizer)
     spec["prompts"] = _prompts(tokenizer, spec)
     lengths = [len(tokenizer.encode(p["prompt"])) for p in spec["prompts"]]
     spec["prompt_lengths"] = lengths

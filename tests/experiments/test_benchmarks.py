@@ -66,6 +66,7 @@ def _run(times, tokens, warmup=1, cpu=None):
 def test_summarize_takes_medians_after_warm_up_over_all_runs():
     s = peers.summarize([_run([9.0, 2.0, 4.0], [1, 100, 100]), _run([9.0, 3.0], [1, 100])])
     assert s["step_time_s"] == 3.0  # median of 2, 4, 3
+    assert s["step_time_mean_s"] == 3.0
     assert s["tokens_per_step"] == 100
     assert s["tokens_per_s"] == pytest.approx(100 / 3)
     assert s["steps_per_hour"] == pytest.approx(1200.0)

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = _CONFIG.value
     devices = cfg[cfg.benchmark].get("devices", 0) if cfg.benchmark in cfg else 0
-    if devices:  # must precede the first use of JAX in this process
+    if isinstance(devices, int) and devices:  # before JAX starts; scalability lists several
         import jax
 
         jax.config.update("jax_platforms", "cpu")

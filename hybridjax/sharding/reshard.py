@@ -25,6 +25,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
@@ -41,7 +42,7 @@ def _mover(sharding: Sharding, dtype: Any):
     return jax.jit(cast, out_shardings=sharding)
 
 
-def _bytes_per_device(array: jax.Array) -> int:
+def _bytes_on_all_devices(array: jax.Array) -> int:
     """Bytes the array occupies summed over every device holding a shard (replicas count)."""
     shard_shape = array.sharding.shard_shape(array.shape)
     return int(np.prod(shard_shape)) * array.dtype.itemsize * len(array.sharding.device_set)
@@ -81,10 +82,10 @@ def update_weights(
         raise ValueError(f"shardings do not match the parameter tree: {err}") from err
     out, total = [], 0
     for leaf, target in zip(leaves, targets, strict=True):
-        floating = jax.numpy.issubdtype(leaf.dtype, np.floating)
+        floating = jnp.issubdtype(leaf.dtype, np.floating)
         moved = _mover(target, dtype if dtype is not None and floating else None)(leaf)
         out.append(jax.block_until_ready(moved))  # host sync: one leaf in flight at a time
-        total += _bytes_per_device(moved)
+        total += _bytes_on_all_devices(moved)
         if donate:
             leaf.delete()
     return jax.tree.unflatten(treedef, out), total

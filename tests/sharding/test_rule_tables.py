@@ -21,9 +21,10 @@ from hybridjax.sharding import (
 )
 
 # Expected specs, written out by hand from the issue (MLP over fsdp and tensor for training,
-# tensor only for generation), keyed by the last path element.
+# tensor only for generation), keyed by the last path element. fsdp takes the major-most
+# dimension it divides; 4 heads / 2 kv-heads do not split over tensor 2 × fsdp 4 = 8.
 TRAIN_SPECS = {
-    "embed_tokens": P("tensor", "fsdp"),
+    "embed_tokens": P(("tensor", "fsdp"), None),
     "lm_head": P("fsdp", "tensor"),
     "q_proj": P("fsdp", "tensor", None),
     "k_proj": P("fsdp", "tensor", None),
@@ -34,7 +35,7 @@ TRAIN_SPECS = {
     "v_bias": P("tensor", None),
     "gate_proj": P("fsdp", "tensor"),
     "up_proj": P("fsdp", "tensor"),
-    "down_proj": P("tensor", "fsdp"),
+    "down_proj": P(("tensor", "fsdp"), None),
     "weight": P(None),
 }
 GENERATE_SPECS = {
@@ -59,6 +60,8 @@ def test_mlp_spec_by_hand(meshes):
     assert spec == P("fsdp", "tensor")
     spec = logical_to_spec(("embed", "mlp"), (64, 128), meshes.generate, ACTOR_GENERATE_RULES)
     assert spec == P(None, "tensor")
+    spec = logical_to_spec(("mlp", "embed"), (128, 64), meshes.train, ACTOR_TRAIN_RULES)
+    assert spec == P(("tensor", "fsdp"), None)
     spec = logical_to_spec(("batch", "length"), (8, 16), meshes.train, ACTOR_TRAIN_RULES)
     assert spec == P(("data", "fsdp"), None)
 
@@ -124,4 +127,4 @@ def test_critic_score_head_and_loader_callable(meshes):
     assert critic.score.get_value().sharding.spec == P("fsdp", None)  # one label: replicated
     to_sharding = sharding_fn(meshes.train, ACTOR_TRAIN_RULES)
     sharding = to_sharding(("vocab", "embed"), (256, 64))
-    assert sharding == NamedSharding(meshes.train, P("tensor", "fsdp"))
+    assert sharding == NamedSharding(meshes.train, P(("tensor", "fsdp"), None))

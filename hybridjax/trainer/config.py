@@ -71,8 +71,10 @@ def base_config() -> ConfigDict:
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",
             optim=_optim(1e-6),
+            # host memory while the rollout runs (verl's keys)
+            fsdp_config=dict(param_offload=False, optimizer_offload=False),
         ),
-        ref=dict(log_prob_micro_batch_size_per_gpu=16),
+        ref=dict(log_prob_micro_batch_size_per_gpu=16, fsdp_config=dict(param_offload=False)),
         rollout=dict(
             name="hybridjax",
             n=1,
@@ -97,7 +99,11 @@ def base_config() -> ConfigDict:
     )
     c.critic = dict(
         enable=False,
-        model=dict(path="", override_config=ConfigDict()),
+        model=dict(
+            path="",
+            override_config=ConfigDict(),
+            fsdp_config=dict(param_offload=False, optimizer_offload=False),
+        ),
         ppo_mini_batch_size=256,
         ppo_micro_batch_size_per_gpu=8,
         ppo_epochs=1,

@@ -11,6 +11,7 @@ Metrics of a step are pulled to the host in one `device_get` at its end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -37,7 +38,10 @@ from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     MeshConfig,
+    OffloadConfig,
+    load_to_device,
     make_meshes,
+    offload_to_host,
     state_shardings,
     update_weights,
 )
@@ -104,6 +108,15 @@ class RLTrainer:
         self.use_critic = cfg.critic.enable
         sc = self.stage_cfg
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
+        a = cfg.actor_rollout_ref
+        self.offload = {
+            "actor": OffloadConfig.from_config(a.actor.fsdp_config),
+            "ref": OffloadConfig.from_config(a.ref.fsdp_config),
+            "critic": OffloadConfig.from_config(cfg.critic.model.fsdp_config),
+        }
+        self.offload_any = any(
+            o.param_offload or o.optimizer_offload for o in self.offload.values()
+        )
         self._build_models()
         self.rewards = RewardManager(RewardConfig.from_config(cfg))
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
@@ -158,6 +171,9 @@ class RLTrainer:
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
             prompts = next(self.train_loader)
+            if self.offload_any:
+                with timed(timing, "offload"):
+                    self._move_idle_states(offload_to_host)
             with timed(timing, "gen"):
                 batch, host = generate_batch(
                     self.engine,
@@ -166,6 +182,9 @@ class RLTrainer:
                     self.tokenizer.pad_token_id,
                     self.batch_sharding,
                 )
+            if self.offload_any:
+                with timed(timing, "onload"):
+                    self._move_idle_states(load_to_device)
             with timed(timing, "reward"):
                 scores = submit_rewards(self.rewards, self.tokenizer, host)
                 if self.reward_model is not None:  # replaces the rule score, as verl's
@@ -230,6 +249,24 @@ class RLTrainer:
             "actor/reward_kl_coef": float(self.kl_coef),
         }
         return metrics
+
+    def _move_idle_states(self, move) -> None:
+        """Moves the states configured for offload (`*.fsdp_config.*_offload`) with `move`
+        (`offload_to_host` before generation, `load_to_device` after). Host sync."""
+        replace = dataclasses.replace
+        actor, ref, critic = self.offload["actor"], self.offload["ref"], self.offload["critic"]
+        if actor.param_offload:
+            self.actor_state = replace(self.actor_state, params=move(self.actor_state.params))
+        if actor.optimizer_offload:
+            self.actor_state = replace(self.actor_state, opt_state=move(self.actor_state.opt_state))
+        if self.use_ref and ref.param_offload:
+            self.ref_params = move(self.ref_params)
+        if self.use_critic and critic.param_offload:
+            self.critic_state = replace(self.critic_state, params=move(self.critic_state.params))
+        if self.use_critic and critic.optimizer_offload:
+            self.critic_state = replace(
+                self.critic_state, opt_state=move(self.critic_state.opt_state)
+            )
 
     def _score_with_reward_model(self, batch) -> jax.Array:
         """B×R reward-model scores on each response's last valid token (queued, no sync)."""

@@ -109,7 +109,8 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
 
 
 def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
-    """GRPO, n = 4, KL loss to the reference, a (random) reward model, one mini-batch per step:
+    """GRPO, n = 4, KL loss to the reference, a (random) reward model, optimizer state and
+    reference offloaded to host memory during generation, one mini-batch per step:
     the first update is
     exactly on-policy (ratio 1: ppo_kl and pg_clipfrac are 0) and every metric is finite.
 
@@ -128,6 +129,8 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
             "trainer.total_training_steps": 2,
             "reward_model.enable": True,
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+            "actor_rollout_ref.ref.fsdp_config.param_offload": True,
             "reward_model.model.path": str(tmp_path / "rm"),
         },
     )
@@ -138,7 +141,7 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     metrics = read_metrics(tmp_path)
     expected = {k for k in PPO_KEYS if not k.startswith(("critic/v", "critic/grad", "critic/lr"))}
     expected -= {"timing_s/values", "timing_s/update_critic"}
-    expected |= {"timing_s/ref", VAL_KEY}
+    expected |= {"timing_s/ref", "timing_s/offload", "timing_s/onload", VAL_KEY}
     for step in (1, 2):
         assert not expected - set(metrics[step]) - ({VAL_KEY} if step == 1 else set())
         assert all(math.isfinite(v) for v in metrics[step].values())

@@ -8,6 +8,7 @@ are asked for their valid names, so the check never disagrees with what the step
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from hybridjax.algorithms.advantages import ADV_ESTIMATORS
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
+from hybridjax.data.dataset import as_file_list
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.config import base_config
@@ -191,6 +193,13 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"data.max_prompt_length + data.max_response_length ({total}) exceeds "
         f"actor_rollout_ref.model.override_config.max_position_embeddings ({max_pos})",
     )
+    for key in ("train_files", "val_files"):
+        for path in as_file_list(d[key]):
+            need(
+                os.path.exists(path),
+                f"data.{key}: no such file {path!r} (GSM8K: python -m hybridjax.data.gsm8k "
+                "--input ../shared/data/gsm8k --output data/gsm8k)",
+            )
     need(
         not c.reward_model.enable or bool(c.reward_model.model.path),
         "reward_model.enable is true but reward_model.model.path is empty",

@@ -15,9 +15,19 @@ from tests.trainer.tiny_run import REPO, load_config_file
 ACTOR = {"actor_rollout_ref.model": ModelConfig(num_attention_heads=4, num_key_value_heads=2)}
 
 
-@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo"])
-def test_shipped_configs_are_valid_on_8_devices(name):
+def _load(name, tmp_path):
+    """A shipped config whose parquet paths point at (empty) files that exist."""
     config = load_config_file(name)
+    for key in ("train_files", "val_files"):
+        path = tmp_path / f"{key}.parquet"
+        path.touch()
+        config.data[key] = str(path)
+    return config
+
+
+@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo"])
+def test_shipped_configs_are_valid_on_8_devices(name, tmp_path):
+    config = _load(name, tmp_path)
     if (
         not config.actor_rollout_ref.model.path
         and not config.actor_rollout_ref.model.override_config
@@ -37,13 +47,14 @@ def test_recipes_keep_verl_quick_start_values():
     assert actor.use_kl_loss and actor.kl_loss_type == "low_var_kl" and actor.kl_loss_coef == 0.001
 
 
-def test_every_problem_is_reported_with_its_key():
-    config = load_config_file("tiny")
+def test_every_problem_is_reported_with_its_key(tmp_path):
+    config = _load("tiny", tmp_path)
     config.actor_rollout_ref.actor.optim.lr = -1.0  # range
     config.algorithm.adv_estimator = "ppo2"  # registry lookup
     config.data.truncation = "sideways"  # choice
     config.actor_rollout_ref.actor.ppo_mini_batch_size = 3  # 16 % 3 != 0
     config.actor_rollout_ref.rollout.response_length = 64  # != data.max_response_length
+    config.data.val_files = "missing.parquet"
     with pytest.raises(ConfigError) as err:
         validate(config, 8, ACTOR)
     message = str(err.value)
@@ -54,6 +65,7 @@ def test_every_problem_is_reported_with_its_key():
         "data.truncation",
         "actor_rollout_ref.actor.ppo_mini_batch_size (3)",
         "actor_rollout_ref.rollout.response_length (64)",
+        "data.val_files: no such file 'missing.parquet'",
     ):
         assert key in message, (key, message)
 
@@ -73,14 +85,16 @@ def test_unknown_keys_and_wrong_types_are_named():
     assert "unknown model fields ['hiden_size']" in message
 
 
-def test_micro_batches_must_tile_the_mini_batch_over_devices():
-    config = load_config_file("tiny")
+def test_micro_batches_must_tile_the_mini_batch_over_devices(tmp_path):
+    config = _load("tiny", tmp_path)
     config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 3  # 8 × 1 responses vs 3 × 8
-    config.mesh.train.data = 3  # 3 does not divide 8 devices
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError, match=r"ppo_micro_batch_size_per_gpu × data-parallel size "
+                       r"\(3 × 8 = 24\)"):  # fmt: skip
         validate(config, 8, ACTOR)
-    message = str(err.value)
-    assert "mesh.train.data=3" in message
+    config = _load("tiny", tmp_path)
+    config.mesh.train.data = 3  # 3 does not divide 8 devices
+    with pytest.raises(ConfigError, match="mesh.train.data=3"):
+        validate(config, 8, ACTOR)
 
 
 def test_command_line_overrides_reach_validation():

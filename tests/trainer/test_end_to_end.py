@@ -98,7 +98,9 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
     for step in (1, 2, 3):
         assert _deterministic(cut[step]) == _deterministic(metrics[step]), step
 
-    exporter = RLTrainer(tiny_config(data, tmp_path / "cut", **changes))
+    at_step_3 = str(tmp_path / "cut" / "global_step_3")
+    exporter = RLTrainer(tiny_config(data, tmp_path / "export", **changes, **{
+        "trainer.resume_mode": at_step_3}))  # fmt: skip
     assert export_actor(exporter, str(tmp_path / "hf")) == 3
     exporter.close()
     reloaded = load_pretrained(tmp_path / "hf")

@@ -38,13 +38,18 @@ def _state():
     return TrainState(params, opt, jnp.int32(0))
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batches_give_the_mini_batch_update(mode):
+@pytest.mark.parametrize(
+    "mode, shuffle",
+    [("token-mean", False), ("seq-mean-token-mean", False), ("seq-mean-token-sum", True)],
+)
+def test_micro_batches_give_the_mini_batch_update(mode, shuffle):
     fields, tx = _fields(), make_optimizer(OPTIM)
-    run = lambda micro: ppo_update(
-        _state(), fields, _loss(mode), tx, UpdateConfig(2, 4, micro), jax.random.key(0)
+    run = lambda micro, shuffle=shuffle: ppo_update(
+        _state(), fields, _loss(mode), tx, UpdateConfig(2, 4, micro, shuffle), jax.random.key(0)
     )
     (whole, m_whole), (split, m_split) = run(4), run(1)
+    if shuffle:  # the permutation changes which rows share a mini-batch
+        assert not np.allclose(whole.params["w"], run(4, False)[0].params["w"])
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(m_whole["actor/pg_loss"], m_split["actor/pg_loss"], rtol=1e-6)

@@ -16,6 +16,9 @@ best of `repeats` after one warm-up; the 1-minute load average is recorded besid
 * `host_round_trip_s` — `jax.device_put(jax.device_get(params), generation shardings)`, the
   naive path through one host copy.
 
+`max_leaf_scratch_bytes_per_device` is the largest XLA scratch of one leaf's move: peak device
+memory is the training copy + the generation copy + at most that.
+
 The ratios `reshard_s / copy_s` (goal ≤ 2 from 100M up) and `reshard_s / host_round_trip_s`
 go into `summary.json`. On one CPU the 8 "devices" share the same memory and cores, so this
 measures memory traffic and XLA's collective implementation (a thread rendezvous per collective),
@@ -109,6 +112,7 @@ def measure(size: str, layout: str, repeats: int, dtype: str = "") -> dict:
         MeshConfig,
         init_sharded,
         make_meshes,
+        move_memory_bytes,
         state_shardings,
         update_weights,
     )
@@ -128,12 +132,15 @@ def measure(size: str, layout: str, repeats: int, dtype: str = "") -> dict:
         lambda: jax.block_until_ready(jax.device_put(jax.device_get(params), shardings)), repeats
     )
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+    scratch = max(move_memory_bytes(x, s, cast)["temp"] for x, s in pairs)
     row = dict(
         size=size,
         layout=layout,
         num_params=config.num_params(),
         param_bytes=param_bytes,
         reshard_bytes=moved_bytes,
+        max_leaf_scratch_bytes_per_device=scratch,
         init_s=init_s,
         load_average_1min=os.getloadavg()[0],
     )

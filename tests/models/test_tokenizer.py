@@ -12,7 +12,7 @@ from hybridjax.data.train_tokenizer import train
 from hybridjax.models.tokenizer import Tokenizer
 
 ASSET = Path(__file__).parents[2] / "hybridjax" / "assets" / "tokenizers" / "gsm8k_bpe"
-GSM8K_TRAIN = Path(__file__).parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = Path(__file__).parents[1] / "assets" / "gsm8k" / "train.jsonl"
 
 # Qwen2.5-Instruct's chat template (tools branch included: it exercises `tojson`).
 QWEN2_TEMPLATE = """{%- if tools %}
@@ -184,7 +184,6 @@ def test_shipped_asset_properties():
     )
 
 
-@pytest.mark.skipif(not GSM8K_TRAIN.exists(), reason=f"GSM8K data not at {GSM8K_TRAIN}")
 def test_shipped_asset_is_reproduced_by_its_command(tmp_path):
     train(str(GSM8K_TRAIN), str(tmp_path))
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -1,0 +1,187 @@
+"""Synthetic arithmetic word problems: the quick start's task.
+
+    python -m hybridjax.data.arithmetic --output data/arithmetic [--seed 0] [--train_size N]
+
+writes three files (seeded, so the same command always writes the same rows):
+
+* `train.parquet`, `test.parquet`: verl-schema prompts (`data_source="arithmetic"`, ground truth
+  the integer answer, scored by the GSM8K strict reward: the number after the last `####`). No
+  `(operation, a, b)` of the held-out test split appears in the training split.
+* `sft.parquet`: the training prompts with a `response` column written by a *sloppy teacher*:
+  the arithmetic is always right, but the teacher ends with GSM8K's `#### n` only for a share of
+  the problems (`format_p`, per operation) and otherwise writes `Answer: n`, which the strict
+  reward scores 0. A model fine-tuned on it computes well but, greedily decoded, prefers the
+  unrewarded form where the teacher mostly used it: reinforcement learning with the strict reward
+  has a clear, fast signal to climb (the same kind of gain as verl's GSM8K quick start, where the
+  score first rises as the model learns the answer format).
+
+Problems (`a`, `b` drawn uniformly, `max_operand` bounds + and −, `max_factor` the first factor
+of ×, the second a digit 2-9; subtraction never goes below zero):
+    "She has 34 apples and gets 27 more. How many apples now?"            → 61
+    "He has 52 cards and sells 18. How many cards are left?"              → 34
+    "She buys 7 bags with 6 eggs each. How many eggs in total?"           → 42
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hybridjax.data.schema import table_from_rows
+
+DATA_SOURCE = "arithmetic"
+OPERATIONS = ("+", "-", "*")
+# One token each in the shipped GSM8K BPE, so the numbers sit at (nearly) fixed positions.
+NAMES = ("She", "He")
+ITEMS = ("apples", "books", "cards", "eggs", "cookies", "marbles", "pencils", "cups")
+TEMPLATES = {
+    "+": "{name} has {a} {item} and gets {b} more. How many {item} now?",
+    "-": "{name} has {a} {item} and sells {b}. How many {item} are left?",
+    "*": "{name} buys {a} bags with {b} {item} each. How many {item} in total?",
+}
+EXTRA_INFO_TYPE = pa.struct(
+    [("split", pa.string()), ("index", pa.int64()), ("operation", pa.string())]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """What the generator draws. `format_p[op]` is the chance the SFT teacher ends with `#### n`.
+
+    Raises (at construction): ValueError for an unknown operation or a bound below 1.
+    """
+
+    operations: tuple[str, ...] = OPERATIONS
+    max_operand: int = 99
+    max_factor: int = 12
+    format_p: tuple[tuple[str, float], ...] = (("+", 0.9), ("-", 0.3), ("*", 0.3))
+
+    def __post_init__(self):
+        unknown = sorted(set(self.operations) - set(OPERATIONS))
+        if unknown:
+            raise ValueError(f"unknown operations {unknown}; known: {list(OPERATIONS)}")
+        if self.max_operand < 1 or self.max_factor < 2:
+            raise ValueError("max_operand must be >= 1 and max_factor >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem: `question` text, integer `answer`, and what it was made of."""
+
+    operation: str
+    a: int
+    b: int
+    question: str
+    answer: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.operation, self.a, self.b
+
+
+def make_problem(rng: random.Random, task: TaskConfig) -> Problem:
+    """Draws one word problem (operation uniform over `task.operations`)."""
+    op = rng.choice(task.operations)
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    if op == "*":
+        a, b = rng.randint(2, task.max_factor), rng.randint(2, 9)
+        answer = a * b
+    else:
+        a, b = rng.randint(0, task.max_operand), rng.randint(0, task.max_operand)
+        if op == "-":
+            a, b = max(a, b), min(a, b)
+        answer = a + b if op == "+" else a - b
+    question = TEMPLATES[op].format(name=name, item=item, a=a, b=b)
+    return Problem(op, a, b, question, answer)
+
+
+def teacher_response(problem: Problem, rng: random.Random, task: TaskConfig) -> str:
+    """The sloppy teacher: `#### n` with probability `format_p[op]`, else `Answer: n`."""
+    if rng.random() < dict(task.format_p)[problem.operation]:
+        return f"#### {problem.answer}"
+    return f"Answer: {problem.answer}"
+
+
+def split_problems(
+    seed: int, train_size: int, test_size: int, task: TaskConfig
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, test): the test problems first, then training problems whose `(op, a, b)` is not
+    a test problem's. Deterministic in `seed`.
+
+    Raises:
+      ValueError: the task has too few distinct problems for `test_size`.
+    """
+    rng = random.Random(seed)
+    test, seen = [], set()
+    for _ in range(50 * test_size):
+        if len(test) == test_size:
+            break
+        problem = make_problem(rng, task)
+        if problem.key not in seen:
+            seen.add(problem.key)
+            test.append(problem)
+    if len(test) < test_size:
+        raise ValueError(f"could not draw {test_size} distinct test problems; widen the task")
+    train = []
+    while len(train) < train_size:
+        problem = make_problem(rng, task)
+        if problem.key not in seen:
+            train.append(problem)
+    return train, test
+
+
+def to_row(problem: Problem, split: str, index: int) -> dict:
+    """One verl-schema row."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {"split": split, "index": index, "operation": problem.operation},
+    }
+
+
+def write_task(
+    output_dir: str,
+    seed: int = 0,
+    train_size: int = 20_000,
+    test_size: int = 256,
+    task: TaskConfig = TaskConfig(),
+) -> dict[str, str]:
+    """Writes `train.parquet`, `test.parquet` and `sft.parquet` (see the module docstring);
+    returns their paths by name."""
+    train, test = split_problems(seed, train_size, test_size, task)
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {name: os.path.join(output_dir, f"{name}.parquet") for name in ("train", "test", "sft")}
+    for split, problems in (("train", train), ("test", test)):
+        rows = [to_row(p, split, i) for i, p in enumerate(problems)]
+        pq.write_table(table_from_rows(rows, EXTRA_INFO_TYPE), paths[split])
+    teacher_rng = random.Random(seed + 1)
+    sft = table_from_rows([to_row(p, "train", i) for i, p in enumerate(train)], EXTRA_INFO_TYPE)
+    responses = [teacher_response(p, teacher_rng, task) for p in train]
+    pq.write_table(sft.append_column("response", pa.array(responses, pa.string())), paths["sft"])
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="directory of the three parquet files")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train_size", type=int, default=20_000)
+    parser.add_argument("--test_size", type=int, default=256)
+    parser.add_argument("--max_operand", type=int, default=TaskConfig.max_operand)
+    parser.add_argument("--max_factor", type=int, default=TaskConfig.max_factor)
+    args = parser.parse_args(argv)
+    task = TaskConfig(max_operand=args.max_operand, max_factor=args.max_factor)
+    paths = write_task(args.output, args.seed, args.train_size, args.test_size, task)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

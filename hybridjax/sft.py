@@ -1,0 +1,345 @@
+"""`python -m hybridjax.sft --config=configs/sft_arithmetic.py [--config.a.b=value ...]`
+
+Supervised fine-tuning on prompt/response pairs (verl's `fsdp_sft_trainer`): the prompt is
+rendered with the tokenizer's chat template (generation prompt added), the response and the EOS
+token follow, and the loss is the token-mean negative log-likelihood of the **response tokens
+only**. Same machinery as the RL trainer: an ml_collections config (`sft_config()` is the
+schema; unknown keys are rejected), the training mesh and rule table of the actor, optax AdamW
+with verl's warmup/cosine schedule (`hybridjax.trainer.optim`), orbax checkpoints with automatic
+resume (`hybridjax.checkpointing`), and metrics to the console / JSONL / TensorBoard
+(`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`, `val/loss`). At the end
+the model is written as an HF checkpoint (with the tokenizer) that `actor_rollout_ref.model.path`
+loads.
+
+Input: parquet or jsonl files with a prompt column (a list of `{role, content}` messages, or a
+plain string taken as one user message) and a response column (a string).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow.parquet as pq
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from hybridjax.checkpointing import Checkpointer
+from hybridjax.metrics import Tracking
+from hybridjax.models.config import ModelConfig
+from hybridjax.models.decoder import CausalLM
+from hybridjax.models.hf_io import load_pretrained, read_hf_config, save_pretrained
+from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.sharding import (
+    ACTOR_TRAIN_RULES,
+    TRAIN_AXES,
+    MeshConfig,
+    init_sharded,
+    make_meshes,
+)
+from hybridjax.sharding.rules import sharding_fn
+from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.trainer.update import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def sft_config() -> ConfigDict:
+    """Every SFT key with its default (verl's `sft_trainer.yaml` names where it has them)."""
+    c = ConfigDict()
+    c.data = dict(
+        train_files="",
+        val_files="",
+        tokenizer="",  # tokenizer dir; "" = model.path's
+        prompt_key="prompt",
+        response_key="response",
+        max_length=128,  # prompt + response tokens (after the chat template, with EOS)
+        truncation="error",  # error | right
+        train_batch_size=64,
+    )
+    c.model = dict(path="", override_config=ConfigDict(), dtype="float32")
+    c.optim = dict(
+        lr=1e-3,
+        lr_warmup_steps=-1,
+        lr_warmup_steps_ratio=0.05,
+        warmup_style="cosine",
+        min_lr_ratio=0.1,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        total_training_steps=-1,
+        grad_clip=1.0,
+    )
+    c.trainer = dict(
+        project_name="hybridjax",
+        experiment_name="sft",
+        default_local_dir="checkpoints/hybridjax/sft",
+        output_dir="",  # HF checkpoint written at the end; "" = <default_local_dir>/hf
+        total_epochs=1,
+        total_training_steps=-1,  # -1: total_epochs × batches per epoch
+        seed=0,
+        save_freq=-1,  # -1: only at the end
+        test_freq=-1,  # -1: validate only at the end (when val_files is set)
+        logger=("console", "jsonl"),
+        resume_mode="auto",  # auto | disable
+        max_ckpt_to_keep=1,
+        progress_bar=False,
+    )
+    c.mesh = dict(train=dict(data=-1, fsdp=1, tensor=1))
+    return c
+
+
+def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "") -> None:
+    """Raises ValueError naming every key of `cfg` that `sft_config()` does not have."""
+    schema = sft_config() if schema is None else schema
+    unknown = []
+    for key, value in cfg.items():
+        if key not in schema:
+            unknown.append(prefix + key)
+        elif isinstance(value, ConfigDict) and key != "override_config":
+            try:
+                check_keys(value, schema[key], f"{prefix}{key}.")
+            except ValueError as e:
+                unknown.extend(str(e).removeprefix("unknown SFT config keys: ").split(", "))
+    if unknown:
+        raise ValueError(f"unknown SFT config keys: {', '.join(unknown)}")
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, str]]:
+    """(prompt, response) pairs of a parquet or jsonl file.
+
+    Raises:
+      ValueError: a column is missing or a response is not a string (names file, row, column).
+    """
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    else:
+        records = pq.read_table(path).to_pylist()
+    rows = []
+    for i, record in enumerate(records):
+        for key in (prompt_key, response_key):
+            if key not in record:
+                raise ValueError(f"{path}, row {i}: no column {key!r}; has {sorted(record)}")
+        if not isinstance(record[response_key], str):
+            raise ValueError(f"{path}, row {i}, column {response_key!r}: expected a string")
+        rows.append((record[prompt_key], record[response_key]))
+    return rows
+
+
+def tokenize_pairs(
+    pairs: list[tuple[Any, str]], tokenizer: Tokenizer, max_length: int, truncation: str, path=""
+) -> dict[str, np.ndarray]:
+    """Right-padded `input_ids`, `attention_mask`, `loss_mask` (N×max_length, int32/float32).
+
+    `loss_mask` is 1 on response tokens and the EOS after them, 0 on the prompt and padding.
+    Raises:
+      ValueError: a pair is longer than `max_length` under `truncation="error"` (names the row).
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    n = len(pairs)
+    ids = np.full((n, max_length), pad, np.int32)
+    attention = np.zeros((n, max_length), np.int32)
+    loss = np.zeros((n, max_length), np.float32)
+    prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p, _ in pairs]
+    prompt_ids = tokenizer.encode_batch([tokenizer.render_chat(m) for m in prompts])
+    response_ids = tokenizer.encode_batch([r for _, r in pairs])
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        seq = p + r + [eos]
+        if len(seq) > max_length:
+            if truncation == "error":
+                raise ValueError(
+                    f"{path} row {i}: {len(seq)} tokens > data.max_length={max_length}; "
+                    "raise it or set data.truncation=right"
+                )
+            seq = seq[:max_length]
+        ids[i, : len(seq)] = seq
+        attention[i, : len(seq)] = 1
+        loss[i, len(p) : len(seq)] = 1.0
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+
+
+def load_split(files: str, tokenizer: Tokenizer, data: ConfigDict) -> dict[str, np.ndarray]:
+    """Every pair of the comma-separated `files`, tokenized (see `tokenize_pairs`)."""
+    parts = []
+    for path in [f.strip() for f in files.split(",") if f.strip()]:
+        pairs = read_rows(path, data.prompt_key, data.response_key)
+        parts.append(tokenize_pairs(pairs, tokenizer, data.max_length, data.truncation, path))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Rows of training step `step` (0-based): epoch e = step // batches_per_epoch reads a
+    permutation seeded by (seed, e); the last partial batch of an epoch is dropped. A pure
+    function of the step, so resuming at a step reads exactly the batches it would have."""
+    per_epoch = num_rows // batch_size
+    epoch, k = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    return order[k * batch_size : (k + 1) * batch_size]
+
+
+# ---------------------------------------------------------------------------------- steps
+
+
+def sft_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(sum of response-token NLL, number of response tokens), float32. Token t's target is
+    token t+1, so the loss mask is shifted by one."""
+    model = nnx.merge(graphdef, params)
+    logits_BxTxV = model(batch["input_ids"], batch["attention_mask"])[:, :-1]
+    targets_BxT = batch["input_ids"][:, 1:]
+    mask_BxT = batch["loss_mask"][:, 1:]
+    log_probs = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    nll_BxT = -jnp.take_along_axis(log_probs, targets_BxT[..., None], axis=-1)[..., 0]
+    return (nll_BxT * mask_BxT).sum(), mask_BxT.sum()
+
+
+def train_step(graphdef, optim: OptimConfig, state: TrainState, batch: dict[str, jax.Array]):
+    """One AdamW step on the token-mean loss; returns (state, metrics)."""
+
+    def loss_fn(params):
+        total, count = sft_loss(graphdef, params, batch)
+        return total / jnp.maximum(count, 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    lr = learning_rate(optim, state.step)
+    tx = make_optimizer(optim)
+    updates, opt_state = tx.update(grads, set_learning_rate(state.opt_state, lr), state.params)
+    params = jax.tree.map(lambda p, u: p + u, state.params, updates)
+    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax_global_norm(grads)}
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+
+def optax_global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def eval_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    return sft_loss(graphdef, params, batch)
+
+
+_train_step = jax.jit(train_step, static_argnums=(0, 1), donate_argnums=2)
+_eval_loss = jax.jit(eval_loss, static_argnums=0)
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM:
+    """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`."""
+    overrides = {"dtype": cfg.model.dtype} | dict(cfg.model.override_config)
+    if cfg.model.path:
+        config = ModelConfig.from_hf_dict(read_hf_config(cfg.model.path), **overrides)
+        shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
+        return load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **overrides,
+    )
+    return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, cfg.trainer.seed)
+
+
+def run_sft(cfg: ConfigDict) -> dict[str, Any]:
+    """Trains per `cfg` (resuming from `trainer.default_local_dir` when `resume_mode=auto`),
+    writes the HF checkpoint, and returns the last metrics (with `val/loss` if validated).
+
+    Raises:
+      ValueError: unknown config keys, unreadable data, a batch size the devices do not divide.
+    """
+    check_keys(cfg)
+    t = cfg.trainer
+    tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
+    sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
+    mesh = make_meshes(MeshConfig(train=sizes)).train
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    train = load_split(cfg.data.train_files, tokenizer, cfg.data)
+    val = load_split(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    bs = cfg.data.train_batch_size
+    if bs % mesh.shape["data"] or len(train["input_ids"]) < bs:
+        raise ValueError(
+            f"data.train_batch_size={bs} must divide over {mesh.shape['data']} data-parallel "
+            f"devices and be at most the {len(train['input_ids'])} training rows"
+        )
+    total = t.total_training_steps
+    if total <= 0:
+        total = t.total_epochs * (len(train["input_ids"]) // bs)
+    optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
+    model = build_model(cfg, tokenizer, mesh)
+    graphdef, params = nnx.split(model)
+    state = jax.jit(lambda p: TrainState(p, make_optimizer(optim).init(p), jnp.int32(0)))(params)
+    checkpointer = Checkpointer(t.default_local_dir, t.max_ckpt_to_keep)
+    start = 0
+    if t.resume_mode == "auto" and (restored := checkpointer.restore(state)) is not None:
+        start, state, _ = restored
+        log.info("resumed SFT from step %d", start)
+    tracker = Tracking(t.logger, os.path.join(t.default_local_dir, "logs"), total, start,
+                       t.progress_bar)  # fmt: skip
+    metrics: dict[str, Any] = {}
+    try:
+        for step in range(start, total):
+            tic = time.perf_counter()
+            idx = batch_indices(len(train["input_ids"]), bs, step, t.seed)
+            batch = {k: jax.device_put(v[idx], rows) for k, v in train.items()}
+            state, device_metrics = _train_step(graphdef, optim, state, batch)
+            metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # sync
+            metrics["timing_s/step"] = time.perf_counter() - tic
+            last = step + 1 == total
+            if val is not None and (last or (t.test_freq > 0 and (step + 1) % t.test_freq == 0)):
+                metrics["val/loss"] = validation_loss(graphdef, state.params, val, bs, rows)
+            if last or (t.save_freq > 0 and (step + 1) % t.save_freq == 0):
+                checkpointer.save(step + 1, state, {"global_step": step + 1})
+            tracker.log(metrics, step + 1)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+        tracker.close()
+    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
+    save_pretrained(nnx.merge(graphdef, state.params), out)
+    tokenizer.save(out)
+    print(f"SFT model written to {out}", flush=True)
+    return metrics
+
+
+def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows) -> float:
+    """Token-mean response NLL over the validation rows (the last partial batch padded with
+    rows whose loss mask is zero, so every batch has one compiled shape)."""
+    total = count = 0.0
+    n = len(val["input_ids"])
+    for start in range(0, n, bs):
+        batch = {k: v[start : start + bs] for k, v in val.items()}
+        short = bs - len(batch["input_ids"])
+        if short:
+            batch = {k: np.concatenate([v, np.zeros_like(v[:short])]) for k, v in batch.items()}
+        s, c = _eval_loss(graphdef, params, {k: jax.device_put(v, rows) for k, v in batch.items()})
+        total, count = total + float(s), count + float(c)
+    return total / max(count, 1.0)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run_sft(_CONFIG.value)
+    except ValueError as err:
+        sys.exit(f"SFT: {err}")
+
+
+if __name__ == "__main__":
+    from absl import app
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "SFT config file", lock_config=True)
+    app.run(main)

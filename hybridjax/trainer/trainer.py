@@ -46,7 +46,13 @@ from hybridjax.sharding import (
     update_weights,
 )
 from hybridjax.trainer import build, stages
-from hybridjax.trainer.generation import generate_batch, step_seed, submit_rewards
+from hybridjax.trainer.batch import RLBatch
+from hybridjax.trainer.generation import (
+    HostColumns,
+    generate_batch,
+    step_seed,
+    submit_rewards,
+)
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
 
@@ -165,90 +171,99 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One RL step on the next training batch; returns its metrics on the host."""
-        cfg, sc, timing = self.cfg, self.stage_cfg, {}
-        device: dict[str, jax.Array] = {}
-        rng = jax.random.fold_in(jax.random.key(cfg.trainer.seed), step)
+        timing: dict[str, float] = {}
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            prompts = next(self.train_loader)
-            if self.offload_any:
-                with timed(timing, "offload"):
-                    self._move_idle_states(offload_to_host)
-            with timed(timing, "gen"):
-                batch, host = generate_batch(
-                    self.engine,
-                    prompts,
-                    self._sampling(step),
-                    self.tokenizer.pad_token_id,
-                    self.batch_sharding,
-                )
-            if self.offload_any:
-                with timed(timing, "onload"):
-                    self._move_idle_states(load_to_device)
-            with timed(timing, "reward"):
-                scores = submit_rewards(self.rewards, self.tokenizer, host)
-                if self.reward_model is not None:  # replaces the rule score, as verl's
-                    rm_scores = self._score_with_reward_model(batch)
-            with timed(timing, "old_log_prob"):
-                batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
-                device |= jax.block_until_ready(m)
-            if self.use_ref:
-                with timed(timing, "ref"):
-                    batch = _ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
-                    jax.block_until_ready(batch.ref_log_prob)
-            if self.use_critic:
-                with timed(timing, "values"):
-                    batch = _values(self.critic_graphdef, self.critic_state.params, batch, sc)
-                    jax.block_until_ready(batch.values)
-            with timed(timing, "reward"):  # the scoring ran in threads meanwhile
-                result = scores.result()
-                token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
-                if self.reward_model is not None:
-                    token_scores = jax.block_until_ready(rm_scores)
-                batch = batch.replace(token_level_scores=token_scores)
-            with timed(timing, "adv"):
-                batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
-                device |= jax.block_until_ready(m)
-            nan_skipped = 0
-            if self.use_critic:
-                with timed(timing, "update_critic"):
-                    self.critic_state, m, nan = _update_critic(
-                        self.critic_graphdef, self.critic_state, batch, rng, sc
-                    )
-                    device |= jax.block_until_ready(m)
-                    nan_skipped += int(nan)
-            if step > cfg.trainer.critic_warmup:
-                with timed(timing, "update_actor"):
-                    self.actor_state, m, nan = _update_actor(
-                        self.actor_graphdef, self.actor_state, batch, rng, sc
-                    )
-                    device |= jax.block_until_ready(m)
-                    nan_skipped += int(nan)
+            batch, host = self._generate(next(self.train_loader), step, timing)
+            batch, device, result = self._prepare(batch, host, timing)
+            device |= self._update(batch, step, timing)
             with timed(timing, "reshard"):
                 nbytes = self._update_weights()
                 jax.block_until_ready(self.engine.state)
             device |= _data_metrics(batch, self.use_critic)
             metrics = {k: float(v) for k, v in jax.device_get(device).items()}  # host sync
-        self._count_nans(nan_skipped, step)
+        self._count_nans(int(metrics.pop("nan_skipped")), step)
         metrics |= {k: float(v) for k, v in result.metrics.items()}
         metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
         seq_lens = host.prompt_lengths + host.response_lengths
+        ppo_epochs = self.stage_cfg.actor_update.ppo_epochs
         metrics |= compute_perf_metrics(
-            seq_lens,
-            timing,
-            self.n_devices,
-            self.actor_config,
-            sc.actor_update.ppo_epochs,
-            self.peak_flops,
+            seq_lens, timing, self.n_devices, self.actor_config, ppo_epochs, self.peak_flops
         )
         metrics |= {
             "perf/reshard_bytes": float(nbytes),
             "training/global_step": float(step),
             "training/epoch": float(epoch),
             "training/nan_skipped_updates_total": float(self.nan_total),
-            "actor/reward_kl_coef": float(self.kl_coef),
         }
         return metrics
+
+    def _generate(self, prompts, step: int, timing) -> tuple[RLBatch, HostColumns]:
+        """Stage `gen`: rollout with the idle states offloaded (when configured)."""
+        if self.offload_any:
+            with timed(timing, "offload"):
+                self._move_idle_states(offload_to_host)
+        with timed(timing, "gen"):
+            sampling = self._sampling(step)
+            pad = self.tokenizer.pad_token_id
+            out = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+        if self.offload_any:
+            with timed(timing, "onload"):
+                self._move_idle_states(load_to_device)
+        return out
+
+    def _prepare(self, batch: RLBatch, host: HostColumns, timing):
+        """Stages `reward`, `old_log_prob`, `ref`, `values`, `adv`. The rule-based scoring runs
+        in threads while the device computes log-probs and values. Returns (batch, device
+        metrics, the reward manager's result)."""
+        sc, device = self.stage_cfg, {}
+        with timed(timing, "reward"):
+            scores = submit_rewards(self.rewards, self.tokenizer, host)
+            if self.reward_model is not None:  # replaces the rule score, as verl's
+                rm_scores = self._score_with_reward_model(batch)
+        with timed(timing, "old_log_prob"):
+            batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
+            device |= jax.block_until_ready(m)
+        if self.use_ref:
+            with timed(timing, "ref"):
+                batch = _ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
+                jax.block_until_ready(batch.ref_log_prob)
+        if self.use_critic:
+            with timed(timing, "values"):
+                batch = _values(self.critic_graphdef, self.critic_state.params, batch, sc)
+                jax.block_until_ready(batch.values)
+        with timed(timing, "reward"):
+            result = scores.result()
+            token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
+            if self.reward_model is not None:
+                token_scores = jax.block_until_ready(rm_scores)
+            batch = batch.replace(token_level_scores=token_scores)
+        with timed(timing, "adv"):
+            batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
+            device |= jax.block_until_ready(m)
+        return batch, device, result
+
+    def _update(self, batch: RLBatch, step: int, timing) -> dict[str, jax.Array]:
+        """Stages `update_critic` and (after `trainer.critic_warmup` steps) `update_actor`.
+        Returns their device metrics and `nan_skipped`, the skipped optimizer steps."""
+        sc, device = self.stage_cfg, {}
+        rng = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), step)
+        nan_skipped = jnp.zeros((), jnp.int32)
+        if self.use_critic:
+            with timed(timing, "update_critic"):
+                self.critic_state, m, nan = _update_critic(
+                    self.critic_graphdef, self.critic_state, batch, rng, sc
+                )
+                device |= jax.block_until_ready(m)
+                nan_skipped += nan
+        if step > self.cfg.trainer.critic_warmup:
+            with timed(timing, "update_actor"):
+                self.actor_state, m, nan = _update_actor(
+                    self.actor_graphdef, self.actor_state, batch, rng, sc
+                )
+                device |= jax.block_until_ready(m)
+                nan_skipped += nan
+        return device | {"nan_skipped": nan_skipped}
 
     def _move_idle_states(self, move) -> None:
         """Moves the states configured for offload (`*.fsdp_config.*_offload`) with `move`

@@ -12,13 +12,17 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import ADV_ESTIMATORS
+from hybridjax.algorithms.advantages import ADV_ESTIMATORS, compute_advantage
+from hybridjax.algorithms.config import AlgorithmConfig
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
+from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.config import base_config
@@ -122,6 +126,7 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, "must be >= 0"),
         ("algorithm.kl_penalty", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
         ("trainer.total_epochs", positive, "must be > 0"),
+        ("trainer.logger", lambda v: set(v) <= set(LOGGERS), f"a subset of {LOGGERS}"),
         ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
         ("trainer.max_consecutive_nan_steps", positive, "must be > 0"),
         ("trainer.critic_warmup", lambda v: v >= 0, "must be >= 0"),
@@ -212,6 +217,26 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
     return problems
 
 
+def _estimator_problems(c: ConfigDict) -> list[str]:
+    """Traces the configured advantage estimator abstractly with the inputs this config gives
+    it (values only with a critic), so a missing input fails now, not after a rollout."""
+    n = c.actor_rollout_ref.rollout.n
+    rewards = jax.ShapeDtypeStruct((2 * n, 4), jnp.float32)
+    algorithm = AlgorithmConfig.from_dict(c.algorithm)
+
+    def estimate(rewards_BxT, mask_BxT, values_BxT):
+        return compute_advantage(
+            rewards_BxT, mask_BxT, config=algorithm, group_size=n, values_BxT=values_BxT
+        )
+
+    try:
+        jax.eval_shape(estimate, rewards, rewards, rewards if c.critic.enable else None)
+    except ValueError as err:
+        hint = "" if c.critic.enable else " (set critic.enable=True for a critic's values)"
+        return [f"algorithm.adv_estimator: {c.algorithm.adv_estimator!r}: {err}{hint}"]
+    return []
+
+
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
     """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
     try:
@@ -239,6 +264,8 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        if not problems:  # the estimator config is only built from a valid algorithm section
+            problems += _estimator_problems(cfg)
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "

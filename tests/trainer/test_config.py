@@ -116,3 +116,17 @@ def test_command_line_overrides_reach_validation():
     assert out.returncode != 0
     assert "data.train_batch_size (12) must be divisible" in out.stderr
     assert "actor_rollout_ref.rollout.top_p: must be in (0, 1] (got 1.5)" in out.stderr
+
+
+def test_estimator_inputs_are_checked_at_start(tmp_path):
+    config = _load("tiny", tmp_path)
+    config.critic.enable = False  # GAE without a critic has no values
+    config.trainer.logger = ("console", "wandb")
+    with pytest.raises(ConfigError, match="trainer.logger") as err:
+        validate(config, 8, ACTOR)
+    config.trainer.logger = ("console",)
+    with pytest.raises(ConfigError, match="'gae': .*values_BxT.*critic.enable=True") as err:
+        validate(config, 8, ACTOR)
+    assert "1 problem" in str(err.value)
+    config.algorithm.adv_estimator = "grpo"
+    validate(config, 8, ACTOR)

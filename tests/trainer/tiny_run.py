@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from hybridjax.data import gsm8k
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-GSM8K_JSONL = REPO.parent / "shared" / "data" / "gsm8k"
+GSM8K_JSONL = REPO / "tests" / "assets" / "gsm8k"  # the MIT-licensed release, copied
 
 
 def load_config_file(name: str):

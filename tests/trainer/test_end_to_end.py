@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from ml_collections import ConfigDict
 from safetensors import safe_open
 
 from hybridjax.checkpointing.export import export_actor
-from hybridjax.models.decoder import SequenceClassifier
+from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 from hybridjax.trainer import build
 from hybridjax.trainer.trainer import RLTrainer
@@ -111,7 +112,8 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
 
 
 def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
-    """GRPO, n = 4, KL loss to the reference, a (random) reward model, optimizer state and
+    """GRPO, n = 4, actor loaded from an HF directory, KL loss to the reference, a (random)
+    reward model, optimizer state and
     reference offloaded to host memory during generation, one mini-batch per step:
     the first update is
     exactly on-policy (ratio 1: ppo_kl and pg_clipfrac are 0) and every metric is finite.
@@ -136,9 +138,17 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
             "reward_model.model.path": str(tmp_path / "rm"),
         },
     )
+    # The actor comes from an HF checkpoint directory (weights + tokenizer), as a user's would.
     tokenizer = build.load_tokenizer(config)
-    shape = dataclasses.replace(build.actor_model_config(config, tokenizer), num_labels=1)
-    save_pretrained(SequenceClassifier(shape, nnx.Rngs(7)), tmp_path / "rm")
+    shape = build.actor_model_config(config, tokenizer)
+    save_pretrained(CausalLM(shape, nnx.Rngs(3)), tmp_path / "actor")
+    tokenizer.save(tmp_path / "actor")
+    save_pretrained(
+        SequenceClassifier(dataclasses.replace(shape, num_labels=1), nnx.Rngs(7)), tmp_path / "rm"
+    )
+    config.actor_rollout_ref.model.path = str(tmp_path / "actor")
+    config.actor_rollout_ref.model.override_config = ConfigDict()
+    config.data.tokenizer = ""
     trainer = _run(config)
     metrics = read_metrics(tmp_path)
     expected = {k for k in PPO_KEYS if not k.startswith(("critic/v", "critic/grad", "critic/lr"))}

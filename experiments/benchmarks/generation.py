@@ -15,7 +15,8 @@ In one process, on the default (single) CPU device:
      `hybridjax.models.hf_io.save_pretrained`, torch on `hf_threads` threads;
    both sample at temperature 1 with no top-k/top-p, `prompt_len` prompt tokens, exactly
    `new_tokens` new tokens (EOS ignored), median wall time over `repeats` after a warm-up
-   (prefill included). Roofline fraction = tokens/s × 2 × parameters / peak FLOP/s;
+   (prefill included); repeats alternate peak, hybridjax and HF so that both see the same
+   machine load. Roofline fraction = tokens/s × 2 × parameters / (median) peak FLOP/s;
 3. continuous vs static batching (4M model): `requests` prompts with stop ids chosen so that
    response lengths spread over 8 .. new_tokens, on `max_num_seqs` slots; the same engine with
    refills as slots free (continuous) and refilling only when every slot finished (static).
@@ -76,18 +77,15 @@ def make_model(name: str, seed: int = 0):
     return CausalLM(config, nnx.Rngs(seed))
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def hybridjax_seconds(model, prompts: np.ndarray, cfg: ConfigDict) -> tuple[float, int]:
-    """Median seconds of `generate` for the batch, and the engine's compile count."""
+def hybridjax_runner(model, prompts: np.ndarray, cfg: ConfigDict):
+    """(run, engine): `run()` generates `new_tokens` for the batch on an engine with
+    `max_num_seqs` = batch."""
     from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 
     b, t = prompts.shape
@@ -98,12 +96,11 @@ def hybridjax_seconds(model, prompts: np.ndarray, cfg: ConfigDict) -> tuple[floa
                       decode_steps_per_call=cfg.decode_steps_per_call),
     )  # fmt: skip
     sp = SamplingParams(temperature=1.0, max_tokens=cfg.new_tokens, ignore_eos=True)
-    seconds = _median_seconds(lambda: generate(engine, prompts, sp), cfg.repeats)
-    return seconds, engine.num_compiles
+    return lambda: generate(engine, prompts, sp), engine
 
 
-def hf_seconds(checkpoint: pathlib.Path, prompts: np.ndarray, cfg: ConfigDict) -> float:
-    """Median seconds of HF `generate` (torch CPU, `hf_threads` threads) for the batch."""
+def hf_runner(checkpoint: pathlib.Path, prompts: np.ndarray, cfg: ConfigDict):
+    """`run()`: HF `generate` (torch CPU, `hf_threads` threads) of `new_tokens` for the batch."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,11 +118,13 @@ def hf_seconds(checkpoint: pathlib.Path, prompts: np.ndarray, cfg: ConfigDict) -
             out = model.generate(ids, **kwargs)
         assert out.shape == (ids.shape[0], ids.shape[1] + cfg.new_tokens), out.shape
 
-    return _median_seconds(run, cfg.repeats)
+    return run
 
 
-def bench_model(name: str, cfg: ConfigDict, peak: float) -> dict:
-    """Both systems on every batch size for model `name`."""
+def bench_model(name: str, cfg: ConfigDict) -> dict:
+    """Both systems on every batch size for model `name`. The machine may be shared, so each
+    repeat measures the peak matmul rate, hybridjax and HF back to back (medians reported)."""
+    from hybridjax.metrics.flops import measure_peak_flops
     from hybridjax.models.hf_io import save_pretrained
 
     model = make_model(name)
@@ -137,13 +136,19 @@ def bench_model(name: str, cfg: ConfigDict, peak: float) -> dict:
         save_pretrained(model, tmp)
         for b in (int(x) for x in cfg.batches.split(",")):
             prompts = rng.integers(1, model.config.vocab_size, (b, cfg.prompt_len)).astype(np.int32)
-            ours, compiles = hybridjax_seconds(model, prompts, cfg)
-            hf = hf_seconds(pathlib.Path(tmp), prompts, cfg)
+            ours, engine = hybridjax_runner(model, prompts, cfg)
+            hf = hf_runner(pathlib.Path(tmp), prompts, cfg)
+            ours(), hf()  # warm-up: compiles
+            times = [(measure_peak_flops(1024), _seconds(ours), _seconds(hf))
+                     for _ in range(cfg.repeats)]  # fmt: skip
+            peak, ours_s, hf_s = (statistics.median(x) for x in zip(*times, strict=True))
             tokens = b * cfg.new_tokens
             row = dict(
-                hybridjax_s=ours, hf_s=hf, hybridjax_tok_s=tokens / ours, hf_tok_s=tokens / hf,
-                ratio=hf / ours, hybridjax_roofline=tokens / ours * flop_per_token / peak,
-                hf_roofline=tokens / hf * flop_per_token / peak, compiles=compiles,
+                hybridjax_s=ours_s, hf_s=hf_s, hybridjax_tok_s=tokens / ours_s,
+                hf_tok_s=tokens / hf_s, ratio=hf_s / ours_s, peak_flops=peak,
+                hybridjax_roofline=tokens / ours_s * flop_per_token / peak,
+                hf_roofline=tokens / hf_s * flop_per_token / peak,
+                compiles=engine.num_compiles, all_times=times,
             )  # fmt: skip
             log.info("%s batch %d: %s", name, b, row)
             batches[str(b)] = row
@@ -180,10 +185,13 @@ def bench_continuous(cfg: ConfigDict) -> dict:
         lengths.append(j + 1)
     out = generate(engine, prompts, params)
     assert out.response_mask.sum(1).tolist() == lengths
-    continuous = _median_seconds(lambda: generate(engine, prompts, params), cfg.repeats)
-    static = _median_seconds(
-        lambda: generate(engine, prompts, params, continuous=False), cfg.repeats
-    )
+    static_run = lambda: generate(engine, prompts, params, continuous=False)
+    static_run()  # warm-up: static batches use other prefill buckets
+    times = [
+        (_seconds(lambda: generate(engine, prompts, params)), _seconds(static_run))
+        for _ in range(cfg.repeats)
+    ]
+    continuous, static = (statistics.median(x) for x in zip(*times, strict=True))
     result = dict(
         continuous_s=continuous, static_s=static, speedup=static / continuous,
         tokens=int(sum(lengths)), tok_s_continuous=sum(lengths) / continuous,
@@ -203,7 +211,7 @@ def run(cfg: ConfigDict, out_dir: pathlib.Path) -> dict:
     peak = measure_peak_flops(1024)
     log.info("peak %.1f GFLOP/s on %s", peak / 1e9, jax.devices()[0])
     summary = dict(peak_flops=peak, devices=str(jax.devices()), hf_threads=cfg.hf_threads)
-    summary["models"] = {name: bench_model(name, cfg, peak) for name in cfg.models.split(",")}
+    summary["models"] = {name: bench_model(name, cfg) for name in cfg.models.split(",")}
     summary["continuous"] = bench_continuous(cfg)
     summary["peak_flops_after"] = measure_peak_flops(1024)  # the machine is shared: drift
     return summary

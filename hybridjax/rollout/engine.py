@@ -40,6 +40,8 @@ from hybridjax.rollout.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
+MAX_STOP_IDS = 8  # stop ids per request, EOS ids included (width of `Slots.stop_ids`)
+
 
 def _bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
@@ -136,8 +138,9 @@ class Engine:
       param_shardings: optional shardings of `nnx.state(model)`; by default the rollout rule
         table of `hybridjax.sharding.rules`.
 
-    Compiles: one per prefill bucket (batch, length), one per (decode steps, top-k/p on/off),
-    one per page-copy bucket; `num_compiles` counts them (they are also logged).
+    Compiles: one per prefill bucket (batch, length), one per (decode steps, top-k/p on/off,
+    page-table width: up to 4 widths), one per page-copy bucket; `num_compiles` counts them
+    (they are also logged).
     """
 
     def __init__(
@@ -170,7 +173,7 @@ class Engine:
             model.config, self.num_pages, config.page_size, self.kv_dtype
         )
         self.k_pools, self.v_pools = self._place_pools(k), self._place_pools(v)
-        self.slots = Slots.empty(config.max_num_seqs, config.pages_per_seq, 8)
+        self.slots = Slots.empty(config.max_num_seqs, config.pages_per_seq, MAX_STOP_IDS)
         self._slot_pages: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
         self._reserved = 0  # pages promised to samples of prefilled prompts not yet inserted
         self._copies: list[tuple[int, int]] = []  # (src, dst) page copies due before decoding
@@ -206,8 +209,8 @@ class Engine:
             self.model_config, self.config.page_size, to_dtype(self.model_config.dtype), tp
         )
         pages = int(self.config.gpu_memory_utilization * free) // per_page
-        log.info("%d pages of %d bytes from %.2f of %d free bytes", pages, per_page,
-                 self.config.gpu_memory_utilization, free)  # fmt: skip
+        frac = self.config.gpu_memory_utilization
+        log.info("%d pages of %d bytes from %.2f of %d free bytes", pages, per_page, frac, free)
         return max(pages, 1)
 
     def _sharding(self, *spec) -> NamedSharding | None:
@@ -280,8 +283,11 @@ class Engine:
                 f"{self.config.page_size}) but the pool has {self.num_pages}; raise "
                 "rollout.num_pages / gpu_memory_utilization or lower n / response_length"
             )
-        if len(p.stop_token_ids) + len(self.eos_ids) > self.slots.stop_ids.shape[1]:
-            raise ValueError(f"request {request.index}: more than 8 stop ids (with EOS)")
+        if len(p.stop_token_ids) + len(self.eos_ids) > MAX_STOP_IDS:
+            raise ValueError(
+                f"request {request.index}: {len(p.stop_token_ids)} stop ids + "
+                f"{len(self.eos_ids)} EOS ids exceed {MAX_STOP_IDS}"
+            )
 
     def can_prefill(self, request: Request) -> bool:
         """Whether the free pages (less those promised to waiting samples) hold the group."""
@@ -302,10 +308,8 @@ class Engine:
         self._traced(f"prefill{ids_NxT.shape}")
         model = nnx.merge(self.graphdef, state)
         positions_NxT = jnp.broadcast_to(jnp.arange(ids_NxT.shape[1]), ids_NxT.shape)
-        cache = PagedKVCache(
-            k_pools, v_pools, page_table_NxP, mode="prefill",
-            sliding_window=self.model_config.sliding_window,
-        )  # fmt: skip
+        window = self.model_config.sliding_window
+        cache = PagedKVCache(k_pools, v_pools, page_table_NxP, "prefill", sliding_window=window)
         _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
         return self._constrain_pools(cache.k), self._constrain_pools(cache.v)
 
@@ -409,9 +413,11 @@ class Engine:
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_fn(self, state, k_pools, v_pools, slots: Slots, exit_when_done, *,
-                   num_steps: int, use_filter: bool):  # fmt: skip
-        self._traced(f"decode(steps={num_steps}, filter={use_filter})")
+    def _decode_fn(
+        self, state, k_pools, v_pools, slots: Slots, exit_when_done, *, num_steps, use_filter
+    ):
+        width = slots.page_table.shape[1]
+        self._traced(f"decode(steps={num_steps}, filter={use_filter}, pages={width})")
         b = slots.token.shape[0]
         base_keys = jax.vmap(
             lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s[0]), s[1]), s[2])
@@ -424,10 +430,8 @@ class Engine:
         def body(carry):
             i, k, v, token, position, active, n_gen, out_tok, out_lp, done = carry
             model = nnx.merge(self.graphdef, state)
-            cache = PagedKVCache(
-                k, v, slots.page_table, mode="decode", impl=self.impl,
-                sliding_window=self.model_config.sliding_window,
-            )  # fmt: skip
+            window = self.model_config.sliding_window
+            cache = PagedKVCache(k, v, slots.page_table, "decode", self.impl, window)
             logits, cache = model.decode(token[:, None], position[:, None], active[:, None], cache)
             keys = jax.vmap(jax.random.fold_in)(base_keys, n_gen)
             new_tok, lp = sample_tokens(
@@ -446,12 +450,22 @@ class Engine:
 
         out_tok = jnp.full((b, num_steps), -1, jnp.int32)
         out_lp = jnp.zeros((b, num_steps), jnp.float32)
-        carry = (0, k_pools, v_pools, slots.token, slots.position, slots.active,
-                 slots.num_generated, out_tok, out_lp, jnp.int32(0))  # fmt: skip
+        dynamic = (slots.token, slots.position, slots.active, slots.num_generated)
+        carry = (0, k_pools, v_pools, *dynamic, out_tok, out_lp, jnp.int32(0))
         _, k, v, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
             cond, body, carry
         )
         return k, v, (token, position, active, n_gen), out_tok, out_lp
+
+    def _table_width(self, num_steps: int) -> int:
+        """Page-table columns the next `num_steps` steps can touch, rounded up to a quarter of
+        the full width: attention gathers only these pages, so early steps of long responses
+        do not pay for the full length. At most 4 widths (decode compiles per variant)."""
+        s = self.slots
+        last = int(np.max(np.where(s.active, s.position + num_steps - 1, 0)))
+        step = -(-self.config.pages_per_seq // 4)
+        need = last // self.config.page_size + 1
+        return min(-(-need // step) * step, self.config.pages_per_seq)
 
     def generate(self, num_steps: int = 1, exit_when_done: int | None = None) -> StepOutput:
         """Runs up to `num_steps` decode steps for every active slot in one jitted loop.
@@ -465,10 +479,11 @@ class Engine:
         use_filter = bool(np.any((s.temperature > 0) & s.active & ((s.top_k > 0) | (s.top_p < 1))))
         was_active = s.active.copy()
         limit = np.int32(exit_when_done if exit_when_done is not None else s.active.size + 1)
+        upload = dataclasses.replace(s, page_table=s.page_table[:, : self._table_width(num_steps)])
+        static = dict(num_steps=num_steps, use_filter=use_filter)
         self.k_pools, self.v_pools, dyn, out_tok, out_lp = self._decode_jit(
-            self.state, self.k_pools, self.v_pools, self._upload_slots(s), limit,
-            num_steps=num_steps, use_filter=use_filter,
-        )  # fmt: skip
+            self.state, self.k_pools, self.v_pools, self._upload_slots(upload), limit, **static
+        )
         token, position, active, n_gen, out_tok, out_lp = (
             np.array(x) for x in jax.device_get((*dyn, out_tok, out_lp))
         )  # host sync

@@ -1,8 +1,8 @@
 """The RL trainer: config schema and validation, the batch, the stages of a step, the loop.
 
-    from hybridjax.trainer import RLTrainer, base_config
-    trainer = RLTrainer(config)   # validates, builds models on their meshes
-    trainer.fit()                 # resumes, trains, validates, checkpoints
+from hybridjax.trainer import RLTrainer, base_config
+trainer = RLTrainer(config)   # validates, builds models on their meshes
+trainer.fit()                 # resumes, trains, validates, checkpoints
 """
 
 from hybridjax.trainer.batch import RLBatch, make_batch

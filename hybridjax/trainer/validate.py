@@ -70,8 +70,13 @@ def _type_problem(key: str, value: Any, default: Any) -> str | None:
 
 def _schema_problems(cfg: ConfigDict) -> list[str]:
     schema = dict(_walk(base_config()))
-    problems = []
-    for key, value in _walk(cfg):
+    given = dict(_walk(cfg))
+    problems = [
+        f"{key}: missing (start from hybridjax.trainer.config.base_config(); default {value!r})"
+        for key, value in schema.items()
+        if key not in given
+    ]
+    for key, value in given.items():
         if key not in schema:
             problems.append(f"{key}: unknown key ({value!r})")
             continue

@@ -76,6 +76,7 @@ def test_unknown_keys_and_wrong_types_are_named():
     raw["trainer"]["unlocked"] = True  # not in the schema
     raw["trainer"]["save_freq"] = "often"
     raw["actor_rollout_ref"]["model"]["override_config"]["hiden_size"] = 8
+    del raw["algorithm"]["lam"]
     config = ConfigDict(raw)
     with pytest.raises(ConfigError) as err:
         validate(config, 8, ACTOR)
@@ -83,6 +84,7 @@ def test_unknown_keys_and_wrong_types_are_named():
     assert "trainer.unlocked: unknown key" in message
     assert "trainer.save_freq: expected int, got str ('often')" in message
     assert "unknown model fields ['hiden_size']" in message
+    assert "algorithm.lam: missing" in message
 
 
 def test_micro_batches_must_tile_the_mini_batch_over_devices(tmp_path):

@@ -21,9 +21,13 @@ In one process, on the default (single) CPU device:
    response lengths spread over 8 .. new_tokens, on `max_num_seqs` slots; the same engine with
    refills as slots free (continuous) and refilling only when every slot finished (static).
 
+Each batch also times the model's weight matrices multiplied by a batch-row input (one decode
+step's dots and nothing else): `matmul_only_roofline`, the fraction of the peak that XLA's CPU
+dots reach with that few rows, the practical ceiling of any decoder on this machine.
+
 Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s, hf_tok_s,
-ratio, hybridjax_roofline, hf_roofline}}`, `continuous.{continuous_s, static_s, speedup,
-lengths}`, `compiles`. The machine is shared with other work: read ratios, not absolutes.
+ratio, hybridjax_roofline, hf_roofline, matmul_only_roofline}}`, `continuous.{continuous_s,
+static_s, speedup, lengths}`. The machine may be shared with other work: read ratios.
 """
 
 from __future__ import annotations
@@ -121,6 +125,30 @@ def hf_runner(checkpoint: pathlib.Path, prompts: np.ndarray, cfg: ConfigDict):
     return run
 
 
+def matmul_runner(model, batch: int):
+    """(run, flop): `run()` multiplies a batch×in matrix by every weight matrix of the model
+    (q/k/v/o, gate/up/down, the LM head), as one decode step does, in one jit. Its FLOP/s is
+    the rate XLA's CPU dots reach at this many rows: the ceiling of the decode loop."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    weights = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        w = var.get_value()
+        if w.ndim < 2 or "bias" in str(path[-1]):
+            continue
+        if path[-1] == "o_proj":
+            w = w.reshape(-1, w.shape[-1])
+        elif path[-1] == "embed_tokens":
+            w = w.T  # the tied LM head
+        weights.append(w.reshape(w.shape[0], -1))
+    inputs = {n: jnp.ones((batch, n), jnp.float32) for n in {w.shape[0] for w in weights}}
+    chain = jax.jit(lambda ws, xs: [xs[w.shape[0]] @ w for w in ws])
+    flop = sum(2 * batch * w.size for w in weights)
+    return lambda: jax.block_until_ready(chain(weights, inputs)), flop
+
+
 def bench_model(name: str, cfg: ConfigDict) -> dict:
     """Both systems on every batch size for model `name`. The machine may be shared, so each
     repeat measures the peak matmul rate, hybridjax and HF back to back (medians reported)."""
@@ -138,16 +166,20 @@ def bench_model(name: str, cfg: ConfigDict) -> dict:
             prompts = rng.integers(1, model.config.vocab_size, (b, cfg.prompt_len)).astype(np.int32)
             ours, engine = hybridjax_runner(model, prompts, cfg)
             hf = hf_runner(pathlib.Path(tmp), prompts, cfg)
-            ours(), hf()  # warm-up: compiles
-            times = [(measure_peak_flops(1024), _seconds(ours), _seconds(hf))
-                     for _ in range(cfg.repeats)]  # fmt: skip
-            peak, ours_s, hf_s = (statistics.median(x) for x in zip(*times, strict=True))
+            matmuls, matmul_flop = matmul_runner(model, b)
+            ours(), hf(), matmuls()  # warm-up: compiles
+            times = [
+                (measure_peak_flops(1024), _seconds(ours), _seconds(hf), _seconds(matmuls))
+                for _ in range(cfg.repeats)
+            ]
+            peak, ours_s, hf_s, mm_s = (statistics.median(x) for x in zip(*times, strict=True))
             tokens = b * cfg.new_tokens
             row = dict(
                 hybridjax_s=ours_s, hf_s=hf_s, hybridjax_tok_s=tokens / ours_s,
                 hf_tok_s=tokens / hf_s, ratio=hf_s / ours_s, peak_flops=peak,
                 hybridjax_roofline=tokens / ours_s * flop_per_token / peak,
                 hf_roofline=tokens / hf_s * flop_per_token / peak,
+                matmul_only_roofline=matmul_flop / mm_s / peak,
                 compiles=engine.num_compiles, all_times=times,
             )  # fmt: skip
             log.info("%s batch %d: %s", name, b, row)

@@ -23,7 +23,8 @@ class SamplingParams:
     max_tokens: response length limit (verl's `rollout.response_length`), at least 1.
     stop_token_ids: extra ids that end a response (the stop token is part of the response).
     ignore_eos: when False, the model's `eos_token_id`(s) also end a response.
-    seed: request seed; sample i of prompt j draws from fold_in(fold_in(key(seed), j), i), so
+    seed: request seed (its low 31 bits); sample i of prompt j draws from
+      fold_in(fold_in(key(seed), j), i), folded with the token index at each step, so
       tokens do not depend on batching, slot placement or the number of steps per host call.
     """
 

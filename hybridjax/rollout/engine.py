@@ -113,9 +113,10 @@ class Slots:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """What one `generate` call produced (host numpy). K = steps run in this call.
+    """What one `generate` call produced (host numpy). K = `num_steps` of the call.
 
-    tokens: B×K int32 (-1 where the slot was inactive), log_probs: B×K float32,
+    tokens: B×K int32 (-1 where the slot was inactive or the loop had stopped),
+    log_probs: B×K float32 (0 there),
     finished: B bool (slots that finished in this call), stopped: B bool (finished on a stop
     token rather than on max_tokens).
     """
@@ -384,7 +385,7 @@ class Engine:
         s.temperature[slot] = p.temperature
         s.top_k[slot] = p.top_k
         s.top_p[slot] = p.top_p
-        s.seed[slot] = (p.seed, r.index, sample)
+        s.seed[slot] = (p.seed & 0x7FFFFFFF, r.index, sample)  # int32 lanes
         stop = p.stop_token_ids + (() if p.ignore_eos else self.eos_ids)
         s.stop_ids[slot] = -1
         s.stop_ids[slot, : len(stop)] = stop

@@ -92,8 +92,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
             trainer_cfg = load_trainer_config(cfg.trainer_config)
         trainer_cfg.update_from_flattened_dict(json.loads(cfg.overrides or "{}"))
         trainer_cfg.update_from_flattened_dict(algorithm_overrides(name, cfg.n))
-        if cfg.get("workload"):
-            whole_batch_micro_batches(trainer_cfg, jax.device_count())
+        whole_batch_micro_batches(trainer_cfg, jax.device_count())
         t = trainer_cfg.trainer
         t.default_local_dir = str(out_dir / "checkpoints" / name)
         t.logger, t.progress_bar, t.resume_mode = (), False, "disable"

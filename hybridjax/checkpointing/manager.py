@@ -88,6 +88,7 @@ class Checkpointer:
         A state with a non-finite value is refused. An existing step is not overwritten.
         """
         if step in self._manager.all_steps():
+            log.warning("not saving step %d: %s_%d exists and is kept", step, STEP_PREFIX, step)
             return False
         if not all_finite(state):
             log.warning("not saving step %d: the state contains NaN or inf", step)

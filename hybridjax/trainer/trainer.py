@@ -354,6 +354,7 @@ class RLTrainer:
             directory, step = split_checkpoint_path(mode)
             source = Checkpointer(directory, self.cfg.trainer.max_actor_ckpt_to_keep)
             restored = source.restore(self._state_tree(), step)
+            source.close()
         if restored is None:
             return 0
         step, tree, meta = restored

@@ -14,6 +14,7 @@ Workloads (issue 9):
   a  ~4M parameters, prompts as they come, responses up to 64 tokens (overhead-bound regime).
   b  ~100M parameters, prompts of exactly 64 tokens, responses of exactly 128 tokens
      (compute-bound regime).
+  qs  the quick-start model and task (`configs/quickstart.py`; needs its shipped assets).
   tiny  a 1-layer model, 16-token prompts, 8-token responses (smoke tests only).
 
 Runs in the project's virtualenv (hybridjax writes the checkpoint with its HF exporter;
@@ -32,6 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORK = ROOT / "experiments" / "peers" / ".work"
 GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 PROJECT_TOKENIZER = ROOT / "hybridjax" / "assets" / "tokenizers" / "gsm8k_bpe"
+QUICKSTART = ROOT / "hybridjax" / "assets" / "quickstart"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 
@@ -64,6 +66,16 @@ WORKLOADS = {
         fixed_response_length=True,
         steps=5,
         warmup=2,
+    ),
+    # The quick-start model and task (configs/quickstart.py): the shipped SFT warm start and
+    # arithmetic word problems, prompts rendered with its chat template, responses up to 16.
+    "qs": dict(
+        source="quickstart",
+        prompt_length=None,
+        response_length=16,
+        fixed_response_length=False,
+        steps=12,
+        warmup=3,
     ),
     # Test-sized: a smoke test of the harness and the benchmarks, not a measurement.
     "tiny": dict(
@@ -115,8 +127,12 @@ def _train_tokenizer(out_dir: pathlib.Path) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
 
 
-def _write_tokenizer(out_dir: pathlib.Path) -> None:
-    if (PROJECT_TOKENIZER / "tokenizer.json").exists():
+def _write_tokenizer(out_dir: pathlib.Path, copy: bool = True) -> None:
+    """`tokenizer.json` (copied or trained, unless `copy` is False and it is there already)
+    and a `tokenizer_config.json` whose chat template passes the text through."""
+    if not copy:
+        pass
+    elif (PROJECT_TOKENIZER / "tokenizer.json").exists():
         shutil.copy(PROJECT_TOKENIZER / "tokenizer.json", out_dir / "tokenizer.json")
     else:
         _train_tokenizer(out_dir)
@@ -173,6 +189,29 @@ def _write_parquet(path: pathlib.Path, prompts: list[dict]) -> str:
     return str(path)
 
 
+def _quickstart(model_dir: pathlib.Path, spec: dict) -> tuple[int, list[dict]]:
+    """Copies the quick-start checkpoint; returns its parameter count and the first prompts of
+    its training set, rendered with its chat template into plain text."""
+    import pyarrow.parquet as pq
+
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.models.hf_io import read_hf_config
+    from hybridjax.models.tokenizer import Tokenizer
+
+    source = QUICKSTART / "sft_model"
+    for f in source.glob("*.safetensors*"):
+        shutil.copy(f, model_dir / f.name)
+    shutil.copy(source / "config.json", model_dir / "config.json")
+    shutil.copy(source / "tokenizer.json", model_dir / "tokenizer.json")
+    chat = Tokenizer.from_pretrained(source)
+    rows = pq.read_table(QUICKSTART / "data" / "train.parquet").slice(0, spec["num_prompts"])
+    prompts = [
+        {"prompt": chat.render_chat(r["prompt"]), "ground_truth": r["reward_model"]["ground_truth"]}
+        for r in rows.to_pylist()
+    ]
+    return ModelConfig.from_hf_dict(read_hf_config(source)).num_params(), prompts
+
+
 def _write_checkpoint(model_dir: pathlib.Path, spec: dict, tokenizer) -> int:
     """A seeded random Qwen2-shaped `hybridjax` model exported with `hf_io.save_pretrained`
     (so every peer loads the project's own export); returns its parameter count."""
@@ -208,10 +247,15 @@ def build(name: str, force: bool = False) -> pathlib.Path:
     spec = {**COMMON, **WORKLOADS[name], "name": name}
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec["num_params"] = _write_checkpoint(model_dir, spec, tokenizer)
-    spec["prompts"] = _prompts(tokenizer, spec)
+    if spec.get("source") == "quickstart":
+        spec["num_params"], spec["prompts"] = _quickstart(model_dir, spec)
+        _write_tokenizer(model_dir, copy=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        _write_tokenizer(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        spec["num_params"] = _write_checkpoint(model_dir, spec, tokenizer)
+        spec["prompts"] = _prompts(tokenizer, spec)
     lengths = [len(tokenizer.encode(p["prompt"])) for p in spec["prompts"]]
     spec["prompt_lengths"] = lengths
     spec["max_prompt_length"] = max(lengths)

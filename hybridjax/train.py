@@ -12,6 +12,7 @@ import os
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")
@@ -24,7 +25,10 @@ _EXPORT_HF = flags.DEFINE_string(
 
 def main(argv: list[str]) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # hybridjax's own INFO lines (compiles, resume); orbax and absl only from WARNING up.
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hybridjax").setLevel(logging.INFO)
     from hybridjax.checkpointing.export import export_actor
     from hybridjax.trainer.trainer import RLTrainer
     from hybridjax.trainer.validate import ConfigError

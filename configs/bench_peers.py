@@ -20,6 +20,7 @@ def get_config():
                 rounds=2,
                 steps=0,  # timed steps per run; 0 = the workload's default
                 torch_threads=2,  # with OMP_WAIT_POLICY=PASSIVE
+                xla_single_thread=False,  # True (with torch_threads=1): every system on 1 thread
                 timeout_s=3600,
             ),
         )

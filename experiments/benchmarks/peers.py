@@ -8,7 +8,8 @@ prompt+response tokens per second (median tokens / median step time) and the rat
 faster peer (> 1: hybridjax is faster).
 
 Config keys (`benchmark.peers`): workloads ("a,b"), systems ("trl,tunix,hybridjax"), rounds,
-steps (timed steps per run; 0 = the workload's default), torch_threads, timeout_s.
+steps (timed steps per run; 0 = the workload's default), torch_threads, xla_single_thread,
+timeout_s.
 """
 
 from __future__ import annotations
@@ -36,9 +37,18 @@ def _python(system: str) -> str:
     return str(path)
 
 
-def _env(system: str, torch_threads: int) -> dict[str, str]:
+def _env(system: str, torch_threads: int, xla_single_thread: bool) -> dict[str, str]:
+    """The environment of one system's process.
+
+    `xla_single_thread` runs XLA's CPU code on one thread (as `torch_threads=1` does torch):
+    on a machine shared with other work, XLA's multi-threaded ops lose far more wall time to
+    oversubscription than their CPU time (measured here: a forward+backward pass 3.8 CPU-s
+    took 35 s wall multi-threaded, 18 s single-threaded, at a load average of 13 on 2 cores).
+    """
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # every JAX system sees the machine's one CPU device
+    if system != "trl" and xla_single_thread:
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     if system == "trl":
         env["OMP_NUM_THREADS"] = str(torch_threads)
         if torch_threads > 1:
@@ -64,7 +74,7 @@ def run_system(system: str, workload: str, steps: int, out: pathlib.Path, cfg) -
             cmd,
             check=True,
             cwd=ROOT,
-            env=_env(system, cfg.torch_threads),
+            env=_env(system, cfg.torch_threads, cfg.get("xla_single_thread", False)),
             stdout=logfile,
             stderr=subprocess.STDOUT,
             timeout=cfg.timeout_s,

@@ -107,6 +107,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
                 k: s[k]
                 for k in (
                     "step_time_s",
+                    "step_cpu_time_s",
                     "tokens_per_s",
                     "tokens_per_s_per_device",
                     "mfu_actor",

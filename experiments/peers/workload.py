@@ -65,7 +65,7 @@ WORKLOADS = {
         response_length=128,
         fixed_response_length=True,
         steps=5,
-        warmup=2,
+        warmup=1,
     ),
     # The quick-start model and task (configs/quickstart.py): the shipped SFT warm start and
     # arithmetic word problems, prompts rendered with its chat template, responses up to 16.

@@ -33,15 +33,15 @@ def get_config():
     c = sft_config()
     c.data.train_files = "data/arithmetic/sft.parquet"
     c.data.tokenizer = TOKENIZER
-    c.data.max_length = 48
+    c.data.max_length = 40
     c.data.train_batch_size = 64
     c.model.override_config = MODEL
-    c.optim.lr = 1e-3
+    c.optim.lr = 2e-3
     c.optim.lr_warmup_steps = 20
     c.optim.warmup_style = "cosine"
     c.optim.min_lr_ratio = 0.1
     c.trainer.experiment_name = "sft_arithmetic"
     c.trainer.default_local_dir = "checkpoints/hybridjax/sft_arithmetic"
-    c.trainer.total_training_steps = 800
-    c.trainer.save_freq = 200
+    c.trainer.total_training_steps = 1500
+    c.trainer.save_freq = 250
     return c

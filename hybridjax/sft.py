@@ -330,7 +330,10 @@ def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows)
 
 def main(argv: list[str]) -> None:
     del argv
+    from absl import logging as absl_logging
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
     try:
         run_sft(_CONFIG.value)
     except ValueError as err:

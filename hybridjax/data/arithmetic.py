@@ -6,7 +6,7 @@ writes three files (seeded, so the same command always writes the same rows):
 
 * `train.parquet`, `test.parquet`: verl-schema prompts (`data_source="arithmetic"`, ground truth
   the integer answer, scored by the GSM8K strict reward: the number after the last `####`). No
-  `(operation, a, b)` of the held-out test split appears in the training split.
+  question of the held-out test split appears in the training split.
 * `sft.parquet`: the training prompts with a `response` column written by a *sloppy teacher*:
   the arithmetic is always right, but the teacher ends with GSM8K's `#### n` only for a share of
   the problems (`format_p`, per operation) and otherwise writes `Answer: n`, which the strict
@@ -57,8 +57,8 @@ class TaskConfig:
     """
 
     operations: tuple[str, ...] = OPERATIONS
-    max_operand: int = 99
-    max_factor: int = 12
+    max_operand: int = 20
+    max_factor: int = 9
     format_p: tuple[tuple[str, float], ...] = (("+", 0.9), ("-", 0.3), ("*", 0.3))
 
     def __post_init__(self):
@@ -78,10 +78,6 @@ class Problem:
     b: int
     question: str
     answer: int
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return self.operation, self.a, self.b
 
 
 def make_problem(rng: random.Random, task: TaskConfig) -> Problem:
@@ -110,8 +106,9 @@ def teacher_response(problem: Problem, rng: random.Random, task: TaskConfig) -> 
 def split_problems(
     seed: int, train_size: int, test_size: int, task: TaskConfig
 ) -> tuple[list[Problem], list[Problem]]:
-    """(train, test): the test problems first, then training problems whose `(op, a, b)` is not
-    a test problem's. Deterministic in `seed`.
+    """(train, test): the test problems first, then training problems whose question text is
+    not a test question. Deterministic in `seed`. (The operands of a held-out question may
+    appear in training in other words: the small task has few distinct `(op, a, b)`.)
 
     Raises:
       ValueError: the task has too few distinct problems for `test_size`.
@@ -122,15 +119,15 @@ def split_problems(
         if len(test) == test_size:
             break
         problem = make_problem(rng, task)
-        if problem.key not in seen:
-            seen.add(problem.key)
+        if problem.question not in seen:
+            seen.add(problem.question)
             test.append(problem)
     if len(test) < test_size:
         raise ValueError(f"could not draw {test_size} distinct test problems; widen the task")
     train = []
     while len(train) < train_size:
         problem = make_problem(rng, task)
-        if problem.key not in seen:
+        if problem.question not in seen:
             train.append(problem)
     return train, test
 

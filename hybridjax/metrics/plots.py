@@ -121,3 +121,14 @@ def plot_run(log_dir: str, metrics_file: str = "metrics.jsonl") -> dict[str, str
         ax.legend(fontsize=7, ncol=2)
         save("timing", fig)
     return written
+
+
+def write_plots(log_dir: str) -> dict[str, str]:
+    """`plot_run(log_dir)` when the run wrote a metrics file; prints where the PNGs went."""
+    if not os.path.isfile(os.path.join(log_dir, "metrics.jsonl")):
+        return {}
+    written = plot_run(log_dir)
+    if written:
+        names = ", ".join(os.path.basename(p) for p in written.values())
+        print(f"plots ({names}) written to {os.path.abspath(log_dir)}", flush=True)
+    return written

@@ -42,6 +42,9 @@ def main(argv: list[str]) -> None:
             export_actor(trainer, _EXPORT_HF.value)
         else:
             trainer.fit()
+            from hybridjax.metrics.plots import write_plots
+
+            write_plots(os.path.join(_CONFIG.value.trainer.default_local_dir, "logs"))
     finally:
         trainer.close()
 

@@ -78,7 +78,7 @@ def test_sft_loss_matches_numpy():
     logits = np.asarray(model(ids, attention), np.float64)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = 0.0
-    for b, t in zip(*np.nonzero(loss_mask[:, 1:])):
+    for b, t in zip(*np.nonzero(loss_mask[:, 1:]), strict=True):
         expected -= logp[b, t, ids[b, t + 1]]
     assert count == 4 + 3
     np.testing.assert_allclose(float(total), expected, rtol=1e-5)

@@ -37,6 +37,12 @@ class HostColumns:
     response_mask: np.ndarray  # (B·n)×R
 
 
+def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array that every process holds whole, placed as `sharding` (each process
+    transfers only its own shards, so this also works when the mesh spans several hosts)."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """A sampling seed per (run seed, step): every step samples fresh, a resumed step the same."""
     return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -66,7 +72,7 @@ def generate_batch(
     n = sampling.n
     prompt_ids = np.repeat(prompts["input_ids"], n, axis=0)
     prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
-    put = lambda x: jax.device_put(np.asarray(x), sharding)
+    put = lambda x: put_global(np.asarray(x), sharding)
     batch = make_batch(
         put(prompt_ids),
         put(prompt_mask),

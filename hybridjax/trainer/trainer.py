@@ -50,6 +50,7 @@ from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.generation import (
     HostColumns,
     generate_batch,
+    put_global,
     step_seed,
     submit_rewards,
 )
@@ -195,6 +196,7 @@ class RLTrainer:
             "training/global_step": float(step),
             "training/epoch": float(epoch),
             "training/nan_skipped_updates_total": float(self.nan_total),
+            "rollout/num_compiles": float(self.engine.num_compiles),
         }
         return metrics
 
@@ -234,7 +236,7 @@ class RLTrainer:
                 jax.block_until_ready(batch.values)
         with timed(timing, "reward"):
             result = scores.result()
-            token_scores = jax.device_put(result.token_level_scores, self.batch_sharding)
+            token_scores = put_global(result.token_level_scores, self.batch_sharding)
             if self.reward_model is not None:
                 token_scores = jax.block_until_ready(rm_scores)
             batch = batch.replace(token_level_scores=token_scores)

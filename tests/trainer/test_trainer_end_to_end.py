@@ -40,6 +40,7 @@ PPO_KEYS = {
     "training/global_step",
     "training/epoch",
     "training/rollout_probs_diff_mean",
+    "rollout/num_compiles",
 }  # fmt: skip
 VAL_KEY = "val-core/openai/gsm8k/acc/mean@1"
 
@@ -54,7 +55,10 @@ def _params(trainer) -> list[np.ndarray]:
 
 
 def _deterministic(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+    """Metrics that depend only on the computation (not on wall time or the process's compile
+    history, which a resumed process starts afresh)."""
+    skip = ("timing_s/", "perf/", "rollout/num_compiles")
+    return {k: v for k, v in metrics.items() if not k.startswith(skip)}
 
 
 def _run(config, stop_after: int | None = None) -> RLTrainer:

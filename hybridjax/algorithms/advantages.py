@@ -21,7 +21,8 @@ Both outputs are 0 outside the response mask. Shapes are static; every estimator
 (pass `group_size` and `config` as static / closed-over values).
 
 Adding an estimator: write one function with this signature in any module, decorate it with
-`@register_adv_est("name")`, add a test, select it with `algorithm.adv_estimator=name`.
+`@register_adv_est("name")`, add a test, select it with `algorithm.adv_estimator=name`. An
+estimator that reads `reward_baselines_B` says so with `fn.needs_reward_baseline = True`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def compute_advantage(
         group_size=group_size,
         config=config,
     )
+
+
+def needs_reward_baseline(name: str) -> bool:
+    """Whether estimator `name` reads `reward_baselines_B` (it was registered with the attribute
+    `needs_reward_baseline = True`): the trainer then scores a greedy rollout of each prompt."""
+    return getattr(get_adv_estimator_fn(name), "needs_reward_baseline", False)
 
 
 def _require(value: jax.Array | None, name: str, estimator: str) -> jax.Array:
@@ -236,3 +243,6 @@ def compute_remax_outcome_advantage(
     returns_BxT = discounted_returns(token_level_rewards_BxT, response_mask_BxT, 1.0)
     advantages_BxT = returns_BxT - _broadcast(baselines_B, response_mask_BxT)
     return advantages_BxT, returns_BxT
+
+
+compute_remax_outcome_advantage.needs_reward_baseline = True

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 FILLED_BY = {
     "rollout_log_probs": "gen",
+    "rollout_is_weights": "old_log_prob (algorithm.rollout_is)",
+    "reward_baselines": "reward (greedy baseline)",
     "token_level_scores": "reward",
     "token_level_rewards": "reward / adv (KL in reward)",
     "old_log_probs": "old_log_prob",
@@ -39,6 +41,8 @@ class RLBatch:
     attention_mask: jax.Array  # B×(P+R) int32 0/1
     position_ids: jax.Array  # B×(P+R) int32
     rollout_log_probs: jax.Array | None = None
+    rollout_is_weights: jax.Array | None = None  # B×R, π_old / π_rollout bounded
+    reward_baselines: jax.Array | None = None  # B, score of a greedy response to the prompt
     token_level_scores: jax.Array | None = None
     token_level_rewards: jax.Array | None = None
     old_log_probs: jax.Array | None = None

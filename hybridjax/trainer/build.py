@@ -8,7 +8,12 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.config import ActorLossConfig, AlgorithmConfig, CriticLossConfig
+from hybridjax.algorithms.config import (
+    ActorLossConfig,
+    AlgorithmConfig,
+    CriticLossConfig,
+    OverlongBufferConfig,
+)
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, read_hf_config
@@ -123,6 +128,22 @@ def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
     }
 
 
+UNSET_WHEN_ZERO = (
+    "rollout_is_threshold",
+    "rollout_is_threshold_lower",
+    "rollout_is_veto_threshold",
+)
+
+
+def algorithm_config(cfg: ConfigDict) -> AlgorithmConfig:
+    """`algorithm.*` as the frozen `AlgorithmConfig` (the config file's 0.0 = not set = None)."""
+    values = cfg.algorithm.to_dict()
+    for key in UNSET_WHEN_ZERO:
+        if values.get(key, 0.0) <= 0:
+            values[key] = None
+    return AlgorithmConfig.from_dict(values)
+
+
 def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> StageConfig:
     """The frozen config of the jitted stages (see `StageConfig`)."""
     a = cfg.actor_rollout_ref
@@ -135,7 +156,8 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
         temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
         group_size=a.rollout.n,
         log_prob_micro_batch_size=sizes["log_prob_micro"],
-        algorithm=AlgorithmConfig.from_dict(cfg.algorithm),
+        algorithm=algorithm_config(cfg),
+        overlong=OverlongBufferConfig.from_dict(cfg.reward_model.overlong_buffer),
         actor_loss=ActorLossConfig.from_dict(actor_loss),
         critic_loss=CriticLossConfig.from_dict(critic_loss),
         actor_update=UpdateConfig(

@@ -119,6 +119,8 @@ def base_config() -> ConfigDict:
         reward_manager="naive",
         on_error="zero",  # a reward function that raises or returns NaN: zero | raise
         num_workers=8,
+        # DAPO soft overlong punishment on token_level_rewards (hybridjax.algorithms.overlong)
+        overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0),
     )
     c.custom_reward_function = dict(path="", name="compute_score", reward_kwargs=ConfigDict())
     c.algorithm = dict(
@@ -129,6 +131,13 @@ def base_config() -> ConfigDict:
         use_kl_in_reward=False,
         kl_penalty="kl",
         kl_ctrl=dict(type="fixed", kl_coef=0.001, horizon=10000, target_kl=0.1),
+        # rollout/trainer mismatch (hybridjax.algorithms.rollout_correction); 0.0 = not set
+        rollout_is=False,  # apply the weights to the policy loss (else metrics only)
+        rollout_is_threshold=0.0,  # upper bound; 0 = no importance weights at all
+        rollout_is_threshold_lower=0.0,  # 0 = 1 / rollout_is_threshold
+        rollout_is_level="token",  # token | sequence | geometric
+        rollout_is_mode="truncate",  # truncate | mask
+        rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
     )
     c.trainer = dict(
         project_name="hybridjax",

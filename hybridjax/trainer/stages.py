@@ -20,10 +20,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridjax.algorithms.advantages import compute_advantage as estimate_advantage
-from hybridjax.algorithms.config import ActorLossConfig, AlgorithmConfig, CriticLossConfig
+from hybridjax.algorithms.config import (
+    ActorLossConfig,
+    AlgorithmConfig,
+    CriticLossConfig,
+    OverlongBufferConfig,
+)
 from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
 from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
-from hybridjax.algorithms.masked import masked_mean
+from hybridjax.algorithms.overlong import apply_overlong_penalty
+from hybridjax.algorithms.rollout_correction import (
+    compute_rollout_importance_weights,
+    rollout_probs_diff_metrics,
+)
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.forward import map_micro_batches, response_log_probs, response_values
 from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
@@ -44,6 +53,7 @@ class StageConfig:
     critic_update: UpdateConfig
     actor_optim: OptimConfig
     critic_optim: OptimConfig
+    overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
 
 
 def _fields(batch: RLBatch, *names: str) -> dict[str, jax.Array]:
@@ -66,15 +76,25 @@ def compute_old_log_prob(
     graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
 ) -> tuple[RLBatch, dict[str, jax.Array]]:
     """Fills `old_log_probs` (B×R) with the current actor. When the rollout returned log-probs,
-    reports their gap `training/rollout_probs_diff_{mean,max}` = |p_trainer − p_rollout|."""
+    reports their gap `training/rollout_probs_diff_{mean,max,std}` = |p_trainer − p_rollout|,
+    and with `algorithm.rollout_is_threshold` set, the truncated importance weights
+    π_old / π_rollout and their `mismatch/*` metrics. With `algorithm.rollout_is` the weights
+    are kept as `rollout_is_weights` for the policy loss, and `mask` mode / the veto replace
+    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage)."""
     mask = batch.response_mask
     old = _log_probs(graphdef, params, batch, cfg) * mask
-    metrics = {}
-    if batch.rollout_log_probs is not None:
-        diff = jnp.abs(jnp.exp(old) - jnp.exp(batch.rollout_log_probs)) * mask
-        metrics["training/rollout_probs_diff_mean"] = masked_mean(diff, mask)
-        metrics["training/rollout_probs_diff_max"] = jnp.max(diff)
-    return batch.replace(old_log_probs=old), metrics
+    batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
+    if batch.rollout_log_probs is None:
+        return batch, metrics
+    metrics |= rollout_probs_diff_metrics(old, batch.rollout_log_probs, mask)
+    if algo.rollout_is_threshold is not None:
+        weights, new_mask, m = compute_rollout_importance_weights(
+            old, batch.rollout_log_probs, mask, algo
+        )
+        metrics |= m
+        if algo.rollout_is:
+            batch = batch.replace(rollout_is_weights=weights, response_mask=new_mask)
+    return batch, metrics
 
 
 def compute_ref_log_prob(
@@ -96,29 +116,53 @@ def compute_values(
     )
 
 
-def compute_advantage(
+def token_level_rewards(
     batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
-) -> tuple[RLBatch, jax.Array, dict[str, jax.Array]]:
-    """Token-level rewards (minus β·KL when `algorithm.use_kl_in_reward`), then the registered
-    estimator's advantages and returns. Returns (batch, next KL coefficient, metrics)."""
-    (scores,) = batch.require("token_level_scores")
-    algo, metrics = cfg.algorithm, {}
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """token_level_scores (− β·KL when `algorithm.use_kl_in_reward`) (+ DAPO's overlong penalty
+    at the last valid token when `reward_model.overlong_buffer.enable`, L_max = R).
+
+    Returns (rewards B×R, next β from the KL controller, metrics): `actor/reward_kl_penalty`,
+    `actor/reward_kl_penalty_coeff` and `actor/kl_coef` (β used this step) with KL in the
+    reward; `reward/overlong_penalty/mean` and `reward/overlong_fraction` (share of responses
+    penalised) with the overlong buffer."""
+    (rewards,) = batch.require("token_level_scores")
+    algo, overlong, metrics = cfg.algorithm, cfg.overlong, {}
+    mask = batch.response_mask
     if algo.use_kl_in_reward:
         old, ref = batch.require("old_log_probs", "ref_log_prob")
-        rewards, metrics = apply_kl_penalty(
-            scores, old, ref, batch.response_mask, kl_coef, algo.kl_penalty
-        )
+        rewards, metrics = apply_kl_penalty(rewards, old, ref, mask, kl_coef, algo.kl_penalty)
+        metrics["actor/kl_coef"] = metrics["actor/reward_kl_penalty_coeff"]
         kl_coef = update_kl_coef(
             kl_coef, metrics["actor/reward_kl_penalty"], batch.batch_size, algo.kl_ctrl
         )
-    else:
-        rewards = scores
+    if overlong.enable:
+        rewards, penalty_B = apply_overlong_penalty(
+            rewards,
+            mask,
+            max_response_length=mask.shape[1],
+            overlong_buffer_len=overlong.len,
+            penalty_factor=overlong.penalty_factor,
+        )
+        metrics["reward/overlong_penalty/mean"] = jnp.mean(penalty_B)
+        metrics["reward/overlong_fraction"] = jnp.mean((penalty_B < 0).astype(jnp.float32))
+    return rewards, kl_coef, metrics
+
+
+def compute_advantage(
+    batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
+) -> tuple[RLBatch, jax.Array, dict[str, jax.Array]]:
+    """Token-level rewards (`token_level_rewards`), then the registered estimator's advantages
+    and returns (with `values` and `reward_baselines` when those stages ran). Returns (batch,
+    next KL coefficient, metrics)."""
+    rewards, kl_coef, metrics = token_level_rewards(batch, kl_coef, cfg)
     advantages, returns = estimate_advantage(
         rewards,
         batch.response_mask,
-        config=algo,
+        config=cfg.algorithm,
         group_size=cfg.group_size,
         values_BxT=batch.values,
+        reward_baselines_B=batch.reward_baselines,
     )
     batch = batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns)
     return batch, kl_coef, metrics
@@ -142,6 +186,7 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         counts=counts,
         entropy_BxT=entropy,
         ref_log_prob_BxT=micro.get("ref_log_prob"),
+        rollout_is_weights_BxT=micro.get("rollout_is_weights"),
     )
 
 
@@ -175,16 +220,21 @@ def _update(role, loss, optim, update_cfg, state, fields, rng):
 def update_actor(
     graphdef: nnx.GraphDef, state: TrainState, batch: RLBatch, rng: jax.Array, cfg: StageConfig
 ) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
-    """PPO epochs over the batch with the registered policy loss (+ entropy and KL loss).
-    Returns (state, `actor/*` metrics, number of skipped non-finite updates)."""
-    names = ("old_log_probs", "advantages") + (
-        ("ref_log_prob",) if cfg.actor_loss.use_kl_loss else ()
-    )
+    """PPO epochs over the batch with the registered policy loss (+ entropy and KL loss),
+    each token's loss weighted by `rollout_is_weights` when `algorithm.rollout_is`.
+    Returns (state, `actor/*` metrics, number of skipped non-finite updates).
+    `actor/kl_coef` is `kl_loss_coef` with a KL loss, else 0 unless the adv stage reported
+    the reward's β (KL in the reward)."""
+    use_kl_loss = cfg.actor_loss.use_kl_loss
+    names = ("old_log_probs", "advantages")
+    names += ("ref_log_prob",) if use_kl_loss else ()
+    names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, *names), rng
     )
-    metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef)
+    if use_kl_loss or not cfg.algorithm.use_kl_in_reward:
+        metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef if use_kl_loss else 0)
     metrics.setdefault("actor/kl_loss", jnp.float32(0.0))
     return state, metrics, nan
 

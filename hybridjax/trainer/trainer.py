@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
+from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import (
@@ -33,7 +34,6 @@ from hybridjax.metrics import (
 )
 from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig, RewardManager
-from hybridjax.rewards.reward_model import score_responses
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -47,13 +47,8 @@ from hybridjax.sharding import (
 )
 from hybridjax.trainer import build, stages
 from hybridjax.trainer.batch import RLBatch
-from hybridjax.trainer.generation import (
-    HostColumns,
-    generate_batch,
-    put_global,
-    step_seed,
-    submit_rewards,
-)
+from hybridjax.trainer.generation import HostColumns, generate_batch, step_seed
+from hybridjax.trainer.reward import RewardStage
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
 
@@ -125,7 +120,15 @@ class RLTrainer:
             o.param_offload or o.optimizer_offload for o in self.offload.values()
         )
         self._build_models()
-        self.rewards = RewardManager(RewardConfig.from_config(cfg))
+        self.reward = RewardStage(
+            RewardManager(RewardConfig.from_config(cfg)),
+            self.tokenizer,
+            self.reward_model,
+            cfg.reward_model.micro_batch_size_per_gpu,
+            self.batch_sharding,
+            dp,
+        )
+        self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
@@ -175,8 +178,8 @@ class RLTrainer:
         timing: dict[str, float] = {}
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            batch, host = self._generate(next(self.train_loader), step, timing)
-            batch, device, result = self._prepare(batch, host, timing)
+            batch, host, greedy = self._generate(next(self.train_loader), step, timing)
+            batch, device, result = self._prepare(batch, host, greedy, timing)
             device |= self._update(batch, step, timing)
             with timed(timing, "reshard"):
                 nbytes = self._update_weights()
@@ -200,29 +203,34 @@ class RLTrainer:
         }
         return metrics
 
-    def _generate(self, prompts, step: int, timing) -> tuple[RLBatch, HostColumns]:
-        """Stage `gen`: rollout with the idle states offloaded (when configured)."""
+    def _generate(self, prompts, step: int, timing):
+        """Stage `gen`: rollout with the idle states offloaded (when configured), plus one
+        greedy response per prompt when the advantage estimator needs a reward baseline.
+        Returns (batch, host columns, (greedy batch, its host columns) or None)."""
         if self.offload_any:
             with timed(timing, "offload"):
                 self._move_idle_states(offload_to_host)
         with timed(timing, "gen"):
             sampling = self._sampling(step)
             pad = self.tokenizer.pad_token_id
-            out = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+            batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+            greedy = None
+            if self.greedy_baseline:
+                argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
+                greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
         if self.offload_any:
             with timed(timing, "onload"):
                 self._move_idle_states(load_to_device)
-        return out
+        return batch, host, greedy
 
-    def _prepare(self, batch: RLBatch, host: HostColumns, timing):
-        """Stages `reward`, `old_log_prob`, `ref`, `values`, `adv`. The rule-based scoring runs
-        in threads while the device computes log-probs and values. Returns (batch, device
-        metrics, the reward manager's result)."""
+    def _prepare(self, batch: RLBatch, host: HostColumns, greedy, timing):
+        """Stages `reward`, `old_log_prob`, `ref`, `values`, `adv`. Scoring (rule functions in
+        threads, the reward model queued) overlaps the log-prob and value passes. Returns
+        (batch, device metrics, the reward manager's result)."""
         sc, device = self.stage_cfg, {}
         with timed(timing, "reward"):
-            scores = submit_rewards(self.rewards, self.tokenizer, host)
-            if self.reward_model is not None:  # replaces the rule score, as verl's
-                rm_scores = self._score_with_reward_model(batch)
+            scores = self.reward.submit(batch, host)
+            greedy_scores = self.reward.submit(*greedy) if greedy else None
         with timed(timing, "old_log_prob"):
             batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
             device |= jax.block_until_ready(m)
@@ -235,11 +243,11 @@ class RLTrainer:
                 batch = _values(self.critic_graphdef, self.critic_state.params, batch, sc)
                 jax.block_until_ready(batch.values)
         with timed(timing, "reward"):
-            result = scores.result()
-            token_scores = put_global(result.token_level_scores, self.batch_sharding)
-            if self.reward_model is not None:
-                token_scores = jax.block_until_ready(rm_scores)
+            token_scores, result = self.reward.collect(scores)
             batch = batch.replace(token_level_scores=token_scores)
+            if greedy_scores is not None:
+                baselines = self.reward.baselines(greedy_scores, sc.group_size)
+                batch = batch.replace(reward_baselines=baselines)
         with timed(timing, "adv"):
             batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
             device |= jax.block_until_ready(m)
@@ -285,22 +293,6 @@ class RLTrainer:
                 self.critic_state, opt_state=move(self.critic_state.opt_state)
             )
 
-    def _score_with_reward_model(self, batch) -> jax.Array:
-        """B×R reward-model scores on each response's last valid token (queued, no sync)."""
-        graphdef, params = self.reward_model
-        dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
-        micro = build.batch_sizes(self.cfg, dp)["reward_micro"]
-        token_scores, _ = score_responses(
-            graphdef,
-            params,
-            batch.prompts,
-            batch.attention_mask[:, : batch.prompts.shape[1]],
-            batch.responses,
-            batch.response_mask,
-            micro_batch_size=micro,
-        )
-        return token_scores
-
     def _count_nans(self, skipped: int, step: int) -> None:
         self.nan_total += skipped
         self.nan_consecutive = self.nan_consecutive + 1 if skipped else 0
@@ -323,7 +315,7 @@ class RLTrainer:
             self.val_loader,
             sampling,
             self.tokenizer,
-            self.rewards,
+            self.reward.manager,
             self.batch_sharding,
         )
 
@@ -407,4 +399,4 @@ class RLTrainer:
 
     def close(self) -> None:
         self.checkpointer.close()
-        self.rewards.close()
+        self.reward.close()

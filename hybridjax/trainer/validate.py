@@ -16,8 +16,12 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import ADV_ESTIMATORS, compute_advantage
-from hybridjax.algorithms.config import AlgorithmConfig
+from hybridjax.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    compute_advantage,
+    needs_reward_baseline,
+)
+from hybridjax.algorithms.config import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
@@ -25,6 +29,7 @@ from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.trainer.build import algorithm_config
 from hybridjax.trainer.config import base_config
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -130,6 +135,23 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("algorithm.kl_ctrl.type", lambda v: v in ("fixed", "adaptive"), "fixed or adaptive"),
         ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, "must be >= 0"),
         ("algorithm.kl_penalty", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
+        ("algorithm.kl_ctrl.target_kl", positive, "must be > 0"),
+        ("algorithm.kl_ctrl.horizon", positive, "must be > 0"),
+        ("algorithm.rollout_is_threshold", lambda v: v >= 0, "must be >= 0 (0: off)"),
+        ("algorithm.rollout_is_threshold_lower", lambda v: v >= 0, "must be >= 0 (0: 1/upper)"),
+        ("algorithm.rollout_is_veto_threshold", lambda v: v >= 0, "must be >= 0 (0: off)"),
+        (
+            "algorithm.rollout_is_level",
+            lambda v: v in ROLLOUT_IS_LEVELS,
+            f"one of {ROLLOUT_IS_LEVELS}",
+        ),
+        (
+            "algorithm.rollout_is_mode",
+            lambda v: v in ROLLOUT_IS_MODES,
+            f"one of {ROLLOUT_IS_MODES}",
+        ),
+        ("reward_model.overlong_buffer.len", lambda v: v >= 0, "must be >= 0"),
+        ("reward_model.overlong_buffer.penalty_factor", lambda v: v >= 0, "must be >= 0"),
         ("trainer.total_epochs", positive, "must be > 0"),
         ("trainer.logger", lambda v: set(v) <= set(LOGGERS), f"a subset of {LOGGERS}"),
         ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
@@ -210,6 +232,22 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
                 f"data.{key}: no such file {path!r} (GSM8K: python -m hybridjax.data.gsm8k "
                 "--input ../shared/data/gsm8k --output data/gsm8k)",
             )
+    algo, overlong = c.algorithm, c.reward_model.overlong_buffer
+    greedy = algo.adv_estimator in ADV_ESTIMATORS and needs_reward_baseline(algo.adv_estimator)
+    need(
+        not greedy or dp <= 0 or bsz % dp == 0,
+        f"algorithm.adv_estimator {algo.adv_estimator!r} generates one greedy response per "
+        f"prompt: data.train_batch_size ({bsz}) must be divisible by the data-parallel size ({dp})",
+    )
+    need(
+        not algo.rollout_is or algo.rollout_is_threshold > 0,
+        "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",
+    )
+    need(
+        not overlong.enable or 0 < overlong.len < d.max_response_length,
+        f"reward_model.overlong_buffer.len ({overlong.len}) must be in "
+        f"(0, data.max_response_length = {d.max_response_length}) when enabled",
+    )
     need(
         not c.reward_model.enable or bool(c.reward_model.model.path),
         "reward_model.enable is true but reward_model.model.path is empty",
@@ -224,18 +262,27 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
 
 def _estimator_problems(c: ConfigDict) -> list[str]:
     """Traces the configured advantage estimator abstractly with the inputs this config gives
-    it (values only with a critic), so a missing input fails now, not after a rollout."""
+    it (values only with a critic, greedy baselines when the estimator declares it needs them),
+    so a missing input fails now, not after a rollout."""
     n = c.actor_rollout_ref.rollout.n
     rewards = jax.ShapeDtypeStruct((2 * n, 4), jnp.float32)
-    algorithm = AlgorithmConfig.from_dict(c.algorithm)
+    baselines = jax.ShapeDtypeStruct((2 * n,), jnp.float32)
+    algorithm = algorithm_config(c)
 
-    def estimate(rewards_BxT, mask_BxT, values_BxT):
+    def estimate(rewards_BxT, mask_BxT, values_BxT, baselines_B):
         return compute_advantage(
-            rewards_BxT, mask_BxT, config=algorithm, group_size=n, values_BxT=values_BxT
+            rewards_BxT,
+            mask_BxT,
+            config=algorithm,
+            group_size=n,
+            values_BxT=values_BxT,
+            reward_baselines_B=baselines_B,
         )
 
+    values = rewards if c.critic.enable else None
+    baselines = baselines if needs_reward_baseline(c.algorithm.adv_estimator) else None
     try:
-        jax.eval_shape(estimate, rewards, rewards, rewards if c.critic.enable else None)
+        jax.eval_shape(estimate, rewards, rewards, values, baselines)
     except ValueError as err:
         hint = "" if c.critic.enable else " (set critic.enable=True for a critic's values)"
         return [f"algorithm.adv_estimator: {c.algorithm.adv_estimator!r}: {err}{hint}"]

@@ -132,3 +132,28 @@ def test_estimator_inputs_are_checked_at_start(tmp_path):
     assert "1 problem" in str(err.value)
     config.algorithm.adv_estimator = "grpo"
     validate(config, 8, ACTOR)
+
+
+def test_remax_is_accepted_and_new_keys_are_checked(tmp_path):
+    """ReMax validates (its greedy baseline is generated, not missing); rollout IS and the
+    overlong buffer name their keys."""
+    config = _load("tiny", tmp_path)
+    config.algorithm.adv_estimator = "remax"
+    config.critic.enable = False
+    validate(config, 8, ACTOR)
+    config.data.train_batch_size = 4  # 4 greedy prompts over 8 data shards
+    config.actor_rollout_ref.actor.ppo_mini_batch_size = 4
+    config.algorithm.rollout_is = True  # without a threshold
+    config.algorithm.rollout_is_level = "word"
+    config.reward_model.overlong_buffer.enable = True
+    config.reward_model.overlong_buffer.len = 32  # = data.max_response_length
+    with pytest.raises(ConfigError) as err:
+        validate(config, 8, ACTOR)
+    message = str(err.value)
+    for key in (
+        "data.train_batch_size (4) must be divisible by the data-parallel size (8)",
+        "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0",
+        "algorithm.rollout_is_level: one of ('token', 'sequence', 'geometric') (got 'word')",
+        "reward_model.overlong_buffer.len (32) must be in (0, data.max_response_length = 32)",
+    ):
+        assert key in message, (key, message)

@@ -77,26 +77,56 @@ def _run(config, stop_after: int | None = None) -> RLTrainer:
     return trainer
 
 
+# KL in the reward with the adaptive controller, truncated importance sampling in the loss,
+# DAPO's overlong penalty (responses longer than 16 − 4 tokens).
+PPO_CHANGES = {
+    "trainer.total_training_steps": 3,
+    "algorithm.use_kl_in_reward": True,
+    "algorithm.kl_ctrl.type": "adaptive",
+    "algorithm.rollout_is": True,
+    "algorithm.rollout_is_threshold": 2.0,
+    "reward_model.overlong_buffer.enable": True,
+    "reward_model.overlong_buffer.len": 4,
+}
+PPO_EXTRA_KEYS = {
+    "timing_s/ref",
+    "training/rollout_probs_diff_max",
+    "mismatch/rollout_is_mean",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "reward/overlong_penalty/mean",
+    "reward/overlong_fraction",
+}
+
+
 def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
-    """PPO with a critic: every metric present and finite; SIGTERM at step 2, resume, and
-    step 3 gives bit-identical parameters and metrics to the uninterrupted run."""
-    changes = {"trainer.total_training_steps": 3}
+    """PPO with a critic, KL in the reward (adaptive), rollout IS and the overlong penalty:
+    every metric present and finite; SIGTERM at step 2, resume, and step 3 gives bit-identical
+    parameters, KL coefficient and metrics to the uninterrupted run."""
+    changes = PPO_CHANGES
     whole = _run(tiny_config(data, tmp_path / "whole", **changes))
     metrics = read_metrics(tmp_path / "whole")
     for step in (1, 2, 3):
-        missing = PPO_KEYS - set(metrics[step])
+        missing = (PPO_KEYS | PPO_EXTRA_KEYS) - set(metrics[step])
         assert not missing, f"step {step} lacks {sorted(missing)}"
         bad = {k: v for k, v in metrics[step].items() if not math.isfinite(v)}
         assert not bad, f"step {step} has non-finite metrics {bad}"
     assert VAL_KEY in metrics[2] and 0.0 <= metrics[2][VAL_KEY] <= 1.0
     assert metrics[3]["training/global_step"] == 3
     assert metrics[1]["training/rollout_probs_diff_mean"] < 1e-5  # engine = trainer log-probs
+    assert metrics[1]["mismatch/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+    # step 1: the reference is the actor, KL 0, so β shrinks by (1 − 0.2 · 8 rows / 10000)
+    assert metrics[1]["actor/kl_coef"] == pytest.approx(0.001, rel=1e-6)
+    assert metrics[2]["actor/kl_coef"] == pytest.approx(0.001 * (1 - 0.2 * 8 / 10000), rel=1e-6)
+    assert metrics[1]["actor/kl_coef"] == metrics[1]["actor/reward_kl_penalty_coeff"]
+    assert -1.0 <= metrics[1]["reward/overlong_penalty/mean"] <= 0.0
 
     first = _run(tiny_config(data, tmp_path / "cut", **changes), stop_after=2)
     assert first.global_step == 2
     assert first.checkpointer.steps() == [1, 2]
     resumed = _run(tiny_config(data, tmp_path / "cut", **changes))
     assert resumed.global_step == 3
+    assert float(resumed.kl_coef) == float(whole.kl_coef) < 0.001  # checkpointed controller
     for a, b in zip(_params(whole), _params(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
     cut = read_metrics(tmp_path / "cut")
@@ -170,3 +200,41 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     assert 0.0 < metrics[1]["critic/score/max"] < 1.0  # a model score, not a rule's 0 / 1
     assert metrics[2]["actor/kl_loss"] > 0.0
     assert trainer.checkpointer.steps() == [1, 2]
+
+
+def test_remax_step_scores_a_greedy_baseline(data, tmp_path):
+    """ReMax (n = 2, no critic): the gen stage also decodes each prompt greedily, the reward
+    stage scores it, and advantage = the sample's reward − its prompt's greedy score."""
+    reward_file = tmp_path / "length_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return len(solution_str) / 100.0\n"
+    )
+    config = tiny_config(data, tmp_path / "run", **{
+        "algorithm.adv_estimator": "remax",
+        "critic.enable": False,
+        "actor_rollout_ref.rollout.n": 2,
+        "custom_reward_function.path": str(reward_file),
+        "trainer.total_training_steps": 1,
+        "trainer.test_freq": -1,
+    })  # fmt: skip
+    trainer = RLTrainer(config)
+    prepared, prepare = [], trainer._prepare
+
+    def keep(*args):
+        prepared.append(prepare(*args))
+        return prepared[-1]
+
+    trainer._prepare = keep
+    trainer.fit()
+    trainer.close()
+    batch = jax.device_get(prepared[0][0])
+    baselines = np.asarray(batch.reward_baselines)
+    np.testing.assert_array_equal(baselines[0::2], baselines[1::2])  # one per prompt
+    assert baselines.max() > 0.0  # length-based scores of greedy responses
+    scores = np.sum(np.asarray(batch.token_level_rewards) * batch.response_mask, axis=-1)
+    expected = (scores - baselines)[:, None] * batch.response_mask
+    np.testing.assert_allclose(batch.advantages, expected, rtol=1e-6, atol=1e-6)
+    metrics = read_metrics(tmp_path / "run")[1]
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert "actor/pg_loss" in metrics and "critic/advantages/max" in metrics

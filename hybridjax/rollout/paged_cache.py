@@ -60,18 +60,23 @@ def paged_attention_jnp(
     p = page_table_BxP.shape[1]
     k_KxBxLxD = k_pages_KxNxSxD[:, page_table_BxP].reshape(kv, b, p * page_size, d)
     v_KxBxLxD = v_pages_KxNxSxD[:, page_table_BxP].reshape(kv, b, p * page_size, d)
-    q = q_BxTxHxD.reshape(b, t, kv, h // kv, d)
+    # Batch dimensions (k, b) in the gathered arrays' order: only q and the output (small) are
+    # transposed, never the gathered keys/values.
+    q_KxBxGxTxD = q_BxTxHxD.reshape(b, t, kv, h // kv, d).transpose(2, 0, 3, 1, 4)
     logits = jnp.einsum(
-        "btkgd,kbld->bkgtl", q, k_KxBxLxD.astype(q.dtype), preferred_element_type=jnp.float32
+        "kbgtd,kbld->kbgtl",
+        q_KxBxGxTxD,
+        k_KxBxLxD.astype(q_BxTxHxD.dtype),
+        preferred_element_type=jnp.float32,
     )
     logits = logits * (d**-0.5)
     k_pos_BxL = jnp.broadcast_to(jnp.arange(p * page_size), (b, p * page_size))
     mask = attention_mask(positions_BxT, k_pos_BxL, jnp.ones_like(k_pos_BxL, bool), sliding_window)
-    mask = mask[:, None, None]
+    mask = mask[None, :, None]  # 1×B×1×T×L
     probs = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(q.dtype)
-    out = jnp.einsum("bkgtl,kbld->btkgd", probs, v_KxBxLxD.astype(q.dtype))
-    return out.reshape(b, t, h, d)
+    probs = jnp.where(mask, probs, 0.0).astype(q_BxTxHxD.dtype)
+    out = jnp.einsum("kbgtl,kbld->kbgtd", probs, v_KxBxLxD.astype(q_BxTxHxD.dtype))
+    return out.transpose(1, 3, 0, 2, 4).reshape(b, t, h, d)
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

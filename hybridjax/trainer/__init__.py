@@ -7,7 +7,8 @@ trainer.fit()                 # resumes, trains, validates, checkpoints
 
 from hybridjax.trainer.batch import RLBatch, make_batch
 from hybridjax.trainer.config import base_config
-from hybridjax.trainer.trainer import NonFiniteLossError, RLTrainer
+from hybridjax.trainer.nan_guard import NonFiniteLossError
+from hybridjax.trainer.trainer import RLTrainer
 from hybridjax.trainer.validate import ConfigError, validate
 
 __all__ = [

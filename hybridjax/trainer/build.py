@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.config import (
@@ -25,9 +28,12 @@ from hybridjax.sharding import (
     init_sharded,
     sharding_fn,
 )
+from hybridjax.trainer import stages
 from hybridjax.trainer.optim import OptimConfig
 from hybridjax.trainer.stages import StageConfig
-from hybridjax.trainer.update import UpdateConfig
+from hybridjax.trainer.update import TrainState, UpdateConfig
+
+_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
@@ -168,4 +174,43 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
         ),
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The run's models on the training mesh: graph definitions and initial states."""
+
+    actor: CausalLM  # the module the rollout engine is built from
+    actor_graphdef: nnx.GraphDef
+    actor_state: TrainState
+    ref_params: Any | None  # a frozen copy of the actor's initial params (KL terms only)
+    critic_graphdef: nnx.GraphDef | None
+    critic_state: TrainState | None
+    reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
+
+
+def build_models(
+    cfg: ConfigDict, actor_config: ModelConfig, mesh, stage: StageConfig, use_ref: bool
+) -> Models:
+    """Actor (+ reference copy, critic when `critic.enable`, reward model when
+    `reward_model.enable`) with fresh optimizer states, each in its training layout."""
+    seed = cfg.trainer.seed
+    actor = build_actor(cfg, actor_config, mesh, seed)
+    actor_graphdef, params = nnx.split(actor)
+    critic_graphdef = critic_state = reward_model = None
+    if cfg.critic.enable:
+        critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
+        critic_graphdef, critic_params = nnx.split(critic)
+        critic_state = _init_train_state(critic_params, stage.critic_optim)
+    if cfg.reward_model.enable:
+        reward_model = nnx.split(build_reward_model(cfg, mesh))
+    return Models(
+        actor=actor,
+        actor_graphdef=actor_graphdef,
+        actor_state=_init_train_state(params, stage.actor_optim),
+        ref_params=jax.tree.map(jnp.copy, params) if use_ref else None,
+        critic_graphdef=critic_graphdef,
+        critic_state=critic_state,
+        reward_model=reward_model,
     )

@@ -2,80 +2,51 @@
 
     gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
 
-Each stage is timed as `timing_s/<stage>` (ending with a device sync so the time is the
-stage's own). Which stages run follows from the config (a critic when `critic.enable`, a
-reference when a KL term is configured); which algorithm runs is the registries' business.
-Metrics of a step are pulled to the host in one `device_get` at its end.
+`gen` and `reshard` (the rollout engine and the hybrid engine's re-layout) run here; the device
+stages run in `trainer.step`. Each stage is timed as `timing_s/<stage>`. Which stages run
+follows from the config (a critic when `critic.enable`, a reference when a KL term is
+configured, a greedy rollout when the estimator asks for a baseline); which algorithm runs is
+the registries' business. Metrics of a step are pulled to the host in one `device_get`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
-from hybridjax.metrics import (
-    Tracking,
-    compute_data_metrics,
-    compute_perf_metrics,
-    measure_peak_flops,
-)
+from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
 from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig, RewardManager
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     MeshConfig,
-    OffloadConfig,
     load_to_device,
     make_meshes,
     offload_to_host,
     state_shardings,
     update_weights,
 )
-from hybridjax.trainer import build, stages
-from hybridjax.trainer.batch import RLBatch
-from hybridjax.trainer.generation import HostColumns, generate_batch, step_seed
+from hybridjax.trainer import build, step
+from hybridjax.trainer.generation import generate_batch, step_seed
+from hybridjax.trainer.nan_guard import NanGuard
+from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
 from hybridjax.trainer.reward import RewardStage
+from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps whose updates were skipped for NaN/inf loss or gradients."""
-
-
-# Jitted once per process, shared by every trainer (graph definitions and StageConfig static).
-_old_log_prob = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
-_ref_log_prob = jax.jit(stages.compute_ref_log_prob, static_argnums=(0, 3))
-_values = jax.jit(stages.compute_values, static_argnums=(0, 3))
-_advantage = jax.jit(stages.compute_advantage, static_argnums=2)
-_update_actor = jax.jit(stages.update_actor, static_argnums=(0, 4), donate_argnums=1)
-_update_critic = jax.jit(stages.update_critic, static_argnums=(0, 4), donate_argnums=1)
-_data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
-_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
-
-
-@contextlib.contextmanager
-def timed(timing: dict[str, float], name: str):
-    """Adds the wall time of the block to `timing[name]` (seconds)."""
-    start = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
 class RLTrainer:
@@ -106,24 +77,26 @@ class RLTrainer:
             if t.total_training_steps > 0
             else len(self.train_loader) * t.total_epochs
         )
-        self.stage_cfg = build.stage_config(cfg, self.total_steps, dp)
+        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp)
         self.use_critic = cfg.critic.enable
-        sc = self.stage_cfg
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
-        a = cfg.actor_rollout_ref
-        self.offload = {
-            "actor": OffloadConfig.from_config(a.actor.fsdp_config),
-            "ref": OffloadConfig.from_config(a.ref.fsdp_config),
-            "critic": OffloadConfig.from_config(cfg.critic.model.fsdp_config),
-        }
-        self.offload_any = any(
-            o.param_offload or o.optimizer_offload for o in self.offload.values()
+        self.offload = offload_configs(cfg)
+        self.offload_any = any_offload(self.offload)
+        self.models = build.build_models(
+            cfg, self.actor_config, self.meshes.train, sc, self.use_ref
         )
-        self._build_models()
+        rollout = cfg.actor_rollout_ref.rollout
+        self.gen_dtype = to_dtype(rollout.dtype)
+        self.gen_shardings = state_shardings(
+            self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
+        )
+        engine_config = RolloutConfig.from_config(rollout)
+        self.engine = Engine(self.models.actor, engine_config, mesh=self.meshes.generate)
+        self._update_weights()
         self.reward = RewardStage(
             RewardManager(RewardConfig.from_config(cfg)),
             self.tokenizer,
-            self.reward_model,
+            self.models.reward_model,
             cfg.reward_model.micro_batch_size_per_gpu,
             self.batch_sharding,
             dp,
@@ -134,31 +107,19 @@ class RLTrainer:
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
         self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
         self.global_step = 0
-        self.nan_consecutive = 0
-        self.nan_total = 0
+        self.nan_guard = NanGuard(t.max_consecutive_nan_steps)
 
-    # ------------------------------------------------------------------------------ set-up
+    @property
+    def actor_graphdef(self):
+        return self.models.actor_graphdef
 
-    def _build_models(self) -> None:
-        cfg, seed, mesh = self.cfg, self.cfg.trainer.seed, self.meshes.train
-        actor = build.build_actor(cfg, self.actor_config, mesh, seed)
-        self.actor_graphdef, params = nnx.split(actor)
-        self.ref_params = jax.tree.map(jnp.copy, params) if self.use_ref else None
-        self.actor_state = _init_train_state(params, self.stage_cfg.actor_optim)
-        self.critic_state = None
-        if self.use_critic:
-            critic_config = build.critic_model_config(cfg, self.actor_config)
-            critic = build.build_critic(cfg, critic_config, mesh, seed + 1)
-            self.critic_graphdef, critic_params = nnx.split(critic)
-            self.critic_state = _init_train_state(critic_params, self.stage_cfg.critic_optim)
-        self.reward_model = None
-        if cfg.reward_model.enable:
-            self.reward_model = nnx.split(build.build_reward_model(cfg, mesh))
-        rollout = cfg.actor_rollout_ref.rollout
-        self.gen_dtype = to_dtype(rollout.dtype)
-        self.gen_shardings = state_shardings(params, self.meshes.generate, ACTOR_GENERATE_RULES)
-        self.engine = Engine(actor, RolloutConfig.from_config(rollout), mesh=self.meshes.generate)
-        self._update_weights()
+    @property
+    def actor_state(self):
+        return self.models.actor_state
+
+    @property
+    def critic_state(self):
+        return self.models.critic_state
 
     def _update_weights(self) -> int:
         """Re-lays the actor's weights into the generation layout; returns bytes moved."""
@@ -173,45 +134,55 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------ the step
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One RL step on the next training batch; returns its metrics on the host."""
+    def train_step(self, n: int) -> dict[str, Any]:
+        """RL step `n` on the next training batch; returns its metrics on the host."""
         timing: dict[str, float] = {}
+        sc = self.stage_cfg
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            batch, host, greedy = self._generate(next(self.train_loader), step, timing)
-            batch, device, result = self._prepare(batch, host, greedy, timing)
-            device |= self._update(batch, step, timing)
+            batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+            batch, self.kl_coef, device, result = step.prepare(
+                self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
+            )
+            rng = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), n)
+            actor_turn = n > self.cfg.trainer.critic_warmup
+            self.models, m = step.update(self.models, batch, rng, sc, actor_turn, timing)
+            device |= m
             with timed(timing, "reshard"):
                 nbytes = self._update_weights()
                 jax.block_until_ready(self.engine.state)
-            device |= _data_metrics(batch, self.use_critic)
+            device |= step.data_metrics(batch, self.use_critic)
             metrics = {k: float(v) for k, v in jax.device_get(device).items()}  # host sync
-        self._count_nans(int(metrics.pop("nan_skipped")), step)
+        self.nan_guard.count(int(metrics.pop("nan_skipped")), n)
         metrics |= {k: float(v) for k, v in result.metrics.items()}
         metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
         seq_lens = host.prompt_lengths + host.response_lengths
-        ppo_epochs = self.stage_cfg.actor_update.ppo_epochs
         metrics |= compute_perf_metrics(
-            seq_lens, timing, self.n_devices, self.actor_config, ppo_epochs, self.peak_flops
+            seq_lens,
+            timing,
+            self.n_devices,
+            self.actor_config,
+            sc.actor_update.ppo_epochs,
+            self.peak_flops,
         )
         metrics |= {
             "perf/reshard_bytes": float(nbytes),
-            "training/global_step": float(step),
+            "training/global_step": float(n),
             "training/epoch": float(epoch),
-            "training/nan_skipped_updates_total": float(self.nan_total),
+            "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
         return metrics
 
-    def _generate(self, prompts, step: int, timing):
+    def _generate(self, prompts, n: int, timing):
         """Stage `gen`: rollout with the idle states offloaded (when configured), plus one
         greedy response per prompt when the advantage estimator needs a reward baseline.
         Returns (batch, host columns, (greedy batch, its host columns) or None)."""
         if self.offload_any:
             with timed(timing, "offload"):
-                self._move_idle_states(offload_to_host)
+                self.models = move_idle_states(self.models, self.offload, offload_to_host)
         with timed(timing, "gen"):
-            sampling = self._sampling(step)
+            sampling = self._sampling(n)
             pad = self.tokenizer.pad_token_id
             batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
             greedy = None
@@ -220,90 +191,8 @@ class RLTrainer:
                 greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
         if self.offload_any:
             with timed(timing, "onload"):
-                self._move_idle_states(load_to_device)
+                self.models = move_idle_states(self.models, self.offload, load_to_device)
         return batch, host, greedy
-
-    def _prepare(self, batch: RLBatch, host: HostColumns, greedy, timing):
-        """Stages `reward`, `old_log_prob`, `ref`, `values`, `adv`. Scoring (rule functions in
-        threads, the reward model queued) overlaps the log-prob and value passes. Returns
-        (batch, device metrics, the reward manager's result)."""
-        sc, device = self.stage_cfg, {}
-        with timed(timing, "reward"):
-            scores = self.reward.submit(batch, host)
-            greedy_scores = self.reward.submit(*greedy) if greedy else None
-        with timed(timing, "old_log_prob"):
-            batch, m = _old_log_prob(self.actor_graphdef, self.actor_state.params, batch, sc)
-            device |= jax.block_until_ready(m)
-        if self.use_ref:
-            with timed(timing, "ref"):
-                batch = _ref_log_prob(self.actor_graphdef, self.ref_params, batch, sc)
-                jax.block_until_ready(batch.ref_log_prob)
-        if self.use_critic:
-            with timed(timing, "values"):
-                batch = _values(self.critic_graphdef, self.critic_state.params, batch, sc)
-                jax.block_until_ready(batch.values)
-        with timed(timing, "reward"):
-            token_scores, result = self.reward.collect(scores)
-            batch = batch.replace(token_level_scores=token_scores)
-            if greedy_scores is not None:
-                baselines = self.reward.baselines(greedy_scores, sc.group_size)
-                batch = batch.replace(reward_baselines=baselines)
-        with timed(timing, "adv"):
-            batch, self.kl_coef, m = _advantage(batch, self.kl_coef, sc)
-            device |= jax.block_until_ready(m)
-        return batch, device, result
-
-    def _update(self, batch: RLBatch, step: int, timing) -> dict[str, jax.Array]:
-        """Stages `update_critic` and (after `trainer.critic_warmup` steps) `update_actor`.
-        Returns their device metrics and `nan_skipped`, the skipped optimizer steps."""
-        sc, device = self.stage_cfg, {}
-        rng = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), step)
-        nan_skipped = jnp.zeros((), jnp.int32)
-        if self.use_critic:
-            with timed(timing, "update_critic"):
-                self.critic_state, m, nan = _update_critic(
-                    self.critic_graphdef, self.critic_state, batch, rng, sc
-                )
-                device |= jax.block_until_ready(m)
-                nan_skipped += nan
-        if step > self.cfg.trainer.critic_warmup:
-            with timed(timing, "update_actor"):
-                self.actor_state, m, nan = _update_actor(
-                    self.actor_graphdef, self.actor_state, batch, rng, sc
-                )
-                device |= jax.block_until_ready(m)
-                nan_skipped += nan
-        return device | {"nan_skipped": nan_skipped}
-
-    def _move_idle_states(self, move) -> None:
-        """Moves the states configured for offload (`*.fsdp_config.*_offload`) with `move`
-        (`offload_to_host` before generation, `load_to_device` after). Host sync."""
-        replace = dataclasses.replace
-        actor, ref, critic = self.offload["actor"], self.offload["ref"], self.offload["critic"]
-        if actor.param_offload:
-            self.actor_state = replace(self.actor_state, params=move(self.actor_state.params))
-        if actor.optimizer_offload:
-            self.actor_state = replace(self.actor_state, opt_state=move(self.actor_state.opt_state))
-        if self.use_ref and ref.param_offload:
-            self.ref_params = move(self.ref_params)
-        if self.use_critic and critic.param_offload:
-            self.critic_state = replace(self.critic_state, params=move(self.critic_state.params))
-        if self.use_critic and critic.optimizer_offload:
-            self.critic_state = replace(
-                self.critic_state, opt_state=move(self.critic_state.opt_state)
-            )
-
-    def _count_nans(self, skipped: int, step: int) -> None:
-        self.nan_total += skipped
-        self.nan_consecutive = self.nan_consecutive + 1 if skipped else 0
-        if skipped:
-            log.warning("step %d: %d update(s) skipped for non-finite loss or grads", step, skipped)
-        limit = self.cfg.trainer.max_consecutive_nan_steps
-        if self.nan_consecutive >= limit:
-            raise NonFiniteLossError(
-                f"{self.nan_consecutive} consecutive steps with non-finite loss or gradients "
-                f"(trainer.max_consecutive_nan_steps={limit}); last at step {step}"
-            )
 
     def validate(self) -> dict[str, float]:
         """`val-core/<data_source>/acc/mean@n` on the validation files (empty if none)."""
@@ -332,8 +221,8 @@ class RLTrainer:
         meta = {
             "global_step": self.global_step,
             "data": self.train_loader.get_state(),
-            "nan_consecutive": self.nan_consecutive,
-            "nan_total": self.nan_total,
+            "nan_consecutive": self.nan_guard.consecutive,
+            "nan_total": self.nan_guard.total,
         }
         self.checkpointer.save(self.global_step, self._state_tree(), meta)
 
@@ -352,11 +241,16 @@ class RLTrainer:
         if restored is None:
             return 0
         step, tree, meta = restored
-        self.actor_state, self.kl_coef = tree["actor"], tree["kl_coef"]
-        self.critic_state = tree.get("critic")
+        self.models = dataclasses.replace(
+            self.models, actor_state=tree["actor"], critic_state=tree.get("critic")
+        )
+        self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
         self.global_step = meta["global_step"]
-        self.nan_consecutive, self.nan_total = meta["nan_consecutive"], meta["nan_total"]
+        self.nan_guard.consecutive, self.nan_guard.total = (
+            meta["nan_consecutive"],
+            meta["nan_total"],
+        )
         self._update_weights()
         log.info("resumed from step %d", step)
         return step

@@ -17,6 +17,7 @@ from hybridjax.checkpointing.export import export_actor
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 from hybridjax.trainer import build
+from hybridjax.trainer import step as step_module
 from hybridjax.trainer.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
@@ -202,7 +203,7 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     assert trainer.checkpointer.steps() == [1, 2]
 
 
-def test_remax_step_scores_a_greedy_baseline(data, tmp_path):
+def test_remax_step_scores_a_greedy_baseline(data, tmp_path, monkeypatch):
     """ReMax (n = 2, no critic): the gen stage also decodes each prompt greedily, the reward
     stage scores it, and advantage = the sample's reward − its prompt's greedy score."""
     reward_file = tmp_path / "length_reward.py"
@@ -219,13 +220,13 @@ def test_remax_step_scores_a_greedy_baseline(data, tmp_path):
         "trainer.test_freq": -1,
     })  # fmt: skip
     trainer = RLTrainer(config)
-    prepared, prepare = [], trainer._prepare
+    prepared, prepare = [], step_module.prepare
 
     def keep(*args):
         prepared.append(prepare(*args))
         return prepared[-1]
 
-    trainer._prepare = keep
+    monkeypatch.setattr(step_module, "prepare", keep)
     trainer.fit()
     trainer.close()
     batch = jax.device_get(prepared[0][0])

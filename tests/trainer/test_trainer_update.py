@@ -10,8 +10,8 @@ import pytest
 
 from hybridjax.algorithms.loss_agg import agg_loss
 from hybridjax.trainer.batch import make_batch
+from hybridjax.trainer.nan_guard import NanGuard, NonFiniteLossError
 from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
-from hybridjax.trainer.trainer import NonFiniteLossError, RLTrainer
 from hybridjax.trainer.update import TrainState, UpdateConfig, ppo_update
 
 OPTIM = OptimConfig(lr=0.1, warmup_steps=0, total_steps=10, weight_decay=0.0)
@@ -71,15 +71,13 @@ def test_non_finite_updates_are_skipped_and_counted():
 
 
 def test_consecutive_non_finite_steps_stop_the_run():
-    trainer = RLTrainer.__new__(RLTrainer)
-    trainer.cfg = type("C", (), {"trainer": type("T", (), {"max_consecutive_nan_steps": 2})})
-    trainer.nan_total = trainer.nan_consecutive = 0
-    trainer._count_nans(1, 1)
-    trainer._count_nans(0, 2)  # a clean step resets the streak
-    trainer._count_nans(3, 3)
+    guard = NanGuard(max_consecutive=2)
+    guard.count(1, 1)
+    guard.count(0, 2)  # a clean step resets the streak
+    guard.count(3, 3)
     with pytest.raises(NonFiniteLossError, match="max_consecutive_nan_steps=2"):
-        trainer._count_nans(1, 4)
-    assert trainer.nan_total == 5
+        guard.count(1, 4)
+    assert guard.total == 5 and guard.consecutive == 2
 
 
 def test_learning_rate_schedule():

@@ -40,7 +40,7 @@ def get_config():
 
     a = c.actor_rollout_ref
     a.model.path = os.path.join(ASSETS, "sft_model")
-    a.actor.optim.lr = 3e-5
+    a.actor.optim.lr = 3e-4
     a.actor.optim.weight_decay = 0.0
     a.actor.ppo_mini_batch_size = 16
     a.actor.ppo_micro_batch_size_per_gpu = 128
@@ -61,7 +61,7 @@ def get_config():
     t = c.trainer
     t.experiment_name = "quickstart"
     t.default_local_dir = "checkpoints/hybridjax/quickstart"
-    t.total_training_steps = 40
+    t.total_training_steps = 30
     t.test_freq = 5
     t.val_before_train = True
     t.save_freq = -1

@@ -15,7 +15,9 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "configs", "quickstart.py"
+)
 
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "trainer config file")
 _EXPORT_HF = flags.DEFINE_string(

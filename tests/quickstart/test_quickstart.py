@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VAL_KEY = "val-core/arithmetic/acc/mean@1"
 # The CI variant of `python -m hybridjax.train` (no flags = configs/quickstart.py): fewer steps.
-QUICK_STEPS = 20
+QUICK_STEPS = 10
 
 
 def _run(args, tmp_path, timeout):

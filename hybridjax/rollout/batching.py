@@ -18,6 +18,10 @@ import numpy as np
 from hybridjax.rollout.config import SamplingParams
 from hybridjax.rollout.engine import Engine, Prefix, Request
 
+# The decode loop returns to the host (to refill slots) once max_num_seqs / REFILL_DIVISOR slots
+# have finished (at least one): a round trip costs a few ms, an idle slot a step's share.
+REFILL_DIVISOR = 32
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutOutput:
@@ -90,7 +94,7 @@ def generate(
     waiting: collections.deque[Prefix] = collections.deque()
     owner: dict[int, int] = {}  # slot -> output row
     steps = engine.config.decode_steps_per_call
-    refill_batch = max(1, engine.config.max_num_seqs // 4)
+    refill_batch = max(1, engine.config.max_num_seqs // REFILL_DIVISOR)
 
     while queue or waiting or owner:
         if continuous or not owner:

@@ -181,7 +181,6 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
 class Models:
     """The run's models on the training mesh: graph definitions and initial states."""
 
-    actor: CausalLM  # the module the rollout engine is built from
     actor_graphdef: nnx.GraphDef
     actor_state: TrainState
     ref_params: Any | None  # a frozen copy of the actor's initial params (KL terms only)
@@ -206,7 +205,6 @@ def build_models(
     if cfg.reward_model.enable:
         reward_model = nnx.split(build_reward_model(cfg, mesh))
     return Models(
-        actor=actor,
         actor_graphdef=actor_graphdef,
         actor_state=_init_train_state(params, stage.actor_optim),
         ref_params=jax.tree.map(jnp.copy, params) if use_ref else None,

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
@@ -91,7 +92,8 @@ class RLTrainer:
             self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
         )
         engine_config = RolloutConfig.from_config(rollout)
-        self.engine = Engine(self.models.actor, engine_config, mesh=self.meshes.generate)
+        actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
+        self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
         self._update_weights()
         self.reward = RewardStage(
             RewardManager(RewardConfig.from_config(cfg)),

@@ -2,7 +2,7 @@
 from a small SFT warm start, on a laptop CPU in a few minutes.
 
 Model: the shipped warm start `hybridjax/assets/quickstart/sft_model` (a 2-layer, width-128
-Qwen2-shaped decoder, 0.65M parameters, the shipped GSM8K BPE tokenizer), fine-tuned by
+Qwen2-shaped decoder, 653,696 parameters, the shipped GSM8K BPE tokenizer), fine-tuned by
 `configs/sft_arithmetic.py` on a sloppy teacher's answers: right arithmetic, but GSM8K's
 `#### n` form only for part of the problems (`hybridjax.data.arithmetic`). Task: + − × word
 problems, scored by GSM8K's strict rule (the number after the last `####`). Validation: greedy

@@ -1,4 +1,4 @@
-"""SFT warm start of the quick start: a 652,928-parameter Qwen2-shaped model on arithmetic word
+"""SFT warm start of the quick start: a 653,696-parameter Qwen2-shaped model on arithmetic word
 problems answered by a sloppy teacher (see `hybridjax.data.arithmetic`).
 
     python -m hybridjax.data.arithmetic --output data/arithmetic
@@ -19,7 +19,7 @@ from hybridjax.sft import sft_config
 
 TOKENIZER = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "tokenizers", "gsm8k_bpe")
 
-# The quick start's model: 2 layers, width 128; 652,928 parameters (128,000 of them the tied
+# The quick start's model: 2 layers, width 128; 653,696 parameters (128,000 of them the tied
 # 1,000-token embedding).
 MODEL = dict(
     hidden_size=128,

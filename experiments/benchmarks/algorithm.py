@@ -50,20 +50,27 @@ def whole_batch_micro_batches(trainer_cfg, devices: int) -> None:
     )
 
 
+def _accuracy(val_metrics: dict) -> float | None:
+    return next((v for k, v in val_metrics.items() if "/acc/mean@" in k), None)
+
+
 def train_curve(trainer_cfg, steps: int, test_freq: int) -> list[dict]:
-    """Trains `steps` steps; returns per step {step, reward, val_acc (or None), step_time_s}."""
+    """Validates, then trains `steps` steps; returns per step {step, reward, val_acc (or None),
+    step_time_s, response_length}, starting with step 0 (validation only)."""
     from hybridjax.trainer.trainer import RLTrainer
 
     trainer = RLTrainer(trainer_cfg)
     curve = []
     try:
+        acc = _accuracy(trainer.validate())
+        curve.append(dict(step=0, reward=None, val_acc=acc, step_time_s=None, response_length=None))
         for step in range(1, steps + 1):
             m = trainer.train_step(step)
             trainer.global_step = step
             val = {}
             if step == steps or (test_freq > 0 and step % test_freq == 0):
                 val = trainer.validate()
-            acc = next((v for k, v in val.items() if "/acc/mean@" in k), None)
+            acc = _accuracy(val)
             curve.append(
                 {
                     "step": step,
@@ -103,7 +110,8 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
         name: {
             "final_reward": c[-1]["reward"],
             "final_val_acc": c[-1]["val_acc"],
-            "mean_step_time_s": sum(p["step_time_s"] for p in c) / len(c),
+            "initial_val_acc": c[0]["val_acc"],
+            "mean_step_time_s": sum(p["step_time_s"] for p in c[1:]) / (len(c) - 1),
         }
         for name, c in curves.items()
     }
@@ -120,7 +128,8 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
 
     fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, curve in summary["curves"].items():
-        ax_r.plot([p["step"] for p in curve], [p["reward"] for p in curve], label=name)
+        trained = curve[1:]
+        ax_r.plot([p["step"] for p in trained], [p["reward"] for p in trained], label=name)
         val = [p for p in curve if p["val_acc"] is not None]
         ax_v.plot([p["step"] for p in val], [p["val_acc"] for p in val], marker="o", label=name)
     ax_r.set(xlabel="step", ylabel="training reward (critic/score/mean)")

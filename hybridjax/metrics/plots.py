@@ -4,9 +4,9 @@
 
 Four figures, one point per training step: reward (`critic/score/mean`), validation accuracy
 (every `val-core/*` key), response length (`response_length/mean`, with min and max), and the
-per-stage timing (`timing_s/<stage>` stacked, one band per stage). A figure whose metrics are
-absent from the file is skipped. matplotlib's non-interactive Agg backend is used, so this works
-on a machine without a display.
+per-stage timing (every `timing_s/<stage>` but the total `timing_s/step`, stacked). A figure
+whose metrics are absent from the file is skipped. matplotlib's non-interactive Agg backend is
+used, so this works on a machine without a display.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import json
 import os
 from typing import Any
 
-# Stages of the RL step in the order they run (trainer's `timing_s/<stage>` names).
+# Stages of the RL step in the order they run (trainer's `timing_s/<stage>` names); any other
+# `timing_s/*` key is stacked after them, alphabetically.
 STAGES = (
     "gen",
     "reward",
@@ -107,7 +108,10 @@ def plot_run(log_dir: str, metrics_file: str = "metrics.jsonl") -> dict[str, str
         ax.legend(fontsize=8)
         save("response_length", fig)
 
-    stages = [s for s in STAGES if series(records, f"timing_s/{s}")[0]]
+    timed = {k.removeprefix("timing_s/") for r in records for k in r if k.startswith("timing_s/")}
+    timed.discard("step")  # the total: the stack of the stages
+    order = {stage: i for i, stage in enumerate(STAGES)}
+    stages = sorted(timed, key=lambda s: (order.get(s, len(order)), s))
     if stages:
         steps = [r["step"] for r in records if any(f"timing_s/{s}" in r for s in stages)]
         fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -25,6 +25,7 @@ def test_four_figures_from_a_run(tmp_path, capsys):
                 "response_length/min": 4,
                 "timing_s/gen": 1.0,
                 "timing_s/update_actor": 2.0,
+                "timing_s/offload": 0.1,
                 "timing_s/step": 3.5,
             }
         )

@@ -122,6 +122,15 @@ def plot_run(log_dir: str, metrics_file: str = "metrics.jsonl") -> dict[str, str
             ax.bar(steps, heights, bottom=bottom, label=stage, width=0.8)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set(xlabel="step", ylabel="seconds", title="Time per step, by stage")
+        later = sorted(bottom[1:])
+        if later and bottom[0] > 3 * later[len(later) // 2]:  # the first step compiles
+            ax.set_ylim(0, 1.5 * later[-1])
+            ax.annotate(
+                f"step {steps[0]}: {bottom[0]:.1f} s (compiling)",
+                (steps[0], 1.45 * later[-1]),
+                fontsize=7,
+                va="top",
+            )
         ax.legend(fontsize=7, ncol=2)
         save("timing", fig)
     return written

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pyarrow.parquet as pq
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -216,12 +217,8 @@ def train_step(graphdef, optim: OptimConfig, state: TrainState, batch: dict[str,
     tx = make_optimizer(optim)
     updates, opt_state = tx.update(grads, set_learning_rate(state.opt_state, lr), state.params)
     params = jax.tree.map(lambda p, u: p + u, state.params, updates)
-    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax_global_norm(grads)}
+    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax.global_norm(grads)}
     return TrainState(params, opt_state, state.step + 1), metrics
-
-
-def optax_global_norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
 def eval_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

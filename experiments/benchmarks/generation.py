@@ -16,7 +16,8 @@ In one process, on the default (single) CPU device:
    both sample at temperature 1 with no top-k/top-p, `prompt_len` prompt tokens, exactly
    `new_tokens` new tokens (EOS ignored), median wall time over `repeats` after a warm-up
    (prefill included); repeats alternate peak, hybridjax and HF so that both see the same
-   machine load. Roofline fraction = tokens/s × 2 × parameters / (median) peak FLOP/s;
+   machine load. Roofline fraction = new tokens/s × 2 × parameters / (median) peak FLOP/s;
+   `*_mfu` counts the prompt tokens too (each processed once, in the prefill);
 3. continuous vs static batching (4M model): `requests` prompts with stop ids chosen so that
    response lengths spread over 8 .. new_tokens, on `max_num_seqs` slots; the same engine with
    refills as slots free (continuous) and refilling only when every slot finished (static).
@@ -26,8 +27,9 @@ step's dots and nothing else): `matmul_only_roofline`, the fraction of the peak 
 dots reach with that few rows, the practical ceiling of any decoder on this machine.
 
 Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s, hf_tok_s,
-ratio, hybridjax_roofline, hf_roofline, matmul_only_roofline}}`, `continuous.{continuous_s,
-static_s, speedup, lengths}`. The machine may be shared with other work: read ratios.
+ratio, hybridjax_roofline, hf_roofline, hybridjax_mfu, hf_mfu, matmul_only_roofline}}`,
+`continuous.{continuous_s, static_s, speedup, lengths}`. The machine may be shared with other
+work: read ratios.
 """
 
 from __future__ import annotations
@@ -174,12 +176,16 @@ def bench_model(name: str, cfg: ConfigDict) -> dict:
             ]
             peak, ours_s, hf_s, mm_s = (statistics.median(x) for x in zip(*times, strict=True))
             tokens = b * cfg.new_tokens
+            all_tokens = b * (cfg.prompt_len + cfg.new_tokens)
             row = dict(
                 hybridjax_s=ours_s, hf_s=hf_s, hybridjax_tok_s=tokens / ours_s,
                 hf_tok_s=tokens / hf_s, ratio=hf_s / ours_s, peak_flops=peak,
                 hybridjax_roofline=tokens / ours_s * flop_per_token / peak,
                 hf_roofline=tokens / hf_s * flop_per_token / peak,
                 matmul_only_roofline=matmul_flop / mm_s / peak,
+                # Prompt tokens are processed once too (prefill): FLOP utilisation of all work.
+                hybridjax_mfu=all_tokens / ours_s * flop_per_token / peak,
+                hf_mfu=all_tokens / hf_s * flop_per_token / peak,
                 compiles=engine.num_compiles, all_times=times,
             )  # fmt: skip
             log.info("%s batch %d: %s", name, b, row)

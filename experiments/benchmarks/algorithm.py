@@ -38,12 +38,14 @@ def algorithm_overrides(name: str, n: int) -> dict:
 
 def whole_batch_micro_batches(trainer_cfg, devices: int) -> None:
     """Sets every micro-batch size to the whole mini-batch split over `devices` (one gradient
-    step per mini-batch, no accumulation), so a change of rollout.n stays a valid config."""
+    step per mini-batch, no accumulation) and the critic's mini-batch to the actor's, so a
+    change of rollout.n or turning the critic on stays a valid config."""
     rows = trainer_cfg.data.train_batch_size * trainer_cfg.actor_rollout_ref.rollout.n
     actor = trainer_cfg.actor_rollout_ref.actor
     mini_rows = actor.ppo_mini_batch_size * trainer_cfg.actor_rollout_ref.rollout.n
     per_device = max(1, mini_rows // devices)
     actor.ppo_micro_batch_size_per_gpu = per_device
+    trainer_cfg.critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
     trainer_cfg.critic.ppo_micro_batch_size_per_gpu = per_device
     trainer_cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = max(
         1, rows // devices

@@ -217,7 +217,7 @@ def train_step(graphdef, optim: OptimConfig, state: TrainState, batch: dict[str,
     tx = make_optimizer(optim)
     updates, opt_state = tx.update(grads, set_learning_rate(state.opt_state, lr), state.params)
     params = jax.tree.map(lambda p, u: p + u, state.params, updates)
-    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax.global_norm(grads)}
+    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax.tree.norm(grads)}
     return TrainState(params, opt_state, state.step + 1), metrics
 
 

@@ -31,7 +31,7 @@ import shutil
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORK = ROOT / "experiments" / "peers" / ".work"
-GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_TRAIN = ROOT / "tests" / "assets" / "gsm8k" / "train.jsonl"
 PROJECT_TOKENIZER = ROOT / "hybridjax" / "assets" / "tokenizers" / "gsm8k_bpe"
 QUICKSTART = ROOT / "hybridjax" / "assets" / "quickstart"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -12,7 +12,7 @@ How it differs from textbook GRPO (Shao et al. 2024, DeepSeekMath), as verl's re
     `actor.loss_agg_mode=seq-mean-token-mean` restores it); PPO clip 0.2 with dual clip c = 3;
   * one pass over the batch (`ppo_epochs` 1) in mini-batches of 64 prompts × 5 responses.
 
-Data: `python -m hybridjax.data.gsm8k --input ../shared/data/gsm8k --output data/gsm8k`.
+Data: `python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k`.
 """
 
 from hybridjax.trainer.config import base_config

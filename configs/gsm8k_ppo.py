@@ -12,7 +12,7 @@ How it differs from textbook PPO (Schulman et al. 2017), as verl does:
     verl's quick start; token-mean loss over the mini-batch; dual clip c = 3 for A < 0;
   * log-probs of the rollout are recomputed by the trainer (`old_log_probs`), not reused.
 
-Data: `python -m hybridjax.data.gsm8k --input ../shared/data/gsm8k --output data/gsm8k`.
+Data: `python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k`.
 """
 
 from hybridjax.trainer.config import base_config

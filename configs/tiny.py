@@ -7,7 +7,7 @@ loss aggregation over the whole mini-batch, dual-clip (c = 3). The model is rand
 reward stays near 0: this config exercises the machinery, it does not learn GSM8K.
 
 Needs the GSM8K parquet (once):
-    python -m hybridjax.data.gsm8k --input ../shared/data/gsm8k --output data/gsm8k
+    python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k
 Switch to GRPO: --config.algorithm.adv_estimator=grpo --config.critic.enable=False
     --config.actor_rollout_ref.rollout.n=4
 """

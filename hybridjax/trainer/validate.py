@@ -230,7 +230,7 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
             need(
                 os.path.exists(path),
                 f"data.{key}: no such file {path!r} (GSM8K: python -m hybridjax.data.gsm8k "
-                "--input ../shared/data/gsm8k --output data/gsm8k)",
+                "--input tests/assets/gsm8k --output data/gsm8k)",
             )
     algo, overlong = c.algorithm, c.reward_model.overlong_buffer
     greedy = algo.adv_estimator in ADV_ESTIMATORS and needs_reward_baseline(algo.adv_estimator)

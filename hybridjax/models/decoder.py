@@ -75,6 +75,8 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
 
 
 class RMSNorm(nnx.Module):
+    """x / sqrt(mean(x²) + eps) · weight (Zhang & Sennrich 2019), statistics in float32 as HF."""
+
     def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
         self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
         self.eps = eps
@@ -86,6 +88,13 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+    """Grouped-query self-attention (Ainslie et al. 2023) with RoPE; x B×T×D → B×T×D.
+
+    Projections are stored per head: q (D,H,Dh), k/v (D,K,Dh), o (H,Dh,D). With `cache` the new
+    keys/values go through `cache.attend` (dense or paged); without, the T tokens attend to
+    each other under the causal, padding and sliding-window mask.
+    """
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, h, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         hd = config.resolved_head_dim
@@ -123,6 +132,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(x·gate) ⊙ x·up); B×T×D → B×T×D."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = config.hidden_size, config.intermediate_size, to_dtype(config.param_dtype)
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
@@ -136,6 +147,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(h)). Returns (B×T×D, cache)."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         pd = to_dtype(config.param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)

@@ -49,6 +49,7 @@ def register_reward(*data_sources: str) -> Callable[[ScoreFn], ScoreFn]:
 
 
 def registered_data_sources() -> list[str]:
+    """The registered `data_source` names, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -101,11 +102,13 @@ def load_custom_reward_function(
 
 @register_reward("openai/gsm8k", "arithmetic")
 def gsm8k_strict(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the number after the last `#### ` equals the ground truth, else 0.0."""
     return gsm8k.compute_score(solution_str, str(ground_truth), method="strict")
 
 
 @register_reward("openai/gsm8k@flexible")
 def gsm8k_flexible(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the last number in the response equals the ground truth, else 0.0."""
     return gsm8k.compute_score(solution_str, str(ground_truth), method="flexible")
 
 
@@ -113,4 +116,5 @@ def gsm8k_flexible(solution_str: str, ground_truth: Any, extra_info: Any = None)
     "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math"
 )
 def math_boxed_answer(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the last `\\boxed{}` answer equals the ground truth after normalisation, else 0.0."""
     return math_boxed.compute_score(solution_str, str(ground_truth))

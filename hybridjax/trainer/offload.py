@@ -28,6 +28,7 @@ def offload_configs(cfg: ConfigDict) -> dict[str, OffloadConfig]:
 
 
 def any_offload(offload: dict[str, OffloadConfig]) -> bool:
+    """True when any role offloads its parameters or optimizer state during generation."""
     return any(o.param_offload or o.optimizer_offload for o in offload.values())
 
 

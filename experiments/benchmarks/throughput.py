@@ -9,8 +9,12 @@ file, after measuring the peak matmul FLOP/s of the machine in the same process.
   whole step    FLOPs of every model pass of the step / (timing_s/step · devices · peak), where
                 a forward pass costs a third of a training pass and generation counts as one
                 forward over prompt + response tokens (a KV cache saves recomputation, not
-                these FLOPs): actor update + forward passes of rollout, old log-prob, reference
-                (when a KL term is on) and critic values + critic update (when a critic is on).
+                these FLOPs): actor update + forward passes of rollout, old log-prob (unless
+                the update is on-policy and the pass is skipped), reference (when a KL term is
+                on) and critic values + critic update (when a critic is on).
+
+Stage times are those the step reported: an on-policy step has no `old_log_prob` entry
+(`summary.json`'s `old_log_prob_pass` says whether the pass ran).
 
 Config keys (`throughput`): workload ("a", "b", "tiny"; "" = use trainer_config),
 trainer_config (path of a trainer config file), overrides (JSON object of dotted trainer keys →
@@ -55,7 +59,14 @@ def workload_trainer_config(name: str):
     return cfg, spec
 
 
-def step_flops(actor, critic, seq_lens: np.ndarray, ppo_epochs: int, use_ref: bool) -> float:
+def step_flops(
+    actor,
+    critic,
+    seq_lens: np.ndarray,
+    ppo_epochs: int,
+    use_ref: bool,
+    old_log_prob: bool = True,
+) -> float:
     """FLOPs of every model pass of one RL step (see the module docstring).
 
     Args:
@@ -63,11 +74,12 @@ def step_flops(actor, critic, seq_lens: np.ndarray, ppo_epochs: int, use_ref: bo
       seq_lens: (B,) prompt + response tokens of each sequence.
       ppo_epochs: update passes over the batch (actor and critic alike).
       use_ref: whether a reference forward pass runs.
+      old_log_prob: whether the separate old-log-prob forward pass runs.
     """
     from hybridjax.metrics.flops import training_flops
 
     train = training_flops(actor, seq_lens)
-    forwards = 2 + int(use_ref)  # rollout + old log-prob (+ reference)
+    forwards = 1 + int(old_log_prob) + int(use_ref)  # rollout (+ old log-prob) (+ reference)
     total = train * ppo_epochs + forwards * train / 3
     if critic is not None:
         critic_train = training_flops(critic, seq_lens)
@@ -100,7 +112,8 @@ def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> d
     critic = critic_model_config(trainer.cfg, trainer.actor_config) if trainer.use_critic else None
     epochs = trainer.stage_cfg.actor_update.ppo_epochs
     seq_lens = _median_seq_lens(timed)
-    flops = step_flops(trainer.actor_config, critic, seq_lens, epochs, trainer.use_ref)
+    old_pass = trainer.stage_cfg.recompute_old_log_prob
+    flops = step_flops(trainer.actor_config, critic, seq_lens, epochs, trainer.use_ref, old_pass)
     n = trainer.n_devices
     return {
         "devices": n,
@@ -114,6 +127,7 @@ def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> d
         "tokens_per_s_per_device": tokens / step_s / n,
         "mfu_actor": med("perf/mfu/actor"),
         "mfu_step": flops / (step_s * n * peak_flops),
+        "old_log_prob_pass": old_pass,
         "stages_s": {k.removeprefix("timing_s/"): med(k) for k in stages},
         "dominant_stage": max((k for k in stages if k != "timing_s/step"), key=med).removeprefix(
             "timing_s/"

@@ -150,6 +150,43 @@ def algorithm_config(cfg: ConfigDict) -> AlgorithmConfig:
     return AlgorithmConfig.from_dict(values)
 
 
+RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
+
+
+def off_policy_reasons(cfg: ConfigDict) -> list[str]:
+    """Why the actor update is not exactly on-policy; empty when it is. On-policy here means one
+    optimizer step on the whole batch (`ppo_epochs` 1, one mini-batch; micro-batches only
+    accumulate) with nothing reading π_old before the update: then the parameters of the
+    `old_log_prob` pass are those the update starts from, so π_old equals the update's own
+    log-probs, detached (TRL's and Tunix's shortcut; verl's actor notes it as `on_policy`)."""
+    a, algo, bsz = cfg.actor_rollout_ref.actor, cfg.algorithm, cfg.data.train_batch_size
+    reasons = []
+    if a.ppo_epochs != 1:
+        reasons.append(f"actor_rollout_ref.actor.ppo_epochs is {a.ppo_epochs}, not 1")
+    if a.ppo_mini_batch_size != bsz:
+        reasons.append(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) differs from "
+            f"data.train_batch_size ({bsz}): one optimizer step per mini-batch"
+        )
+    if algo.use_kl_in_reward:
+        reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    if algo.rollout_is_threshold > 0:
+        reasons.append(
+            "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "
+            "before the update"
+        )
+    return reasons
+
+
+def recompute_old_log_prob(cfg: ConfigDict) -> bool:
+    """Whether the `old_log_prob` stage runs: `actor.recompute_old_log_prob` "true" always,
+    "false" never (validated to be on-policy), "auto" unless `off_policy_reasons` is empty."""
+    mode = cfg.actor_rollout_ref.actor.recompute_old_log_prob
+    if mode == "auto":
+        return bool(off_policy_reasons(cfg))
+    return mode == "true"
+
+
 def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> StageConfig:
     """The frozen config of the jitted stages (see `StageConfig`)."""
     a = cfg.actor_rollout_ref
@@ -174,6 +211,7 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
         ),
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
+        recompute_old_log_prob=recompute_old_log_prob(cfg),
     )
 
 

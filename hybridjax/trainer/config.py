@@ -58,6 +58,10 @@ def base_config() -> ConfigDict:
             ppo_micro_batch_size_per_gpu=8,  # in responses, per data-parallel shard
             ppo_epochs=1,
             shuffle=False,
+            # the separate old-log-prob pass: "auto" skips it when the update is on-policy (one
+            # epoch, one mini-batch, nothing needs π_old before the update), "true" always runs
+            # it, "false" never (rejected unless on-policy); see build.recompute_old_log_prob
+            recompute_old_log_prob="auto",
             grad_clip=1.0,
             clip_ratio=0.2,
             clip_ratio_low=0.2,

@@ -4,6 +4,8 @@
         → update_critic → update_actor
 
 (generation and reward live in `trainer.rollout` and `hybridjax.rewards`: they touch the host.)
+`compute_old_log_prob` is skipped when the actor update is on-policy
+(`StageConfig.recompute_old_log_prob` False): `update_actor` then takes π_old from its own pass.
 Each takes a frozen `StageConfig` and is jitted once by the trainer with the config and the
 models' graph definitions static. Algorithm choice happens inside the registries
 (`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`), never here.
@@ -54,6 +56,8 @@ class StageConfig:
     actor_optim: OptimConfig
     critic_optim: OptimConfig
     overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
+    # False: no `old_log_prob` stage; the on-policy update takes π_old = stop_gradient(π_θ)
+    recompute_old_log_prob: bool = True
 
 
 def _fields(batch: RLBatch, *names: str) -> dict[str, jax.Array]:
@@ -177,8 +181,15 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
     log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True)
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
-    return compute_actor_loss(
-        micro["old_log_probs"],
+    rows = {}
+    if cfg.recompute_old_log_prob:
+        old_log_prob = micro["old_log_probs"]
+    else:  # on-policy: these parameters are π_old, so the ratio is exactly 1
+        old_log_prob = jax.lax.stop_gradient(log_prob)
+        if "rollout_log_probs" in micro:  # for the mismatch metrics of `update_actor`
+            rows["old_log_probs"] = old_log_prob
+    loss, metrics = compute_actor_loss(
+        old_log_prob,
         log_prob,
         micro["advantages"],
         micro["response_mask"],
@@ -188,11 +199,12 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         ref_log_prob_BxT=micro.get("ref_log_prob"),
         rollout_is_weights_BxT=micro.get("rollout_is_weights"),
     )
+    return loss, (metrics, rows)
 
 
 def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):
     vpreds = response_values(graphdef, params, micro)
-    return compute_value_loss(
+    loss, metrics = compute_value_loss(
         vpreds,
         micro["returns"],
         micro["values"],
@@ -202,19 +214,20 @@ def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):
         counts=counts,
         loss_scale_factor=cfg.critic_loss.loss_scale_factor,
     )
+    return loss, (metrics, {})
 
 
 def _update(role, loss, optim, update_cfg, state, fields, rng):
     lr = learning_rate(optim, state.step)
     state = dataclasses.replace(state, opt_state=set_learning_rate(state.opt_state, lr))
-    state, raw = ppo_update(state, fields, loss, make_optimizer(optim), update_cfg, rng)
+    state, raw, rows = ppo_update(state, fields, loss, make_optimizer(optim), update_cfg, rng)
     metrics = {k: v for k, v in raw.items() if "/" in k}
     metrics |= {
         f"{role}/grad_norm": raw["grad_norm"],
         f"{role}/lr": lr,
         f"{role}/nan_skipped_updates": raw["nan_steps"].astype(jnp.float32),
     }
-    return state, metrics, raw["nan_steps"]
+    return state, metrics, raw["nan_steps"], rows
 
 
 def update_actor(
@@ -224,15 +237,38 @@ def update_actor(
     each token's loss weighted by `rollout_is_weights` when `algorithm.rollout_is`.
     Returns (state, `actor/*` metrics, number of skipped non-finite updates).
     `actor/kl_coef` is `kl_loss_coef` with a KL loss, else 0 unless the adv stage reported
-    the reward's β (KL in the reward)."""
-    use_kl_loss = cfg.actor_loss.use_kl_loss
-    names = ("old_log_probs", "advantages")
+    the reward's β (KL in the reward).
+
+    Without `cfg.recompute_old_log_prob` the update must be on-policy (one epoch, the batch
+    one mini-batch): π_old is the update's own log-probs, detached, so `actor/ppo_kl` and
+    `actor/pg_clipfrac` are exactly 0, and with rollout log-probs in the batch the
+    `training/rollout_probs_diff_*` metrics come from those log-probs (= π_old) here.
+
+    Raises:
+      ValueError: no `old_log_probs` pass and the update is not one step on the whole batch.
+    """
+    use_kl_loss, recompute = cfg.actor_loss.use_kl_loss, cfg.recompute_old_log_prob
+    update = cfg.actor_update
+    if not recompute and (update.ppo_epochs != 1 or update.mini_batch_size != batch.batch_size):
+        raise ValueError(
+            f"no old_log_prob pass, but the update is not on-policy: ppo_epochs "
+            f"{update.ppo_epochs}, mini-batch {update.mini_batch_size} of {batch.batch_size} rows"
+        )
+    with_rollout = not recompute and batch.rollout_log_probs is not None
+    names = ("old_log_probs",) if recompute else ()
+    names += ("advantages",)
     names += ("ref_log_prob",) if use_kl_loss else ()
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
+    names += ("rollout_log_probs",) if with_rollout else ()
     loss = functools.partial(_actor_loss, graphdef, cfg)
-    state, metrics, nan = _update(
+    state, metrics, nan, rows = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, *names), rng
     )
+    if with_rollout:
+        mask = batch.response_mask
+        metrics |= rollout_probs_diff_metrics(
+            rows["old_log_probs"] * mask, batch.rollout_log_probs, mask
+        )
     if use_kl_loss or not cfg.algorithm.use_kl_in_reward:
         metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef if use_kl_loss else 0)
     metrics.setdefault("actor/kl_loss", jnp.float32(0.0))
@@ -245,4 +281,4 @@ def update_critic(
     """Clipped value-loss epochs over the batch. Returns (state, `critic/*` metrics, skipped)."""
     loss = functools.partial(_critic_loss, graphdef, cfg)
     fields = _fields(batch, "values", "returns")
-    return _update("critic", loss, cfg.critic_optim, cfg.critic_update, state, fields, rng)
+    return _update("critic", loss, cfg.critic_optim, cfg.critic_update, state, fields, rng)[:3]

@@ -3,6 +3,10 @@
     prepare: reward (submitted) → old_log_prob → ref → values → reward (collected) → adv
     update:  update_critic → update_actor
 
+`old_log_prob` runs only when `StageConfig.recompute_old_log_prob` (the update is not exactly
+on-policy, or the config forces it); otherwise `update_actor` takes π_old from its own forward
+pass and no `timing_s/old_log_prob` is reported.
+
 Each stage is a jitted function of `hybridjax.trainer.stages`, compiled once per process and
 shared by every trainer (graph definitions and `StageConfig` static). Each ends with a device
 sync so `timing_s/<stage>` is the stage's own time. Which stages run follows from the models
@@ -55,9 +59,10 @@ def prepare(
     cfg: StageConfig,
     timing: dict[str, float],
 ) -> tuple[RLBatch, jax.Array, dict[str, jax.Array], RewardResult]:
-    """Stages `reward`, `old_log_prob`, `ref`, `values`, `adv` on a generated batch. Scoring
-    (rule functions in threads, the reward model queued) overlaps the log-prob and value
-    passes; `greedy` (one greedy response per prompt) is scored into `reward_baselines`.
+    """Stages `reward`, `old_log_prob` (when `cfg.recompute_old_log_prob`), `ref`, `values`,
+    `adv` on a generated batch. Scoring (rule functions in threads, the reward model queued)
+    overlaps the log-prob and value passes; `greedy` (one greedy response per prompt) is
+    scored into `reward_baselines`.
 
     Returns (batch with advantages, next KL coefficient, device metrics, the rule's result).
     """
@@ -65,9 +70,10 @@ def prepare(
     with timed(timing, "reward"):
         scores = reward.submit(batch, host)
         greedy_scores = reward.submit(*greedy) if greedy else None
-    with timed(timing, "old_log_prob"):
-        batch, m = _old_log_prob(models.actor_graphdef, models.actor_state.params, batch, cfg)
-        device |= jax.block_until_ready(m)
+    if cfg.recompute_old_log_prob:
+        with timed(timing, "old_log_prob"):
+            batch, m = _old_log_prob(models.actor_graphdef, models.actor_state.params, batch, cfg)
+            device |= jax.block_until_ready(m)
     if models.ref_params is not None:
         with timed(timing, "ref"):
             batch = _ref_log_prob(models.actor_graphdef, models.ref_params, batch, cfg)

@@ -5,7 +5,8 @@
 `gen` and `reshard` (the rollout engine and the hybrid engine's re-layout) run here; the device
 stages run in `trainer.step`. Each stage is timed as `timing_s/<stage>`. Which stages run
 follows from the config (a critic when `critic.enable`, a reference when a KL term is
-configured, a greedy rollout when the estimator asks for a baseline); which algorithm runs is
+configured, a greedy rollout when the estimator asks for a baseline, `old_log_prob` unless the
+actor update is on-policy: `build.recompute_old_log_prob`); which algorithm runs is
 the registries' business. Metrics of a step are pulled to the host in one `device_get`.
 """
 

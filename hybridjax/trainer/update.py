@@ -12,6 +12,10 @@ device to form a micro-batch.
 
 Non-finite loss or gradient norm: the optimizer step is skipped (parameters and optimizer state
 kept), and counted in `nan_steps`.
+
+A loss may also return per-row arrays (e.g. the log-probs it computed); they come back for the
+first epoch in the batch's row order, each row computed with the parameters before its
+mini-batch's optimizer step (for an on-policy update: the parameters the phase started from).
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ import optax
 
 from hybridjax.algorithms.loss_agg import LossCounts, loss_counts
 
-# loss_fn(params, micro_batch: dict of B_micro×... arrays, counts) -> (loss, metrics dict)
-LossFn = Callable[[Any, dict[str, jax.Array], LossCounts], tuple[jax.Array, dict[str, jax.Array]]]
+# loss_fn(params, micro_batch: dict of B_micro×... arrays, counts)
+#     -> (loss, (metrics: dict of scalar shares, rows: dict of B_micro×... arrays, may be empty))
+Rows = dict[str, jax.Array]
+LossFn = Callable[
+    [Any, dict[str, jax.Array], LossCounts], tuple[jax.Array, tuple[dict[str, jax.Array], Rows]]
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +66,11 @@ def _split(x: jax.Array, num_chunks: int) -> jax.Array:
     return jnp.moveaxis(y, 1, 0)
 
 
+def _merge(y: jax.Array) -> jax.Array:
+    """The inverse of `_split`: num_chunks × (B/num_chunks)×... → B×... in the original order."""
+    return jnp.moveaxis(y, 0, 1).reshape(-1, *y.shape[2:])
+
+
 def _select(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
@@ -69,7 +82,7 @@ def ppo_update(
     tx: optax.GradientTransformation,
     config: UpdateConfig,
     rng: jax.Array,
-) -> tuple[TrainState, dict[str, jax.Array]]:
+) -> tuple[TrainState, dict[str, jax.Array], Rows]:
     """Runs the whole update phase of one role. Jit it with `loss_fn`, `tx`, `config` static.
 
     Args:
@@ -83,15 +96,17 @@ def ppo_update(
       rng: permutation key when `config.shuffle`.
     Returns:
       (new state with `step` + 1, metrics averaged over mini-batches and epochs, plus
-      `grad_norm` and `nan_steps`, the count of skipped optimizer steps).
+      `grad_norm` and `nan_steps`, the count of skipped optimizer steps; the loss's rows of
+      the first epoch, B×... in the order of `fields`).
     """
     b = fields["response_mask"].shape[0]
     num_mini = b // config.mini_batch_size
     num_micro = config.mini_batch_size // config.micro_batch_size
 
     def micro_step(params, micro, counts):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, counts)
-        return grads, dict(metrics, loss=loss)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (metrics, rows)), grads = grad_fn(params, micro, counts)
+        return (grads, dict(metrics, loss=loss)), rows
 
     def mini_step(carry, mini):
         params, opt_state, nan_steps = carry
@@ -99,12 +114,14 @@ def ppo_update(
         micros = jax.tree.map(lambda x: _split(x, num_micro), mini)
 
         def accumulate(acc, micro):
-            grads, metrics = micro_step(params, micro, counts)
-            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+            summed, rows = micro_step(params, micro, counts)
+            return jax.tree.map(jnp.add, acc, summed), rows
 
         first = jax.tree.map(lambda x: x[0], micros)
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_step, params, first, counts))
-        (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micros)
+        shapes, _ = jax.eval_shape(micro_step, params, first, counts)
+        (grads, metrics), rows = jax.lax.scan(
+            accumulate, jax.tree.map(jnp.zeros_like, shapes), micros
+        )
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
@@ -112,7 +129,8 @@ def ppo_update(
         params = _select(finite, new_params, params)
         opt_state = _select(finite, new_opt, opt_state)
         metrics = dict(metrics, grad_norm=grad_norm)
-        return (params, opt_state, nan_steps + (~finite).astype(jnp.int32)), metrics
+        carry = (params, opt_state, nan_steps + (~finite).astype(jnp.int32))
+        return carry, (metrics, jax.tree.map(_merge, rows))
 
     def epoch(carry, key):
         data = fields
@@ -120,11 +138,16 @@ def ppo_update(
             perm = jax.random.permutation(key, b)
             data = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), fields)
         minis = jax.tree.map(lambda x: _split(x, num_mini), data)
-        return jax.lax.scan(mini_step, carry, minis)
+        carry, (metrics, rows) = jax.lax.scan(mini_step, carry, minis)
+        rows = jax.tree.map(_merge, rows)
+        if config.shuffle:  # back to the order of `fields`
+            rows = jax.tree.map(lambda x: jnp.take(x, jnp.argsort(perm), axis=0), rows)
+        return carry, (metrics, rows)
 
     keys = jax.random.split(rng, config.ppo_epochs)
     init = (state.params, state.opt_state, jnp.zeros((), jnp.int32))
-    (params, opt_state, nan_steps), metrics = jax.lax.scan(epoch, init, keys)
+    (params, opt_state, nan_steps), (metrics, rows) = jax.lax.scan(epoch, init, keys)
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["nan_steps"] = nan_steps
-    return TrainState(params, opt_state, state.step + 1), metrics
+    rows = jax.tree.map(lambda x: x[0], rows)
+    return TrainState(params, opt_state, state.step + 1), metrics, rows

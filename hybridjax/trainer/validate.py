@@ -29,7 +29,7 @@ from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
-from hybridjax.trainer.build import algorithm_config
+from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -109,6 +109,11 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("actor_rollout_ref.actor.ppo_mini_batch_size", positive, "must be > 0"),
         ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", positive, "must be > 0"),
         ("actor_rollout_ref.actor.ppo_epochs", positive, "must be > 0"),
+        (
+            "actor_rollout_ref.actor.recompute_old_log_prob",
+            lambda v: v in RECOMPUTE_OLD_LOG_PROB,
+            f"one of {RECOMPUTE_OLD_LOG_PROB} (strings)",
+        ),
         ("actor_rollout_ref.actor.grad_clip", positive, "must be > 0"),
         ("actor_rollout_ref.actor.clip_ratio_low", lambda v: 0 < v < 1, "must be in (0, 1)"),
         ("actor_rollout_ref.actor.clip_ratio_high", positive, "must be > 0"),
@@ -239,6 +244,14 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"algorithm.adv_estimator {algo.adv_estimator!r} generates one greedy response per "
         f"prompt: data.train_batch_size ({bsz}) must be divisible by the data-parallel size ({dp})",
     )
+    if a.actor.recompute_old_log_prob == "false":
+        reasons = off_policy_reasons(c)
+        need(
+            not reasons,
+            "actor_rollout_ref.actor.recompute_old_log_prob is 'false', but the actor update is "
+            "not on-policy, so π_old must come from a separate pass ('auto' or 'true'): "
+            + "; ".join(reasons),
+        )
     need(
         not algo.rollout_is or algo.rollout_is_threshold > 0,
         "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",

@@ -112,6 +112,8 @@ def test_step_flops_counts_each_model_pass():
     train = 2640.0
     assert throughput.step_flops(cfg, None, lens, 1, False) == pytest.approx(train + 2 * train / 3)
     assert throughput.step_flops(cfg, None, lens, 2, True) == pytest.approx(2 * train + train)
+    on_policy = throughput.step_flops(cfg, None, lens, 1, False, old_log_prob=False)
+    assert on_policy == pytest.approx(train + train / 3)  # rollout forward only
     with_critic = throughput.step_flops(cfg, cfg, lens, 1, False)
     assert with_critic == pytest.approx(train + 2 * train / 3 + train + train / 3)
 
@@ -184,7 +186,9 @@ def test_throughput_smoke(tmp_path):
     assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
     for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
         assert np.isfinite(s[key]) and s[key] > 0, key
-    assert {"gen", "old_log_prob", "update_actor", "reshard"} <= set(s["stages_s"])
+    assert {"gen", "update_actor", "reshard"} <= set(s["stages_s"])
+    # one optimizer step per RL step: the separate old-log-prob pass is skipped
+    assert not s["old_log_prob_pass"] and "old_log_prob" not in s["stages_s"]
 
 
 @pytest.mark.slow

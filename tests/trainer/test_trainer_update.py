@@ -27,7 +27,7 @@ def _loss(mode):
     def loss(params, micro, counts):
         per_token = jnp.square(micro["x"] @ params["w"] - 1.0) + params["b"]
         value = agg_loss(per_token, micro["response_mask"], mode, counts)
-        return value, {"actor/pg_loss": value}
+        return value, ({"actor/pg_loss": value}, {"x0": micro["x"][:, 0, 0]})
 
     return loss
 
@@ -47,13 +47,32 @@ def test_micro_batches_give_the_mini_batch_update(mode, shuffle):
     run = lambda micro, shuffle=shuffle: ppo_update(
         _state(), fields, _loss(mode), tx, UpdateConfig(2, 4, micro, shuffle), jax.random.key(0)
     )
-    (whole, m_whole), (split, m_split) = run(4), run(1)
+    (whole, m_whole, rows), (split, m_split, _) = run(4), run(1)
     if shuffle:  # the permutation changes which rows share a mini-batch
         assert not np.allclose(whole.params["w"], run(4, False)[0].params["w"])
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(m_whole["actor/pg_loss"], m_split["actor/pg_loss"], rtol=1e-6)
     assert int(whole.step) == 1 and int(m_whole["nan_steps"]) == 0
+    # per-row outputs come back in the batch's order, whatever the shuffle and the splits
+    np.testing.assert_array_equal(rows["x0"], fields["x"][:, 0, 0])
+
+
+def test_rows_are_computed_before_their_mini_batch_step():
+    """Row outputs of the first epoch: the first mini-batch's rows see the initial parameters,
+    the second mini-batch's rows the parameters after one optimizer step."""
+
+    def loss(params, micro, counts):
+        value = agg_loss(jnp.square(micro["x"] @ params["w"] - 1.0), micro["response_mask"],
+                         "token-mean", counts)  # fmt: skip
+        return value, ({}, {"w0": jnp.broadcast_to(params["w"][0], micro["x"].shape[:1])})
+
+    state, tx = _state(), make_optimizer(OPTIM)
+    new, _, rows = ppo_update(state, _fields(), loss, tx, UpdateConfig(2, 4, 2), jax.random.key(0))
+    # rows r % 2 == 0 form mini-batch 0 (see `_split`), the others mini-batch 1
+    np.testing.assert_array_equal(rows["w0"][0::2], np.full(4, state.params["w"][0]))
+    assert np.all(rows["w0"][1::2] != state.params["w"][0])
+    np.testing.assert_array_equal(rows["w0"][1::2], np.full(4, rows["w0"][1]))
 
 
 def test_non_finite_updates_are_skipped_and_counted():
@@ -61,7 +80,7 @@ def test_non_finite_updates_are_skipped_and_counted():
     fields["x"] = fields["x"].at[0, 0, 0].set(jnp.nan)  # poisons the first of two mini-batches
     fields["response_mask"][0, 0] = 1.0
     state = _state()
-    new, metrics = ppo_update(
+    new, metrics, _ = ppo_update(
         state, fields, _loss("token-mean"), make_optimizer(OPTIM), UpdateConfig(1, 4, 2),
         jax.random.key(0),
     )  # fmt: skip

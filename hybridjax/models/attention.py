@@ -35,25 +35,47 @@ def attention_mask(
     return mask
 
 
-def dot_product_attention(
-    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
-) -> jax.Array:
-    """Softmax(q·kᵀ/√D)·v with H query heads sharing K = H/G key/value heads (GQA).
+def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:
+    """Additive float32 bias B×T×S: 0 where `mask` is True, NEG_INF elsewhere.
 
-    Logits and softmax are computed in float32; the output has q's dtype. A query row with no
-    valid key (a padding token) returns zeros rather than NaN.
+    Adding it to the logits equals `where(mask, logits, NEG_INF)` (|logits| ≪ 1e30), and costs
+    one add forward and nothing backward, where a select costs one each way per layer.
+    """
+    return jnp.where(mask_BxTxS, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def grouped_attention(
+    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, bias_BxTxS: jax.Array
+) -> jax.Array:
+    """Softmax(q·kᵀ/√D + bias)·v with H query heads sharing K = H/G key/value heads (GQA).
+
+    Returns B×K×T×G×D (query head h = k·G + g) in q's dtype: the layout both dot products
+    produce without a transpose, which an output projection can contract directly. Logits and
+    softmax are in float32. A query row whose bias is NEG_INF everywhere gets the mean of v
+    (no NaN); `dot_product_attention` zeroes such rows.
     """
     b, t, h, d = q_BxTxHxD.shape
     kv = k_BxSxKxD.shape[2]
     q = q_BxTxHxD.reshape(b, t, kv, h // kv, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
-    logits = logits * (d**-0.5)
-    mask = mask_BxTxS[:, None, None, :, :]
-    logits = jnp.where(mask, logits, NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
-    return out.reshape(b, t, h, d)
+    logits = jnp.einsum("btkgd,bskd->bktgs", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+    logits = logits * (d**-0.5) + bias_BxTxS[:, None, :, None, :]
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxD.dtype)
+    return jnp.einsum("bktgs,bskd->bktgd", probs, v_BxSxKxD)
+
+
+def dot_product_attention(
+    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Softmax(q·kᵀ/√D)·v under a boolean mask, H query heads sharing K = H/G kv heads (GQA).
+
+    Logits and softmax are computed in float32; the output B×T×H×D has q's dtype. A query row
+    with no valid key (a padding token) returns zeros rather than NaN.
+    """
+    b, t, h, d = q_BxTxHxD.shape
+    out = grouped_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, attention_bias(mask_BxTxS))
+    any_key_BxT = jnp.any(mask_BxTxS, axis=-1)
+    out = jnp.where(any_key_BxT[:, None, :, None, None], out, 0.0)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
 @jax.tree_util.register_dataclass

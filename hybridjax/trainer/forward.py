@@ -20,8 +20,10 @@ from hybridjax.algorithms.entropy import entropy_from_logits
 
 
 def _response_logits(model, input_ids, attention_mask, position_ids, response_len, temperature):
-    logits_BxTxV = model(input_ids, attention_mask, position_ids)
-    logits_BxRxV = logits_BxTxV[:, -response_len - 1 : -1]
+    # The LM head runs on the R response positions only, not all P+R: B·R·D·V multiply-adds
+    # instead of B·(P+R)·D·V, forward and backward (the hidden states are sliced first).
+    hidden_BxTxD, _ = model.model(input_ids, position_ids, attention_mask)
+    logits_BxRxV = model.logits(hidden_BxTxD[:, -response_len - 1 : -1])
     return logits_BxRxV / jnp.float32(max(temperature, 1e-6))
 
 

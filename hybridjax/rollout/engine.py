@@ -9,7 +9,9 @@ Life of a prompt of length L with n samples:
      fresh pages for the response. Its first input is the prompt's last token at position L-1,
      so every sampled token, the first one included, comes out of the decode loop.
   3. `generate`: up to `num_steps` decode steps for every slot inside one jitted
-     `lax.while_loop` (one host round trip); the pools are donated (updated in place).
+     `lax.while_loop` (one host round trip); the pools are donated (updated in place). The
+     sampling noise of all the steps is drawn before the loop, and on the jnp path the slots'
+     pages are gathered once into a per-call copy that the steps attend to.
   4. `free_resource`: the slot's pages go back to the free list.
 
 Pages are reserved for a prompt's whole group (n × (L - 1 + max_tokens) positions) when it is
@@ -36,7 +38,7 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.rollout.allocator import PageAllocator
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, resolve_attention_impl
-from hybridjax.rollout.sampling import sample_tokens
+from hybridjax.rollout.sampling import sample_tokens, step_uniforms
 
 log = logging.getLogger(__name__)
 
@@ -423,20 +425,24 @@ class Engine:
         base_keys = jax.vmap(
             lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s[0]), s[1]), s[2])
         )(slots.seed)
+        # Active slots generate one token per step: step i draws token num_generated + i.
+        uniform_BxK = step_uniforms(base_keys, slots.num_generated, num_steps)
 
         def cond(carry):
-            i, _, _, _, _, active, _, _, _, done = carry
+            i, _, _, _, active, _, _, _, done = carry
             return (i < num_steps) & jnp.any(active) & (done < exit_when_done)
 
         def body(carry):
-            i, k, v, token, position, active, n_gen, out_tok, out_lp, done = carry
+            i, cache, token, position, active, n_gen, out_tok, out_lp, done = carry
             model = nnx.merge(self.graphdef, state)
-            window = self.model_config.sliding_window
-            cache = PagedKVCache(k, v, slots.page_table, "decode", self.impl, window)
             logits, cache = model.decode(token[:, None], position[:, None], active[:, None], cache)
-            keys = jax.vmap(jax.random.fold_in)(base_keys, n_gen)
             new_tok, lp = sample_tokens(
-                logits[:, 0], keys, slots.temperature, slots.top_k, slots.top_p, use_filter
+                logits[:, 0],
+                uniform_BxK[:, i],
+                slots.temperature,
+                slots.top_k,
+                slots.top_p,
+                use_filter,
             )
             out_tok = out_tok.at[:, i].set(jnp.where(active, new_tok, -1))
             out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
@@ -446,17 +452,33 @@ class Engine:
             position = position + active
             token = jnp.where(active, new_tok, token)
             active = active & ~finish
-            k, v = self._constrain_pools(cache.k), self._constrain_pools(cache.v)
-            return i + 1, k, v, token, position, active, n_gen, out_tok, out_lp, done + finish.sum()
+            cache = dataclasses.replace(
+                cache, k=self._constrain_pools(cache.k), v=self._constrain_pools(cache.v)
+            )
+            return (
+                i + 1,
+                cache,
+                token,
+                position,
+                active,
+                n_gen,
+                out_tok,
+                out_lp,
+                done + finish.sum(),
+            )
 
+        window = self.model_config.sliding_window
+        cache = PagedKVCache(k_pools, v_pools, slots.page_table, "decode", self.impl, window)
+        if self.impl == "jnp":
+            cache = cache.gathered()  # once per call; the steps keep the copy up to date
         out_tok = jnp.full((b, num_steps), -1, jnp.int32)
         out_lp = jnp.zeros((b, num_steps), jnp.float32)
         dynamic = (slots.token, slots.position, slots.active, slots.num_generated)
-        carry = (0, k_pools, v_pools, *dynamic, out_tok, out_lp, jnp.int32(0))
-        _, k, v, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
+        carry = (0, cache, *dynamic, out_tok, out_lp, jnp.int32(0))
+        _, cache, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
             cond, body, carry
         )
-        return k, v, (token, position, active, n_gen), out_tok, out_lp
+        return cache.k, cache.v, (token, position, active, n_gen), out_tok, out_lp
 
     def _table_width(self, num_steps: int) -> int:
         """Page-table columns the next `num_steps` steps can touch, rounded up to a quarter of

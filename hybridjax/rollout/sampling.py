@@ -37,24 +37,59 @@ def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Arra
     return jnp.where(scaled_BxV >= threshold_B, scaled_BxV, NEG_INF)
 
 
-def inverse_cdf_sample(keys_Bx2: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+def first_argmax(x_BxV: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis (first index of the maximum) as two plain reductions:
+    XLA's CPU argmax (a variadic reduce) is several times slower."""
+    max_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
+    v = x_BxV.shape[-1]
+    return jnp.min(jnp.where(x_BxV == max_Bx1, jnp.arange(v), v), axis=-1).astype(jnp.int32)
+
+
+def step_uniforms(base_keys_Bx2: jax.Array, first_step_B: jax.Array, num_steps: int) -> jax.Array:
+    """Uniform [0, 1) numbers B×num_steps: entry (b, i) is drawn with
+    `fold_in(base_keys[b], first_step[b] + i)`, so a row's i-th generated token uses the same
+    number whatever the batch and call boundaries (one PRNG evaluation per decode call, not
+    per step)."""
+    steps = jnp.arange(num_steps)
+
+    def row(key, first):
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, first + i))(steps)
+        return jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(keys)
+
+    return jax.vmap(row)(base_keys_Bx2, first_step_B)
+
+
+def inverse_cdf_sample(uniform_B: jax.Array, probs_BxV: jax.Array, block: int = 64) -> jax.Array:
     """One draw per row from `probs` with a single uniform: the first index whose cumulative
-    probability exceeds u·total. A zero-probability token is never drawn (its cumulative value
-    equals its predecessor's). One random number per row instead of V Gumbel draws
-    (`jax.random.categorical`): on CPU, threefry for B×V numbers costs more than the step's
-    matmuls on small models. float32 cumsum rounding perturbs probabilities by ~√V·1e-7.
+    probability exceeds u·total. A zero-probability token is never drawn.
+
+    Two levels, so the work is one pass over B×V plus B×(V/block + block): the block whose
+    cumulative mass passes the target, then the token inside it. One random number per row
+    instead of V Gumbel draws (`jax.random.categorical`): on CPU, threefry for B×V numbers
+    costs more than the step's matmuls on small models. float32 rounding of the cumulative sums
+    perturbs probabilities by ~√V·1e-7.
     """
-    # associative_scan: XLA's CPU cumsum of a 32k vocab is several times slower.
-    cdf_BxV = jax.lax.associative_scan(jnp.add, probs_BxV, axis=-1)
-    u_B = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(keys_Bx2)
-    target_B = u_B * cdf_BxV[:, -1]
-    index_B = jnp.sum(cdf_BxV <= target_B[:, None], axis=-1)
-    return jnp.minimum(index_B, probs_BxV.shape[-1] - 1).astype(jnp.int32)
+    b, v = probs_BxV.shape
+    n = -(-v // block)
+    padded_BxV = jnp.pad(probs_BxV, ((0, 0), (0, n * block - v)))
+    blocks_BxNxS = padded_BxV.reshape(b, n, block)
+    mass_BxN = jnp.sum(blocks_BxNxS, axis=-1)
+    cdf_BxN = jnp.cumsum(mass_BxN, axis=-1)
+    target_B = uniform_B * cdf_BxN[:, -1]
+    # Rounding can put the target at or past the total: stay on the last block (token) with mass.
+    last_block_B = jnp.max(jnp.where(mass_BxN > 0, jnp.arange(n), 0), axis=-1)
+    block_B = jnp.minimum(jnp.sum(cdf_BxN <= target_B[:, None], axis=-1), last_block_B)
+    probs_BxS = jnp.take_along_axis(blocks_BxNxS, block_B[:, None, None], axis=1)[:, 0]
+    before_B = jnp.take_along_axis(cdf_BxN - mass_BxN, block_B[:, None], axis=1)[:, 0]
+    cdf_BxS = before_B[:, None] + jnp.cumsum(probs_BxS, axis=-1)
+    last_B = jnp.max(jnp.where(probs_BxS > 0, jnp.arange(block), 0), axis=-1)
+    index_B = jnp.minimum(jnp.sum(cdf_BxS <= target_B[:, None], axis=-1), last_B)
+    return (block_B * block + index_B).astype(jnp.int32)
 
 
 def sample_tokens(
     logits_BxV: jax.Array,
-    keys_Bx2: jax.Array,
+    uniform_B: jax.Array,
     temperature_B: jax.Array,
     top_k_B: jax.Array,
     top_p_B: jax.Array,
@@ -63,7 +98,7 @@ def sample_tokens(
     """One token per row and its log-prob (see the module docstring).
 
     Args:
-      logits_BxV: float32 logits. keys_Bx2: one raw uint32 PRNG key per row.
+      logits_BxV: float32 logits. uniform_B: float32 in [0, 1), one per row (`step_uniforms`).
       temperature_B: float32, 0 for greedy. top_k_B: int32. top_p_B: float32.
       use_filter: static; False skips top-k/top-p entirely (no sort).
     Returns:
@@ -79,7 +114,7 @@ def sample_tokens(
         top_p_B = jnp.where(greedy_B, 1.0, top_p_B)
         scaled_BxV = truncate_logits(scaled_BxV, top_k_B, top_p_B)
     log_probs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
-    sampled_B = inverse_cdf_sample(keys_Bx2, jnp.exp(log_probs_BxV))
-    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
+    sampled_B = inverse_cdf_sample(uniform_B, jnp.exp(log_probs_BxV))
+    tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B).astype(jnp.int32)
     log_probs_B = jnp.take_along_axis(log_probs_BxV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, log_probs_B

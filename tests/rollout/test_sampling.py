@@ -8,7 +8,18 @@ from ml_collections import ConfigDict
 
 from hybridjax.rollout.allocator import OutOfPagesError, PageAllocator
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.sampling import sample_tokens, truncate_logits
+from hybridjax.rollout.sampling import (
+    first_argmax,
+    inverse_cdf_sample,
+    sample_tokens,
+    step_uniforms,
+    truncate_logits,
+)
+
+
+def uniforms(seed: int, rows: int) -> jax.Array:
+    return jax.random.uniform(jax.random.PRNGKey(seed), (rows,))
+
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
@@ -33,7 +44,7 @@ def test_truncate_keeps_top_k_then_smallest_top_p_set(top_k, top_p, kept):
 
 
 def test_log_prob_is_of_the_renormalised_distribution():
-    keys = jax.random.split(jax.random.PRNGKey(0), 64)
+    keys = uniforms(0, 64)
     logits = jnp.repeat(LOGITS, 64, axis=0)
     ones = jnp.ones(64)
     tok, lp = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, use_filter=True)
@@ -43,7 +54,7 @@ def test_log_prob_is_of_the_renormalised_distribution():
 
 
 def test_temperature_log_prob_and_greedy_rows():
-    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    keys = uniforms(1, 2)
     logits = jnp.repeat(LOGITS, 2, axis=0)
     temperature = jnp.array([0.0, 2.0])
     tok, lp = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
@@ -54,11 +65,40 @@ def test_temperature_log_prob_and_greedy_rows():
 
 
 def test_sampling_follows_the_distribution():
-    keys = jax.random.split(jax.random.PRNGKey(2), 4000)
+    keys = uniforms(2, 4000)
     logits = jnp.repeat(LOGITS, 4000, axis=0)
     tok, _ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
     freq = np.bincount(np.asarray(tok), minlength=4) / 4000
     np.testing.assert_allclose(freq, PROBS, atol=0.03)
+
+
+def test_inverse_cdf_matches_a_searchsorted_reference():
+    # V = 100 is not a multiple of the 64-token block; a third of the tokens have probability 0.
+    rng = np.random.default_rng(0)
+    probs = rng.random((16, 100)) * (rng.random((16, 100)) > 0.3)
+    probs = (probs / probs.sum(1, keepdims=True)).astype(np.float32)
+    u = rng.random(16).astype(np.float32)
+    u[:2] = [0.0, np.nextafter(np.float32(1), np.float32(0))]  # both ends of [0, 1)
+    got = np.asarray(inverse_cdf_sample(jnp.asarray(u), jnp.asarray(probs)))
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    expect = [np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cdf, u, strict=True)]
+    expect = np.minimum(expect, [np.flatnonzero(p)[-1] for p in probs])
+    np.testing.assert_array_equal(got, expect)
+    assert (probs[np.arange(16), got] > 0).all()
+
+
+def test_first_argmax_takes_the_first_maximum():
+    x = jnp.array([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
+    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, axis=-1))
+
+
+def test_step_uniforms_depend_only_on_the_token_index():
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    u = step_uniforms(keys, jnp.array([0, 5]), 4)
+    later = step_uniforms(keys, jnp.array([2, 7]), 2)  # a call that starts two tokens later
+    np.testing.assert_array_equal(u[:, 2:], later)
+    one = jax.random.uniform(jax.random.fold_in(keys[1], 6), dtype=jnp.float32)
+    assert float(u[1, 1]) == float(one)
 
 
 def test_allocator_free_list_and_refcounts():

@@ -8,7 +8,10 @@ Logical axes: `vocab`, `embed` (model width), `heads`, `kv_heads`, `head_dim`, `
 (RMSNorm scales, always replicated) and `label` (classifier outputs).
 
 Two call paths share one implementation:
-  * full sequences with a padding mask and position ids (training, log-probs, values);
+  * full sequences with a padding mask and position ids (training, log-probs, values), whose
+    positions increase along each row over valid tokens (left or right padding with
+    `default_positions`): a query never attends to a later token, which lets attention skip
+    the blocks above the diagonal;
   * incremental decoding against an external KV cache (`hybridjax.models.attention`).
 """
 
@@ -24,6 +27,12 @@ from hybridjax.models.attention import attention_bias, attention_mask, grouped_a
 from hybridjax.models.config import ModelConfig, to_dtype
 
 INIT_STD = 0.02
+# Full-sequence attention splits the queries into up to MAX_QUERY_CHUNKS chunks of at least
+# MIN_QUERY_CHUNK tokens and skips the key blocks above the diagonal (`grouped_attention`):
+# measured forward+backward of one attention block at 32×249 tokens, one thread: 325 ms
+# unsplit, 294 ms in 2 chunks, 289 ms in 4, 303 ms in 6.
+MAX_QUERY_CHUNKS = 4
+MIN_QUERY_CHUNK = 64
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -135,7 +144,8 @@ class Attention(nnx.Module):
         dtype = x_BxTxD.dtype
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
-            out = grouped_attention(q, k, v, bias).astype(dtype)
+            chunks = min(MAX_QUERY_CHUNKS, max(q.shape[1] // MIN_QUERY_CHUNK, 1))
+            out = grouped_attention(q, k, v, bias, chunks).astype(dtype)
             kv = self.config.num_key_value_heads
             o = self.o_proj[...].astype(dtype)
             o = o.reshape(kv, o.shape[0] // kv, *o.shape[1:])
@@ -198,7 +208,11 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None):
-        """Hidden states B×T×D in the compute dtype, and the updated cache (or None)."""
+        """Hidden states B×T×D in the compute dtype, and the updated cache (or None).
+
+        Without a cache, positions must increase along each row over valid tokens (see the
+        module docstring); outputs at padding positions are garbage.
+        """
         dtype = to_dtype(self.config.dtype)
         h = jnp.take(self.embed_tokens[...], input_ids_BxT, axis=0).astype(dtype)
         rope = rope_tables(positions_BxT, rope_frequencies(self.config))

@@ -33,6 +33,9 @@ INIT_STD = 0.02
 # unsplit, 294 ms in 2 chunks, 289 ms in 4, 303 ms in 6.
 MAX_QUERY_CHUNKS = 4
 MIN_QUERY_CHUNK = 64
+# The MLP runs gate and up as one stacked matmul when a call has at least this many tokens per
+# unit of width (B·T ≥ ratio · hidden_size); see `MLP`.
+STACKED_GATE_UP_MIN_TOKENS_PER_WIDTH = 4
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -105,11 +108,8 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention (Ainslie et al. 2023) with RoPE; x B×T×D → B×T×D.
 
-    Projections are stored per head: q (D,H,Dh), k/v (D,K,Dh), o (H,Dh,D); k and v are stacked
-    at call time into one 2×D×K×Dh matmul (on XLA CPU one wide matmul costs less than two
-    narrow ones; stacking on a new axis keeps each device's shards when kv_heads are sharded,
-    where concatenating along the heads axis would move them). With `cache` the new keys and
-    values go through `cache.attend` (dense or paged); without, the T tokens attend to each
+    Projections are stored per head: q (D,H,Dh), k/v (D,K,Dh), o (H,Dh,D). With `cache` the new
+    keys and values go through `cache.attend` (dense or paged); without, the T tokens attend to each
     other under `bias` B×T×T (the causal, padding and sliding-window mask as an additive bias,
     `attention_bias`).
     """
@@ -128,19 +128,17 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
         self.config = config
 
-    def _project_qkv(self, x_BxTxD, rope):
-        """q B×T×H×Dh, k and v B×T×K×Dh (RoPE applied to q and k); k and v from one matmul."""
-        dtype = x_BxTxD.dtype
-        q = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.q_proj[...].astype(dtype))
-        w_kv = jnp.stack([self.k_proj[...], self.v_proj[...]]).astype(dtype)
-        kv = jnp.einsum("btd,cdhk->btchk", x_BxTxD, w_kv)
+    def _project(self, x, name):
+        dtype = x.dtype
+        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dtype))
         if self.config.attention_bias:
-            q = q + self.q_bias[...].astype(dtype)
-            kv = kv + jnp.stack([self.k_bias[...], self.v_bias[...]]).astype(dtype)
-        return apply_rope(q, rope), apply_rope(kv[:, :, 0], rope), kv[:, :, 1]
+            y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
+        return y
 
     def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, rope, bias, cache=None, layer=0):
-        q, k, v = self._project_qkv(x_BxTxD, rope)
+        q = apply_rope(self._project(x_BxTxD, "q"), rope)
+        k = apply_rope(self._project(x_BxTxD, "k"), rope)
+        v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
@@ -165,14 +163,21 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # gate and up stacked into one matmul: on XLA CPU the backward of two separate ones
-        # writes the SiLU gradient transposed (measured, forward+backward of this block at
-        # 7968×256×688, one thread: 510 → 425 ms). A new leading axis, not a concatenation
-        # along `mlp`, so an mlp-sharded layer keeps its shards in place.
         dt = x.dtype
+        down = self.down_proj[...].astype(dt)
+        tokens = math.prod(x.shape[:-1])
+        if tokens < STACKED_GATE_UP_MIN_TOKENS_PER_WIDTH * x.shape[-1]:
+            gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
+            return (gate * (x @ self.up_proj[...].astype(dt))) @ down
+        # Many tokens: gate and up as one matmul over the weights stacked on a new leading
+        # axis. On XLA CPU the backward of two separate matmuls writes the SiLU gradient
+        # transposed; stacking costs weight-sized copies instead. Measured forward+backward of
+        # this block, one thread: 7968 tokens × 256 × 688: 510 → 425 ms; 6144 × 768 × 2048:
+        # 2760 → 2320 ms; but 768 × 768 × 2048: 285 → 290 ms. A new axis rather than a
+        # concatenation along `mlp`, which adds collective-permutes when `mlp` is sharded.
         w = jnp.stack([self.gate_proj[...], self.up_proj[...]]).astype(dt)
         gate_up = jnp.einsum("btd,cdf->btcf", x, w)
-        return (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ self.down_proj[...].astype(dt)
+        return (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ down
 
 
 class DecoderLayer(nnx.Module):

@@ -87,7 +87,7 @@ class RolloutConfig:
     decode_steps_per_call: decode steps run inside one jitted `lax.while_loop` per host round
       trip; the loop also stops early once enough slots finished to refill from the queue.
     min_prefill_bucket: smallest padded prompt length; prompt lengths and prefill batch sizes
-      are padded to powers of two from there (one compile per bucket).
+      are padded to the next 2^k or 3·2^(k-1) from there (one compile per bucket).
     """
 
     page_size: int = 16

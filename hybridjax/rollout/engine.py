@@ -50,6 +50,14 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def _prefill_bucket(n: int, minimum: int = 1) -> int:
+    """Smallest 2^k or 3·2^(k-1) >= max(n, minimum): at most a third of a prefill is padding
+    (a power of two wastes up to half), for twice the compiles."""
+    power = _bucket(n, minimum)
+    three_quarters = 3 * power // 4
+    return three_quarters if power >= 4 and three_quarters >= max(n, minimum) else power
+
+
 def _pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
@@ -333,8 +341,8 @@ class Engine:
             prefixes.append(Prefix(r, shared, last))
         todo = [p for p in prefixes if len(p.request.prompt) > 1]
         if todo:
-            n = _bucket(len(todo))
-            t = _bucket(
+            n = _prefill_bucket(len(todo))
+            t = _prefill_bucket(
                 max(len(p.request.prompt) - 1 for p in todo), self.config.min_prefill_bucket
             )
             ids = np.zeros((n, t), np.int32)

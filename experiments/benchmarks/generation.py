@@ -28,8 +28,9 @@ dots reach with that few rows, the practical ceiling of any decoder on this mach
 
 Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s, hf_tok_s,
 ratio, hybridjax_roofline, hf_roofline, hybridjax_mfu, hf_mfu, matmul_only_roofline}}`,
-`continuous.{continuous_s, static_s, speedup, lengths}`. The machine may be shared with other
-work: read ratios.
+`continuous.{continuous_s, static_s, speedup, lengths, step_ratio}` (step_ratio: decode steps
+static ÷ continuous, the speed-up if prefill were free and every step cost the same). The
+machine may be shared with other work: read ratios.
 """
 
 from __future__ import annotations
@@ -224,7 +225,11 @@ def bench_continuous(cfg: ConfigDict) -> dict:
     out = generate(engine, prompts, params)
     assert out.response_mask.sum(1).tolist() == lengths
     static_run = lambda: generate(engine, prompts, params, continuous=False)
+    steps = engine.num_decode_steps
     static_run()  # warm-up: static batches use other prefill buckets
+    static_steps, steps = engine.num_decode_steps - steps, engine.num_decode_steps
+    generate(engine, prompts, params)
+    continuous_steps = engine.num_decode_steps - steps
     times = [
         (_seconds(lambda: generate(engine, prompts, params)), _seconds(static_run))
         for _ in range(cfg.repeats)
@@ -235,6 +240,10 @@ def bench_continuous(cfg: ConfigDict) -> dict:
         tokens=int(sum(lengths)), tok_s_continuous=sum(lengths) / continuous,
         tok_s_static=sum(lengths) / static,
         lengths=dict(min=min(lengths), mean=float(np.mean(lengths)), max=max(lengths)),
+        # Decode steps (all slots at once) each way: their ratio bounds the speed-up, since
+        # both pay the same prefill.
+        decode_steps_static=static_steps, decode_steps_continuous=continuous_steps,
+        step_ratio=static_steps / continuous_steps,
         compiles=engine.num_compiles,
     )  # fmt: skip
     log.info("continuous vs static: %s", result)

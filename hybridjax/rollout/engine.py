@@ -180,6 +180,7 @@ class Engine:
         eos = model.config.eos_token_id
         self.eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         self.compile_counts: collections.Counter[str] = collections.Counter()
+        self.num_decode_steps = 0  # decode-loop iterations run so far (all slots in one step)
         k, v = PagedKVCache.create_pool(
             model.config, self.num_pages, config.page_size, self.kv_dtype
         )
@@ -521,6 +522,7 @@ class Engine:
         self.slots = dataclasses.replace(
             s, token=token, position=position, active=active, num_generated=n_gen
         )
+        self.num_decode_steps += int(np.any(out_tok >= 0, axis=0).sum())
         finished = was_active & ~active
         last = np.where(finished, token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)

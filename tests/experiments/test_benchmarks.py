@@ -259,3 +259,20 @@ def test_peer_comparison_hybridjax_side_smoke(tmp_path):
     s = _check_results(run.run_benchmark(cfg), ["peers.png"])
     row = s["workloads"]["tiny"]["systems"]["hybridjax"]
     assert row["tokens_per_step"] == 8 * 4 * (16 + 8) and row["timed_steps"] == 1
+
+
+@pytest.mark.slow
+def test_generation_smoke(tmp_path):
+    from experiments.benchmarks.generation import default_config
+
+    quick = default_config(quick=True)
+    quick.update(dict(batches="2", repeats=1, requests=8, new_tokens=12))
+    cfg = ConfigDict(dict(benchmark="generation", results_root=str(tmp_path), generation=quick))
+    s = _check_results(run.run_benchmark(cfg), ["generation.png"])
+    row = s["models"]["tiny"]["batches"]["2"]
+    for key in ("hybridjax_tok_s", "hf_tok_s", "ratio", "hybridjax_roofline"):
+        assert np.isfinite(row[key]) and row[key] > 0, key
+    c = s["continuous"]
+    assert c["tokens"] == c["lengths"]["mean"] * 8
+    # static batches run every wave to its longest response: never fewer steps
+    assert c["decode_steps_static"] >= c["decode_steps_continuous"] > 0

@@ -14,7 +14,8 @@ Workloads (issue 9):
   a  ~4M parameters, prompts as they come, responses up to 64 tokens (overhead-bound regime).
   b  ~100M parameters, prompts of exactly 64 tokens, responses of exactly 128 tokens
      (compute-bound regime).
-  qs  the quick-start model and task (`configs/quickstart.py`; needs its shipped assets).
+  qs  the quick-start model and task (`configs/quickstart.py`; needs its shipped assets): the
+      3.4M-parameter SFT warm start (4 layers, width 256), responses up to 16 tokens.
   tiny  a 1-layer model, 16-token prompts, 8-token responses (smoke tests only).
 
 Runs in the project's virtualenv (hybridjax writes the checkpoint with its HF exporter;
@@ -67,7 +68,7 @@ WORKLOADS = {
         steps=5,
         warmup=1,
     ),
-    # The quick-start model and task (configs/quickstart.py): the shipped SFT warm start and
+    # The quick-start model and task (configs/quickstart.py): the shipped 3.4M SFT warm start and
     # arithmetic word problems, prompts rendered with its chat template, responses up to 16.
     "qs": dict(
         source="quickstart",

@@ -30,6 +30,7 @@ SCORES_B = np.array([1.0, 0.0, 0.2, 0.7], np.float32)  # varies inside each pair
 
 GRPO = {"algorithm.adv_estimator": "grpo", "critic.enable": False, "actor_rollout_ref.rollout.n": 2}
 PPO = {"algorithm.adv_estimator": "gae", "critic.enable": True, "actor_rollout_ref.rollout.n": 1}
+CURRENT_LOG_PROBS = step._old_log_prob  # jitted; kept before a test replaces it
 
 
 def _config(**changes):
@@ -100,9 +101,7 @@ def _two_steps(cfg, monkeypatch):
     models, out = _models(cfg, sc), []
     for n in (1, 2):
         batch = _batch(n)
-        current, _ = stages.compute_old_log_prob(
-            models.actor_graphdef, models.actor_state.params, batch, sc
-        )
+        current, _ = CURRENT_LOG_PROBS(models.actor_graphdef, models.actor_state.params, batch, sc)
         batch = batch.replace(rollout_log_probs=(current.old_log_probs - 0.05) * MASK_BxR)
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|

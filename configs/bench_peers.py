@@ -2,8 +2,10 @@
 
 Needs the peers' virtualenvs once: `experiments/peers/setup_venvs.sh`. Then
     python -m experiments.benchmarks.run --config=configs/bench_peers.py
-Workload a: ~3.4M-parameter Qwen2-shaped random model, 8 GSM8K prompts × 4 samples, responses up
-to 64 tokens. Workload b: ~102M parameters, 64-token prompts, 128-token responses.
+Workload qs: the quick-start model (3.4M) and task, 8 prompts × 4 samples, responses up to 16
+tokens (overhead-bound). Workload b: ~102M parameters, 64-token prompts, 128-token responses
+(compute-bound). Workload a (not in the default list): ~3.4M-parameter random model, GSM8K
+prompts, responses up to 64 tokens.
 """
 
 from ml_collections import ConfigDict
@@ -15,7 +17,7 @@ def get_config():
             benchmark="peers",
             results_root="results",
             peers=dict(
-                workloads="a,b",
+                workloads="qs,b",
                 systems="trl,tunix,hybridjax",
                 rounds=2,
                 steps=0,  # timed steps per run; 0 = the workload's default

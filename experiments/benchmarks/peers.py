@@ -48,7 +48,7 @@ def _env(system: str, torch_threads: int, xla_single_thread: bool) -> dict[str, 
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # every JAX system sees the machine's one CPU device
     if system != "trl" and xla_single_thread:
-        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
     if system == "trl":
         env["OMP_NUM_THREADS"] = str(torch_threads)
         if torch_threads > 1:

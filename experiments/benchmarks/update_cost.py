@@ -5,8 +5,8 @@ seeded random Qwen2-shaped model) on the same token ids, masks and positions, on
 and differentiate the same loss: the token-mean over response tokens of −log π(response_t),
 with the LM head on the response positions only on the torch side (`logits_to_keep`, as TRL
 calls it) and whatever `hybridjax.trainer.forward.response_log_probs` does on ours. Each system
-runs in its own process (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1`, `torch.set_num_threads(1)`); a process times `warmup` calls,
+runs in its own process (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`,
+`torch.set_num_threads(1)`); a process times `warmup` calls,
 then `repeats` calls, and reports the medians of CPU seconds (`time.process_time`, all threads)
 and wall seconds. The loss values of the two systems are compared as a check that they compute
 the same thing.
@@ -35,31 +35,21 @@ import time
 
 import numpy as np
 
+from experiments.peers.workload import WORKLOADS as PEER_WORKLOADS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
 WORKLOADS = {
     "a": dict(
-        model=dict(
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
+        model=PEER_WORKLOADS["a"]["model"],
         rows=32,
         prompt_length=185,
         response_length=64,
         warmup=2,
     ),
     "b": dict(
-        model=dict(
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=16,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-        ),
+        model=PEER_WORKLOADS["b"]["model"],
         rows=4,
         prompt_length=64,
         response_length=128,

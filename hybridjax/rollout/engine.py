@@ -484,10 +484,10 @@ class Engine:
         out_lp = jnp.zeros((b, num_steps), jnp.float32)
         dynamic = (slots.token, slots.position, slots.active, slots.num_generated)
         carry = (0, cache, *dynamic, out_tok, out_lp, jnp.int32(0))
-        _, cache, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
+        steps, cache, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
             cond, body, carry
         )
-        return cache.k, cache.v, (token, position, active, n_gen), out_tok, out_lp
+        return cache.k, cache.v, (token, position, active, n_gen, steps), out_tok, out_lp
 
     def _table_width(self, num_steps: int) -> int:
         """Page-table columns the next `num_steps` steps can touch, rounded up to a quarter of
@@ -516,13 +516,13 @@ class Engine:
         self.k_pools, self.v_pools, dyn, out_tok, out_lp = self._decode_jit(
             self.state, self.k_pools, self.v_pools, self._upload_slots(upload), limit, **static
         )
-        token, position, active, n_gen, out_tok, out_lp = (
+        token, position, active, n_gen, steps, out_tok, out_lp = (
             np.array(x) for x in jax.device_get((*dyn, out_tok, out_lp))
         )  # host sync
         self.slots = dataclasses.replace(
             s, token=token, position=position, active=active, num_generated=n_gen
         )
-        self.num_decode_steps += int(np.any(out_tok >= 0, axis=0).sum())
+        self.num_decode_steps += int(steps)
         finished = was_active & ~active
         last = np.where(finished, token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)

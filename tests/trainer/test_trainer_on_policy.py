@@ -44,12 +44,7 @@ def _config(**changes):
     c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
     c.actor_rollout_ref.rollout.response_length = c.data.max_response_length = 4
     c.actor_rollout_ref.actor.optim.lr = 1e-2  # big enough to move the ratio in step 2
-    for key, value in changes.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    c.update_from_flattened_dict(changes)
     return c
 
 

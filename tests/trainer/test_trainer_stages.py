@@ -31,12 +31,7 @@ def _stage_config(**changes):
     c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
     c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
     c.actor_rollout_ref.rollout.response_length = c.data.max_response_length = 4
-    for key, value in changes.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    c.update_from_flattened_dict(changes)
     return build.stage_config(c, total_steps=2, data_parallel=1)
 
 

@@ -54,12 +54,7 @@ def tiny_config(data: dict, run_dir: pathlib.Path, **changes):
     c.trainer.peak_flops = 1e10
     c.trainer.test_freq = 2
     c.trainer.save_freq = 1
-    for key, value in changes.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    c.update_from_flattened_dict(changes)
     return c
 
 

@@ -32,9 +32,14 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("hybridjax").setLevel(logging.INFO)
     from hybridjax.checkpointing.export import export_actor
+    from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main
     from hybridjax.trainer.trainer import RLTrainer
     from hybridjax.trainer.validate import ConfigError
 
+    try:
+        initialize(DistributedConfig.from_config(_CONFIG.value))  # before any other JAX call
+    except ValueError as err:
+        sys.exit(str(err))
     try:
         trainer = RLTrainer(_CONFIG.value)
     except ConfigError as err:
@@ -46,7 +51,8 @@ def main(argv: list[str]) -> None:
             trainer.fit()
             from hybridjax.metrics.plots import write_plots
 
-            write_plots(os.path.join(_CONFIG.value.trainer.default_local_dir, "logs"))
+            if is_main():
+                write_plots(os.path.join(_CONFIG.value.trainer.default_local_dir, "logs"))
     finally:
         trainer.close()
 

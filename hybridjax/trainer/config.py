@@ -160,6 +160,15 @@ def base_config() -> ConfigDict:
         max_consecutive_nan_steps=3,
         peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
+        # several processes under jax.distributed (hybridjax.sharding.hosts.DistributedConfig)
+        distributed=dict(
+            enable="auto",  # auto | on | off
+            coordinator_address="",  # host:port of process 0; "" = auto-detect
+            num_processes=0,  # 0 = auto-detect
+            process_id=-1,  # -1 = auto-detect
+            heartbeat_timeout_s=30,  # a silent peer ends the others' runs after this long
+            initialization_timeout_s=300,
+        ),
     )
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),

@@ -23,7 +23,7 @@ from hybridjax.rewards import RewardManager, RewardResult
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
-from hybridjax.trainer.generation import HostColumns, put_global, submit_rewards
+from hybridjax.trainer.generation import HostColumns, collect_rewards, put_global, submit_rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class RewardStage:
 
     def collect(self, pending: PendingScores) -> tuple[jax.Array, RewardResult]:
         """(token_level_scores B×R float32 in `sharding`, the rule's result). Waits for both."""
-        result = pending.rule.result()
+        result = collect_rewards(pending.rule)
         if pending.model is not None:
             return jax.block_until_ready(pending.model), result
         return put_global(result.token_level_scores, self.sharding), result

@@ -12,7 +12,7 @@ from hybridjax.data.dataset import PromptLoader
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards import RewardManager
 from hybridjax.rollout import Engine, SamplingParams
-from hybridjax.trainer.generation import generate_batch, submit_rewards
+from hybridjax.trainer.generation import collect_rewards, generate_batch, submit_rewards
 
 
 def validate(
@@ -22,12 +22,16 @@ def validate(
     tokenizer: Tokenizer,
     rewards: RewardManager,
     sharding,
+    first_index: int = 0,
 ) -> dict[str, float]:
-    """Scores one pass over the validation loader. Host sync per batch (rollout, scoring)."""
+    """Scores one pass over the validation loader. Host sync per batch (rollout, scoring).
+    `first_index`: where this process's share of each batch starts (`jax.distributed`)."""
     scores: dict[str, list[float]] = collections.defaultdict(list)
     for prompts in loader.iter_epoch():
-        _, host = generate_batch(engine, prompts, sampling, tokenizer.pad_token_id, sharding)
-        result = submit_rewards(rewards, tokenizer, host).result()
+        _, host = generate_batch(
+            engine, prompts, sampling, tokenizer.pad_token_id, sharding, first_index
+        )
+        result = collect_rewards(submit_rewards(rewards, tokenizer, host))
         for source, score, keep in zip(host.data_source, result.scores, host.row_mask, strict=True):
             if keep:
                 scores[source].append(float(score))

@@ -39,6 +39,7 @@ from hybridjax.sharding import (
     state_shardings,
     update_weights,
 )
+from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
@@ -47,7 +48,6 @@ from hybridjax.trainer.reward import RewardStage
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
-from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 
 log = logging.getLogger(__name__)
 

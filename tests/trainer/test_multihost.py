@@ -92,7 +92,7 @@ def _launch(config: pathlib.Path, run_dir: pathlib.Path, processes: int, steps: 
 def _run(config, run_dir, processes, steps):
     procs = _launch(config, run_dir, processes, steps)
     outputs = [p.communicate(timeout=900)[0] for p in procs]
-    failed = [f"process {i}:\n{out[-3000:]}" for i, (p, out) in enumerate(zip(procs, outputs))
+    failed = [f"process {i}:\n{out[-3000:]}" for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
               if p.returncode != 0]  # fmt: skip
     assert not failed, "\n".join(failed)
 
@@ -132,7 +132,10 @@ def _assert_same(one: pathlib.Path, two: pathlib.Path, steps: list[int]):
         s1, s2 = _state(one, step), _state(two, step)
         assert s1.keys() == s2.keys()
         for key in s1:
-            np.testing.assert_allclose(s2[key], s1[key], rtol=0, atol=1e-6, err_msg=key)
+            # gloo sums gradients in another order than one process does; Adam's m/√v turns
+            # that last-bit noise into up to ~1e-6 on an element whose gradients are ~0
+            np.testing.assert_allclose(s2[key], s1[key], rtol=0, atol=1e-5, err_msg=key)
+            assert np.mean(np.abs(s2[key] - s1[key]) > 1e-6) < 1e-4, key
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
@@ -149,18 +152,34 @@ def test_two_processes_match_one(data, tmp_path, algorithm):
         _assert_same(one, two, [3])
 
 
-def test_killed_process_ends_the_other(data, tmp_path):
+def _start_training(data, tmp_path):
+    """2 processes of a long GRPO run, returned once the first step is logged."""
     config = tmp_path / "config.py"
     config.write_text(CONFIG.format(data=data, changes=ALGORITHMS["grpo"]))
     procs = _launch(config, tmp_path / "run", 2, 1000)
     metrics = tmp_path / "run" / "logs" / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while not (metrics.exists() and metrics.read_text().strip()):  # training has started
-        assert time.monotonic() < deadline and procs[0].poll() is None
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.5)
+    return procs
+
+
+def test_sigterm_to_one_process_stops_both_after_a_save(data, tmp_path):
+    procs = _start_training(data, tmp_path)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    last = max(read_metrics(tmp_path / "run"))
+    assert (tmp_path / "run" / f"global_step_{last}").is_dir()
+    assert last < 1000
+
+
+def test_killed_process_ends_the_other(data, tmp_path):
+    procs = _start_training(data, tmp_path)
     procs[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     out = procs[0].communicate(timeout=120)[0]
     assert procs[0].returncode != 0
     assert time.monotonic() - killed < 60
-    assert "process" in out.lower(), out[-3000:]
+    assert "another task died" in out, out[-3000:]

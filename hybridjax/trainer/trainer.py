@@ -28,7 +28,6 @@ from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
 from hybridjax.models.config import to_dtype
-from hybridjax.rewards import RewardConfig, RewardManager
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -96,13 +95,8 @@ class RLTrainer:
         actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
         self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
         self._update_weights()
-        self.reward = RewardStage(
-            RewardManager(RewardConfig.from_config(cfg)),
-            self.tokenizer,
-            self.models.reward_model,
-            cfg.reward_model.micro_batch_size_per_gpu,
-            self.batch_sharding,
-            dp,
+        self.reward = RewardStage.from_config(
+            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
         self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)

@@ -211,26 +211,7 @@ class RewardManager:
         if config.remote.urls:
             self.remote = RemoteClient(config.remote, "rule")
         else:
-            batched = config.reward_manager == "batch"
-            fn = compute_score or config.function_spec.load()  # here too: errors show at once
-            self.builtin = fn is default_compute_score
-            if batched and self.builtin:
-                raise ValueError(
-                    "reward_model.reward_manager=batch calls one function with the whole batch: "
-                    "set custom_reward_function.path/name to such a function"
-                )
-            where = repr(config.custom_name) if compute_score is None else repr(fn)
-            check_signature(fn, batched, where)
-            in_threads = compute_score is not None or (
-                self.builtin and config.reward_manager != "prime"
-            )
-            self.scorer = RowScorer(
-                fn if in_threads else None,
-                config.function_spec,
-                config.num_workers,
-                config.timeout_s,
-                batched,
-            )
+            self.scorer, self.builtin = build_scorer(config, compute_score)
         self._gather = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-gather")
         self._batches_done = 0
 
@@ -310,6 +291,37 @@ class RewardManager:
             if np.any(np.isfinite(extra[key])):
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(extra[key]))
         return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics)
+
+
+def build_scorer(
+    config: RewardConfig, compute_score: Callable[..., Any] | None = None
+) -> tuple[RowScorer, bool]:
+    """The `RowScorer` of a config (see the module docstring for where functions run), and
+    whether it runs the built-in dispatch (`default_compute_score`).
+
+    Raises:
+      FileNotFoundError, AttributeError: the custom function cannot be loaded.
+      TypeError: its signature does not take verl's arguments.
+      ValueError: `batch` without a custom function.
+    """
+    batched = config.reward_manager == "batch"
+    fn = compute_score or config.function_spec.load()  # here too, so that errors show at once
+    builtin = fn is default_compute_score
+    if batched and builtin:
+        raise ValueError(
+            "reward_model.reward_manager=batch calls one function with the whole batch: "
+            "set custom_reward_function.path/name to such a function"
+        )
+    check_signature(fn, batched, repr(config.custom_name) if compute_score is None else repr(fn))
+    in_threads = compute_score is not None or (builtin and config.reward_manager != "prime")
+    scorer = RowScorer(
+        fn if in_threads else None,
+        config.function_spec,
+        config.num_workers,
+        config.timeout_s,
+        batched,
+    )
+    return scorer, builtin
 
 
 def check_outcomes(

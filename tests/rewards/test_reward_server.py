@@ -5,11 +5,17 @@ import dataclasses
 import os
 
 import httpx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from hybridjax.models import SequenceClassifier
+from hybridjax.models.hf_io import save_pretrained
 from hybridjax.rewards import RewardConfig, RewardFunctionError, RewardManager
 from hybridjax.rewards.remote import TOKEN_ENV, RemoteClient, RemoteConfig, RewardServerError
+from hybridjax.rewards.reward_model import score_with_model
 from hybridjax.rewards.serve import start_local
 
 USER_CODE = """
@@ -135,3 +141,46 @@ def test_killed_server_retries_then_on_error(user_file, server, token):
     with pytest.raises(RewardFunctionError, match=f"row 0 .*reward server {doomed}"):
         strict(*ROWS)
     both.close(), alone.close(), strict.close()
+
+
+def test_model_server_scores_equal_the_local_forward(tmp_path):
+    """A `*ForSequenceClassification` checkpoint served on 2 simulated CPU devices scores
+    unpadded token ids as `score_with_model` scores the padded batch in this process."""
+    from tests.rewards.test_reward_model import CONFIG, P, R
+
+    rng = np.random.default_rng(3)
+    abstract = nnx.eval_shape(lambda: SequenceClassifier(CONFIG, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    state = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), x.dtype), state)
+    model = nnx.merge(graphdef, state)
+    save_pretrained(model, tmp_path / "rm")
+    lengths = [(8, 6), (3, 2), (5, 0), (1, 4), (2, 5)]
+    prompts = np.zeros((len(lengths), P), np.int32)
+    responses = np.zeros((len(lengths), R), np.int32)
+    pmask, rmask = np.zeros_like(prompts), np.zeros_like(responses)
+    for i, (p, r) in enumerate(lengths):
+        prompts[i, P - p :], pmask[i, P - p :] = rng.integers(1, 64, p), 1
+        responses[i, :r], rmask[i, :r] = rng.integers(1, 64, r), 1
+    _, expected = score_with_model(model, prompts, pmask, responses, rmask)
+
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    process, url = start_local(["--model_path", str(tmp_path / "rm")], env=env)
+    try:
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "kind": "model", "devices": 2}
+        client = RemoteClient(RemoteConfig(urls=(url,), batch_size=3), "model")
+        outcomes = client.score_tokens(
+            [p[m == 1].tolist() for p, m in zip(prompts, pmask, strict=True)],
+            [r[m == 1].tolist() for r, m in zip(responses, rmask, strict=True)],
+        )
+        client.close()
+        np.testing.assert_allclose([o.score for o in outcomes], expected, atol=1e-4)
+        with pytest.raises(RewardServerError, match="serves kind 'model', expected 'rule'"):
+            RemoteClient(RemoteConfig(urls=(url,)), "rule")
+        bad = httpx.post(f"{url}/score_tokens", json={"prompts": [[-1]], "responses": [[1]]})
+        assert bad.status_code == 422
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

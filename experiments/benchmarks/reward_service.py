@@ -133,9 +133,16 @@ def model_part(warmup: int, steps: int, prompt: int = 64, response: int = 64) ->
     from hybridjax.rewards.reward_model import score_responses
     from hybridjax.sharding import REWARD_MODEL_RULES, MeshConfig, init_sharded, make_meshes
 
-    shape = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=344,
-                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                        num_labels=1)  # fmt: skip
+    shape = ModelConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        num_labels=1,
+    )
     mesh = make_meshes(MeshConfig()).train
     model = init_sharded(SequenceClassifier, shape, mesh, REWARD_MODEL_RULES, 0)
     graphdef, state = nnx.split(model)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
 from hybridjax.models.tokenizer import Tokenizer
@@ -123,8 +124,9 @@ class RewardStage:
                 ),
             )
         elif self.model_client is not None:
-            prompts, prompt_mask = jax.device_get((batch.prompts, batch.attention_mask))
-            prompt_mask = prompt_mask[:, : prompts.shape[1]].astype(bool)  # host sync (small)
+            # Host sync (small): every process gets the whole batch's prompt ids.
+            prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
+            prompt_mask = np.asarray(mask)[:, : prompts.shape[1]].astype(bool)
             model = self._posts.submit(self._score_served, prompts, prompt_mask, host)
         return PendingScores(rule, model)
 
@@ -134,7 +136,7 @@ class RewardStage:
         self.model_client.reset_counters()
         mask = host.response_mask.astype(bool)
         outcomes = self.model_client.score_tokens(
-            [p[m].tolist() for p, m in zip(prompts, prompt_mask, strict=True)],
+            [p[m].tolist() for p, m in zip(np.asarray(prompts), prompt_mask, strict=True)],
             [r[m].tolist() for r, m in zip(host.responses, mask, strict=True)],
         )
         first = self._model_batches == 0

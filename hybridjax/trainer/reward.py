@@ -37,6 +37,18 @@ from hybridjax.trainer.build import forward_micro_batch
 from hybridjax.trainer.generation import HostColumns, put_global, submit_rewards
 
 
+def check_reward_servers(cfg) -> None:
+    """Health-checks every `reward_model.remote.urls` for the kind the config needs (the model
+    when `serves_model`, else the rule), before anything slow is loaded.
+
+    Raises:
+      RewardServerError: a URL is unreachable or serves the other kind (named in the message).
+    """
+    remote = RemoteConfig.from_dict(cfg.reward_model.remote)
+    if remote.urls:
+        RemoteClient(remote, "model" if serves_model(cfg.reward_model) else "rule").close()
+
+
 @dataclasses.dataclass(frozen=True)
 class PendingScores:
     """Scores of one batch being computed: the rule's future and the reward model's B×R token

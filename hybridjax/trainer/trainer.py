@@ -42,7 +42,7 @@ from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
-from hybridjax.trainer.reward import RewardStage
+from hybridjax.trainer.reward import RewardStage, check_reward_servers
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
@@ -65,6 +65,7 @@ class RLTrainer:
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
+        check_reward_servers(cfg)  # fails fast, before any model is loaded
         self.meshes = make_meshes(MeshConfig.from_config(cfg))
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))

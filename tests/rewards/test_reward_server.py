@@ -17,6 +17,8 @@ from hybridjax.rewards import RewardConfig, RewardFunctionError, RewardManager
 from hybridjax.rewards.remote import TOKEN_ENV, RemoteClient, RemoteConfig, RewardServerError
 from hybridjax.rewards.reward_model import score_with_model
 from hybridjax.rewards.serve import start_local
+from hybridjax.trainer.config import base_config
+from hybridjax.trainer.reward import check_reward_servers
 
 USER_CODE = """
 import time
@@ -119,6 +121,17 @@ def test_health_check_names_the_url():
         RemoteClient(RemoteConfig(urls=("http://127.0.0.1:9",), timeout_s=2), "rule")
     with pytest.raises(ValueError, match="not an http"):
         RemoteConfig(urls=("localhost:8000",))
+
+
+def test_trainer_checks_the_servers_first(server):
+    config = base_config()
+    config.reward_model.remote.urls = f"{server},http://127.0.0.1:9"
+    with pytest.raises(RewardServerError, match=r"reward server http://127.0.0.1:9 failed"):
+        check_reward_servers(config)
+    config.reward_model.enable = True  # no model.path: the URLs must serve a reward model
+    config.reward_model.remote.urls = server
+    with pytest.raises(RewardServerError, match=f"{server} serves kind 'rule', expected 'model'"):
+        check_reward_servers(config)
 
 
 def test_killed_server_retries_then_on_error(user_file, server, token):

@@ -92,8 +92,8 @@ def _launch(config: pathlib.Path, run_dir: pathlib.Path, processes: int, steps: 
 def _run(config, run_dir, processes, steps):
     procs = _launch(config, run_dir, processes, steps)
     outputs = [p.communicate(timeout=900)[0] for p in procs]
-    failed = [f"process {i}:\n{out[-3000:]}" for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
-              if p.returncode != 0]  # fmt: skip
+    codes = [p.returncode for p in procs]
+    failed = [f"process {i}:\n{out[-3000:]}" for i, out in enumerate(outputs) if codes[i] != 0]
     assert not failed, "\n".join(failed)
 
 

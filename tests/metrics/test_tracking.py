@@ -1,4 +1,4 @@
-"""Tracking: generation samples (JSONL, TensorBoard text), wandb offline, missing-package message."""
+"""Tracking: generation samples (JSONL, TensorBoard text), wandb offline, a missing package."""
 
 import json
 import struct

@@ -33,7 +33,15 @@ class _TqdmHandler(logging.Handler):
 
 
 class _RunLogFile(logging.FileHandler):
-    """The run's log file (a type of its own, so a second `configure_logging` replaces it)."""
+    """The run's log file, created (with its directory) at the first record; a type of its
+    own, so a second `configure_logging` replaces it."""
+
+    def __init__(self, path: str):
+        super().__init__(path, encoding="utf-8", delay=True)
+
+    def _open(self):
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
+        return super()._open()
 
 
 def console_level() -> int:
@@ -47,9 +55,9 @@ def console_level() -> int:
 
 def configure_logging(log_file: str | None, level: int | None = None) -> None:
     """Routes logging for a run: records at `level` (default `console_level()`) and above to
-    the console, INFO and above to `log_file` (appended; its directory is created; None: no
-    file). Replaces the root logger's console handlers (absl's included), so calling it twice
-    does not duplicate lines."""
+    the console, INFO and above to `log_file` (appended; it and its directory are created at
+    the first record; None: no file). Replaces the root logger's console handlers (absl's
+    included), so calling it twice does not duplicate lines."""
     level = console_level() if level is None else level
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -65,8 +73,7 @@ def configure_logging(log_file: str | None, level: int | None = None) -> None:
     console.setFormatter(logging.Formatter(CONSOLE_FORMAT))
     root.addHandler(console)
     if log_file:
-        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-        file_handler = _RunLogFile(log_file, encoding="utf-8")
+        file_handler = _RunLogFile(log_file)
         file_handler.setLevel(min(level, logging.INFO))
         file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
         root.addHandler(file_handler)

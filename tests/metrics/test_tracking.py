@@ -8,7 +8,9 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from hybridjax.metrics.tracking import Tracking, missing_logger_packages
+from hybridjax.trainer.validate import ConfigError, validate
 from hybridjax.trainer.validation import select_generations
+from tests.trainer.tiny_run import load_config_file
 
 SAMPLES = [("1 + 2 =", "#### 3", 1.0), ("2 × 4 =", "Answer: 8", 0.0)]
 
@@ -99,3 +101,8 @@ def test_missing_wandb_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install -e '\.\[wandb\]'"):
         Tracking(("console", "wandb"), str(tmp_path), 1)
     assert missing_logger_packages(("console", "jsonl", "tensorboard")) == []
+    # the trainer's config check says it before anything is built
+    cfg = load_config_file("quickstart")
+    cfg.trainer.logger = ("console", "wandb")
+    with pytest.raises(ConfigError, match=r"trainer.logger includes 'wandb'.*\.\[wandb\]"):
+        validate(cfg, 1)

@@ -45,12 +45,11 @@ class _RunLogFile(logging.FileHandler):
 
 
 def console_level() -> int:
-    """The console's logging level from absl's `--verbosity` (WARNING when not given or when
-    flags are not parsed, as in a notebook)."""
-    try:
-        return converter.absl_to_standard(flags.FLAGS.verbosity)
-    except flags.UnparsedFlagAccessError:
-        return logging.WARNING
+    """The console's logging level: absl's `--verbosity` when given on the command line, else
+    WARNING (absl's `app.run` defaults the flag to 0, INFO, which is what we keep off the
+    console)."""
+    flag = flags.FLAGS["verbosity"]
+    return converter.absl_to_standard(flag.value) if flag.present else logging.WARNING
 
 
 def configure_logging(log_file: str | None, level: int | None = None) -> None:

@@ -4,6 +4,7 @@
 import logging
 
 import pytest
+from absl import flags
 from absl import logging as absl_logging
 
 from hybridjax.metrics.console import configure_logging, console_level
@@ -45,4 +46,14 @@ def test_verbosity_brings_info_back_once(tmp_path, capsys, restore_logging):
     assert capsys.readouterr().err.count("resumed from step 4") == 1
     assert "resumed" in (tmp_path / "b.log").read_text()
     assert not (tmp_path / "a.log").exists()  # created at its first record only
-    assert console_level() == logging.WARNING  # absl's default verbosity (-1)
+
+
+def test_console_level_follows_verbosity_only_when_given(monkeypatch):
+    flag = flags.FLAGS["verbosity"]
+    monkeypatch.setattr(flag, "present", 0)
+    monkeypatch.setattr(flag, "value", 0)  # absl's app.run default: INFO, not asked for
+    assert console_level() == logging.WARNING
+    monkeypatch.setattr(flag, "present", 1)  # --verbosity=0
+    assert console_level() == logging.INFO
+    monkeypatch.setattr(flag, "value", 1)  # --verbosity=1
+    assert console_level() == logging.DEBUG

@@ -147,8 +147,8 @@ def base_config() -> ConfigDict:
     # also names its directory, unless a config sets default_local_dir itself
     project_name, experiment_name = FieldReference("hybridjax"), FieldReference("run")
     c.trainer = dict(
-        project_name=project_name,  # wandb project; TensorBoard and log-file run name
-        experiment_name=experiment_name,  # wandb run name
+        project_name=project_name,  # wandb project; names the run directory (below)
+        experiment_name=experiment_name,  # wandb run, TensorBoard run, run directory
         logger=("console", "jsonl", "tensorboard"),  # also "wandb" (pip install -e '.[wandb]')
         log_val_generations=0,  # K (prompt, response, score) samples per validation
         log_train_generations=0,  # K samples of the training rollout, every step

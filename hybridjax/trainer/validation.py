@@ -7,9 +7,10 @@ Variables: `acc` is the reward function's `acc` when it returns a dict with one,
 itself (the built-in rules score 0/1); `reward` is the score when it differs from `acc`; every
 other numeric key of a returned dict is a variable of its own. Votes for `maj@N` are the
 function's `pred` when it returns one (verl's convention); otherwise, when the built-in reward
-dispatch is in use and every data source has an entry in `ANSWER_EXTRACTORS`, the answer that
-source's rule reads (normalised, so `1,234` and `1234.0` are one vote; no answer is a vote of
-its own, as verl counts `None`). Without votes there are no `maj@` metrics, as in verl.
+dispatch scores in this process (`RewardManager.builtin`) and every data source has an entry in
+`ANSWER_EXTRACTORS`, the answer that source's rule reads (normalised, so `1,234` and `1234.0`
+are one vote; no answer is a vote of its own, as verl counts `None`). Without votes there are
+no `maj@` metrics, as in verl.
 """
 
 from __future__ import annotations
@@ -23,13 +24,7 @@ import numpy as np
 from hybridjax.data.dataset import PromptLoader
 from hybridjax.metrics.validation import process_validation_metrics, validation_metric_dict
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rewards import (
-    RewardManager,
-    decode_responses,
-    default_compute_score,
-    gsm8k,
-    math_boxed,
-)
+from hybridjax.rewards import RewardManager, decode_responses, gsm8k, math_boxed
 from hybridjax.rollout import Engine, SamplingParams
 from hybridjax.trainer.generation import HostColumns, generate_batch
 
@@ -169,7 +164,6 @@ def _variables(scores, extras, sources, texts, rewards: RewardManager):
     for key, column in columns.items():
         if all(isinstance(v, int | float | np.number) for v in column):
             variables[key] = column
-    builtin = rewards.compute_score is default_compute_score
-    if votes is None and builtin and set(sources) <= set(ANSWER_EXTRACTORS):
+    if votes is None and rewards.builtin and set(sources) <= set(ANSWER_EXTRACTORS):
         votes = [ANSWER_EXTRACTORS[s](t) for s, t in zip(sources, texts, strict=True)]
     return variables, votes

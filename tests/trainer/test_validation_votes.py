@@ -4,7 +4,6 @@ import types
 
 import numpy as np
 
-from hybridjax.rewards import default_compute_score
 from hybridjax.trainer.validation import ANSWER_EXTRACTORS, _variables
 
 
@@ -17,7 +16,7 @@ def test_built_in_answers_are_normalised_votes():
 
 
 def test_built_in_rules_score_acc_and_vote_with_their_answers():
-    builtin = types.SimpleNamespace(compute_score=default_compute_score)
+    builtin = types.SimpleNamespace(builtin=True)  # RewardManager with the built-in rules
     variables, votes = _variables(
         [1.0, 0.0], [{}, {}], ["arithmetic"] * 2, ["#### 3", "Answer: 3"], builtin
     )
@@ -27,7 +26,7 @@ def test_built_in_rules_score_acc_and_vote_with_their_answers():
 
 
 def test_reward_dicts_supply_acc_pred_and_extra_keys():
-    custom = types.SimpleNamespace(compute_score=lambda *a: {"score": 0.5})
+    custom = types.SimpleNamespace(builtin=False)  # a custom function or reward servers
     extras = [
         {"acc": np.float32(1), "pred": "A", "format": np.float32(1), "note": "ok"},
         {"acc": np.float32(0), "pred": "B", "format": np.float32(0), "note": "bad"},

@@ -113,6 +113,11 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def process_suffix() -> str:
+    """ "" on process 0, ".process<i>" on the others (per-process file names)."""
+    return "" if is_main() else f".process{jax.process_index()}"
+
+
 def share(num_rows: int) -> slice:
     """This process's contiguous rows of a global batch of `num_rows` rows.
 

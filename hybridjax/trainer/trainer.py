@@ -46,7 +46,7 @@ from hybridjax.trainer.offload import any_offload, move_idle_states, offload_con
 from hybridjax.trainer.reward import RewardStage, check_reward_servers
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
-from hybridjax.trainer.validation import validate
+from hybridjax.trainer.validation import generation_samples, validate
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,8 @@ class RLTrainer:
         sc = self.stage_cfg
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+            prompts = next(self.train_loader)
+            batch, host, greedy = self._generate(prompts, n, timing)
             batch, self.kl_coef, device, result = step.prepare(
                 self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
             )
@@ -179,6 +180,10 @@ class RLTrainer:
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
+        if k := self.cfg.trainer.log_train_generations:
+            samples = generation_samples(self.tokenizer, prompts, host, result.scores, k)
+            metrics["train/generations"] = samples
+        self.global_step = n
         return metrics
 
     def _generate(self, prompts, n: int, timing):
@@ -206,8 +211,9 @@ class RLTrainer:
                 self.models = move_idle_states(self.models, self.offload, load_to_device)
         return batch, host, greedy
 
-    def validate(self) -> dict[str, float]:
-        """`val-core/<data_source>/acc/mean@n` on the validation files (empty if none)."""
+    def validate(self) -> dict[str, Any]:
+        """`val-core/<data_source>/acc/mean@N` etc. on the validation files (empty if none),
+        plus `val/generations` with `trainer.log_val_generations`."""
         if self.val_loader is None:
             return {}
         sampling = self._sampling(self.global_step, validate=True)
@@ -218,6 +224,7 @@ class RLTrainer:
             self.tokenizer,
             self.reward.manager,
             self.batch_sharding,
+            self.cfg.trainer.log_val_generations,
             self.val_loader.rows.start or 0,
         )
 
@@ -271,15 +278,23 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
-        """Trains from the restored (or first) step to `total_steps`; saves every
-        `trainer.save_freq` steps, at the end, and on SIGTERM/SIGINT (then returns early).
-        Returns the last step's metrics."""
+        """Trains to `total_steps`, continuing after the last step this trainer ran (a
+        notebook's `train_step(1)`), else from the checkpoint `trainer.resume_mode` restores (or
+        the first step); saves every `trainer.save_freq` steps, at the end, and on
+        SIGTERM/SIGINT (then returns early). Returns the last step's metrics."""
         t = self.cfg.trainer
-        start = self.restore()
+        start = self.global_step or self.restore()
         self.global_step = start
         log_dir = os.path.join(t.default_local_dir, "logs")
-        loggers = t.logger if is_main() else ()  # one process writes the logs
-        tracker = Tracking(loggers, log_dir, self.total_steps, start, t.progress_bar)
+        tracker = Tracking(
+            t.logger if is_main() else (),  # one process writes the logs
+            log_dir,
+            self.total_steps,
+            start,
+            t.progress_bar,
+            run_name=(t.project_name, t.experiment_name),
+            config=self.cfg.to_dict(),
+        )
         metrics: dict[str, Any] = {}
         try:
             with StopRequest() as stop:

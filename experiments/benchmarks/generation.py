@@ -25,8 +25,8 @@ In one process, on the default (single) CPU device:
    `small_n` samples, each of `small_new_tokens` lengths (EOS ignored), on engines whose
    `max_num_seqs` is each of `small_max_num_seqs` (the default 256 against the batch itself, a
    hand-tuned pool): the decode loop should cost the same whatever the pool's size. Reports
-   median seconds per `generate`, the ratio to the smallest pool and whether every pool gave
-   the same tokens.
+   median wall and CPU seconds per `generate`, their ratio to the smallest pool, the decode
+   rows run and whether every pool gave the same tokens.
 
 Each batch also times the model's weight matrices multiplied by a batch-row input (one decode
 step's dots and nothing else): `matmul_only_roofline`, the fraction of the peak that XLA's CPU
@@ -36,10 +36,11 @@ Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s
 ratio, hybridjax_roofline, hf_roofline, hybridjax_mfu, hf_mfu, matmul_only_roofline}}`,
 `continuous.{continuous_s, static_s, speedup, lengths, step_ratio}` (step_ratio: decode steps
 static ÷ continuous, the speed-up if prefill were free and every step cost the same),
-`small_batch.<new_tokens>.{<max_num_seqs>_s, ratio_<max_num_seqs>, same_tokens, compiles}`
-(ratio: seconds on that pool ÷ seconds on the smallest). `sections` picks the parts to run
-(`models`, `continuous`, `small_batch`). The machine may be shared with other work: read
-ratios.
+`small_batch.<new_tokens>.{<max_num_seqs>_s, <max_num_seqs>_cpu_s, ratio_<max_num_seqs>,
+ratio_<max_num_seqs>_cpu, decode_rows, same_tokens, compiles}` (ratio: seconds on that pool ÷
+seconds on the smallest; decode_rows: rows × steps the decode loop ran, padding included).
+`sections` picks the parts to run (`models`, `continuous`, `small_batch`). The machine may be
+shared with other work: read ratios.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _wall_and_cpu(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def hybridjax_runner(model, prompts: np.ndarray, cfg: ConfigDict):
@@ -279,7 +287,7 @@ def bench_small_batch(cfg: ConfigDict) -> dict:
     result = {}
     for new_tokens in (int(x) for x in cfg.small_new_tokens.split(",")):
         sp = SamplingParams(n=cfg.small_n, max_tokens=new_tokens, ignore_eos=True, seed=5)
-        runs, tokens, compiles = {}, {}, {}
+        runs, tokens, compiles, rows = {}, {}, {}, {}
         for pool in pools:
             engine = Engine(
                 model,
@@ -287,19 +295,26 @@ def bench_small_batch(cfg: ConfigDict) -> dict:
                               prompt_length=cfg.prompt_len, response_length=new_tokens,
                               decode_steps_per_call=cfg.decode_steps_per_call),
             )  # fmt: skip
+            before = engine.num_decode_rows
             tokens[pool] = generate(engine, prompts, sp).responses  # warm-up: compiles
+            rows[pool] = engine.num_decode_rows - before
             runs[pool] = lambda engine=engine: generate(engine, prompts, sp)
             compiles[pool] = engine.num_compiles
-        # Alternate the pools within each repeat, so both see the same machine load.
-        times = [[_seconds(runs[pool]) for pool in pools] for _ in range(cfg.repeats)]
-        seconds = [statistics.median(x) for x in zip(*times, strict=True)]
-        fastest = seconds[pools.index(min(pools))]
+        # Alternate the pools within each repeat, so both see the same machine load; CPU
+        # seconds (all threads) move less than wall seconds when the machine is shared.
+        times = [[_wall_and_cpu(runs[pool]) for pool in pools] for _ in range(cfg.repeats)]
+        smallest = pools.index(min(pools))
         row = dict(rows=cfg.small_prompts * cfg.small_n, new_tokens=new_tokens,
                    same_tokens=all(np.array_equal(tokens[p], tokens[pools[0]]) for p in pools),
-                   compiles={str(p): compiles[p] for p in pools}, all_times=times)  # fmt: skip
-        for pool, s in zip(pools, seconds, strict=True):
-            row[f"{pool}_s"] = s
-            row[f"ratio_{pool}"] = s / fastest
+                   compiles={str(p): compiles[p] for p in pools},
+                   decode_rows={str(p): rows[p] for p in pools}, all_times=times)  # fmt: skip
+        for kind, k in (("s", 0), ("cpu_s", 1)):
+            seconds = [
+                statistics.median(t[k] for t in column) for column in zip(*times, strict=True)
+            ]
+            for pool, value in zip(pools, seconds, strict=True):
+                row[f"{pool}_{kind}"] = value
+                row[f"ratio_{pool}" + ("_cpu" if k else "")] = value / seconds[smallest]
         log.info("small batch, %d new tokens: %s", new_tokens, row)
         result[str(new_tokens)] = row
     return result

@@ -41,6 +41,7 @@ from hybridjax.sharding import (
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
+from hybridjax.trainer.multi_turn import MultiTurn, multi_turn_metrics
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
 from hybridjax.trainer.reward import RewardStage, check_reward_servers
@@ -99,6 +100,7 @@ class RLTrainer:
         self.engine_mesh = local_mesh(self.meshes.generate)
         actor = nnx.merge(self.actor_graphdef, self._generation_params()[0])
         self.engine = Engine(actor, engine_config, mesh=self.engine_mesh)
+        self.multi_turn = MultiTurn.from_config(rollout.multi_turn, self.tokenizer)
         self.reward = RewardStage.from_config(
             cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
@@ -180,6 +182,10 @@ class RLTrainer:
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
+        if self.multi_turn is not None:
+            metrics |= multi_turn_metrics(
+                host.num_turns, host.tool_calls, host.tool_errors, host.row_mask
+            )
         if k := self.cfg.trainer.log_train_generations:
             samples = generation_samples(self.tokenizer, prompts, host, result.scores, k)
             metrics["train/generations"] = samples
@@ -198,13 +204,13 @@ class RLTrainer:
             pad = self.tokenizer.pad_token_id
             first = self.train_loader.rows.start or 0
             batch, host = generate_batch(
-                self.engine, prompts, sampling, pad, self.batch_sharding, first
+                self.engine, prompts, sampling, pad, self.batch_sharding, first, self.multi_turn
             )
             greedy = None
             if self.greedy_baseline:
                 argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
                 greedy = generate_batch(
-                    self.engine, prompts, argmax, pad, self.batch_sharding, first
+                    self.engine, prompts, argmax, pad, self.batch_sharding, first, self.multi_turn
                 )
         if self.offload_any:
             with timed(timing, "onload"):
@@ -226,6 +232,7 @@ class RLTrainer:
             self.batch_sharding,
             self.cfg.trainer.log_val_generations,
             self.val_loader.rows.start or 0,
+            self.multi_turn,
         )
 
     # ------------------------------------------------------------------------------ checkpoints

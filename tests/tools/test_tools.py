@@ -192,3 +192,15 @@ def test_chat_rendering_is_token_in_token_out():
         ]
     )
     assert trajectory == expect
+
+
+def test_gsm8k_recipe_prompts_show_the_tool_and_its_config_loads():
+    from hybridjax.data.gsm8k import to_row
+
+    row = to_row("What is 2+3?", "2+3=5 #### 5", "train", 0, multi_turn=True)
+    system, user = row["prompt"]
+    assert system["role"] == "system" and '"name": "calculator"' in system["content"]
+    assert "<tool_call>" in system["content"] and user["content"].startswith("What is 2+3?")
+    assert to_row("q", "#### 1", "train", 0)["prompt"][0]["role"] == "user"
+    (calc,) = load_tools("configs/tools/calculator.yaml")
+    assert calc.name == "calculator" and calc.execute({"expression": "2+3"}) == "5"

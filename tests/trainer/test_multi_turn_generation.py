@@ -6,9 +6,12 @@ import dataclasses
 
 import jax
 import numpy as np
+import pyarrow.parquet as pq
+import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybridjax.data import gsm8k
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.tokenizer import Tokenizer
@@ -19,8 +22,11 @@ from hybridjax.tools.chat import ChatTools
 from hybridjax.trainer.forward import response_log_probs
 from hybridjax.trainer.generation import generate_batch
 from hybridjax.trainer.multi_turn import MultiTurn, multi_turn_metrics
+from hybridjax.trainer.trainer import RLTrainer
+from tests.trainer.tiny_run import GSM8K_JSONL, read_metrics, tiny_config
 
 TOKENIZER = "hybridjax/assets/tokenizers/gsm8k_bpe"
+TOOLS = "configs/tools/calculator.yaml"
 
 
 class CallsEveryTurn(ChatTools):
@@ -108,3 +114,37 @@ def test_multi_turn_batch_masks_log_probs_and_extra_info():
     assert metrics["multi_turn/num_turns_max"] == host.num_turns.max()
     assert metrics["multi_turn/tool_calls"] == host.tool_calls.mean()
     assert metrics["multi_turn/tool_errors"] == 0
+
+
+@pytest.mark.slow
+def test_recipe_steps_end_to_end(tmp_path):
+    """The calculator-tool recipe's steps on the tiny config: `--multi-turn` preprocessing, the
+    verl-format tool config, GRPO with `rollout.multi_turn.enable`; the multi-turn metrics are
+    logged (the random model writes no calls, so every trajectory has one turn)."""
+    full = tmp_path / "full"
+    gsm8k.main(["--input", str(GSM8K_JSONL), "--output", str(full), "--multi-turn"])
+    data = {}
+    for split, rows in (("train", 16), ("test", 8)):
+        data[split] = str(tmp_path / f"{split}.parquet")
+        pq.write_table(pq.read_table(full / f"{split}.parquet").slice(0, rows), data[split])
+    config = tiny_config(
+        data,
+        tmp_path / "run",
+        **{
+            "algorithm.adv_estimator": "grpo",
+            "critic.enable": False,
+            "actor_rollout_ref.rollout.n": 2,
+            "data.max_prompt_length": 480,
+            "actor_rollout_ref.rollout.prompt_length": 480,
+            "trainer.total_training_steps": 1,
+            "actor_rollout_ref.rollout.multi_turn.enable": True,
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path": TOOLS,
+        },
+    )
+    trainer = RLTrainer(config)
+    trainer.fit()
+    trainer.close()
+    metrics = read_metrics(tmp_path / "run")[1]
+    assert metrics["multi_turn/num_turns_mean"] == 1 == metrics["multi_turn/num_turns_max"]
+    assert metrics["multi_turn/tool_calls"] == 0 == metrics["multi_turn/tool_errors"]
+    assert np.isfinite(metrics["actor/pg_loss"])

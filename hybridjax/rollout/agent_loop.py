@@ -73,6 +73,7 @@ class MultiTurnOutput(RolloutOutput):
 
 @dataclasses.dataclass
 class _Trajectory:
+    limit: int  # max_tokens of its request: model and tool tokens
     tokens: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
@@ -118,7 +119,7 @@ def generate_multi_turn(
     requests = make_requests(engine, prompt_ids, sampling_params, attention_mask, first_index)
     first_row = np.cumsum([0] + [r.params.n for r in requests])
     width = max((r.params.max_tokens for r in requests), default=1)
-    rows = [_Trajectory() for _ in range(first_row[-1])]
+    rows = [_Trajectory(r.params.max_tokens) for r in requests for _ in range(r.params.n)]
     queue = collections.deque(requests)
     waiting: collections.deque[Prefix] = collections.deque()
     owner: dict[int, int] = {}  # slot -> output row (decoding or waiting for its tools)
@@ -141,7 +142,7 @@ def generate_multi_turn(
                 traj.calls += list(zip(calls, results, strict=True))
                 traj.errors += sum(map(handler.is_error, results))
                 ids = handler.render(calls, results)
-                room = width - len(traj.tokens)
+                room = traj.limit - len(traj.tokens)
                 traj.add(ids[:room], 0)
                 traj.turns.append(("tool", ids[:room]))
                 if len(ids) >= room:  # no room left for the model: the trajectory ends
@@ -167,7 +168,7 @@ def generate_multi_turn(
                 assistant_turns = (len(traj.turns) + 1) // 2  # turns alternate, assistant first
                 if out.stopped[slot] and assistant_turns < max_assistant_turns:
                     calls = handler.parse(turn)[:max_parallel_calls]
-                if not calls or len(traj.tokens) >= width:
+                if not calls or len(traj.tokens) >= traj.limit:
                     finish(slot, "stop" if out.stopped[slot] else "length")
                     continue
                 running[slot] = pool.submit(lambda c: (c, handler.execute(c)), calls)

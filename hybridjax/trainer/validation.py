@@ -93,7 +93,7 @@ def generation_samples(
     questions = prompt_texts(tokenizer, prompts["input_ids"], prompts["attention_mask"])
     questions = [q for part in allgather(questions) for q in part]  # every process's prompts
     n = len(host.row_mask) // len(questions)
-    responses = decode_responses(tokenizer, host.responses, host.response_mask)
+    responses = decode_responses(tokenizer, host.responses, host.valid_mask)
     samples = [
         (questions[i // n], responses[i], float(scores[i])) for i in np.flatnonzero(host.row_mask)
     ]

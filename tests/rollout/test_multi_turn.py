@@ -104,14 +104,19 @@ def test_tool_turns_masks_and_log_probs_equal_the_trainer_forward(engine, run):
 
 
 def test_a_tool_response_that_does_not_fit_ends_the_trajectory(engine):
-    handler = Scripted(length=30)
-    sp = SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=STOP, seed=5)
-    out = generate_multi_turn(engine, PROMPTS[:1], sp, handler, max_assistant_turns=5)
-    for row in range(1):
+    """Per-request budgets (40 and 24 tokens): a 20-token tool response fits the first
+    trajectory once at most; whatever does not fit is cut and ends the trajectory."""
+    handler = Scripted(length=20)
+    sp = [
+        SamplingParams(temperature=1.0, max_tokens=m, stop_token_ids=STOP, seed=5) for m in (40, 24)
+    ]
+    out = generate_multi_turn(engine, PROMPTS[:2], sp, handler, max_assistant_turns=5)
+    assert [k for k, _ in out.turns[0]][:2] == ["assistant", "tool"]
+    for row, limit in enumerate((40, 24)):
         tokens = _segments_match(out, row, handler)
-        assert len(tokens) <= 40
+        assert len(tokens) <= limit
         if out.turns[row][-1][0] == "tool":
-            assert len(tokens) == 40 and out.finish_reason[row] == "length"
+            assert len(tokens) == limit and out.finish_reason[row] == "length"
     assert engine.allocator.num_free == engine.num_pages
 
 

@@ -6,9 +6,7 @@ stderr on failure)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -16,28 +14,23 @@ from typing import Any
 
 from hybridjax.tools.base import Tool, register_tool
 
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-
-# Prepended to the user's code: no sockets at all, whatever the namespace.
-_NO_NETWORK = """\
-import socket as _s
+# Prepended to the user's code, so the limits are set by the child itself (no `preexec_fn`:
+# running Python between fork and exec in a multithreaded process such as JAX's can deadlock):
+# CPU time and address space, an empty network namespace where unprivileged user namespaces
+# exist, and in any case no sockets.
+_PRELUDE = """\
+import ctypes as _c, resource as _r, socket as _s
+_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))
+_r.setrlimit(_r.RLIMIT_AS, ({memory}, {memory}))
+try:
+    _c.CDLL(None).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
+except (OSError, AttributeError):
+    pass
 def _refuse(*a, **k):
     raise OSError("network access is disabled in this sandbox")
 _s.socket = _s.create_connection = _s.socketpair = _refuse
-del _s, _refuse
+del _c, _r, _s, _refuse
 """
-
-
-def _limit(cpu_s: int, memory_bytes: int):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        try:  # best effort: an empty network namespace (needs unprivileged user namespaces)
-            ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-        except (OSError, AttributeError):
-            pass
-
-    return apply
 
 
 def run_python(
@@ -46,16 +39,16 @@ def run_python(
     """Runs `code` in a sandboxed interpreter. Returns (exit code, stdout, stderr), each stream
     cut to `max_output` characters. Raises TimeoutError after `timeout_s` seconds (the process
     is killed). CPU time is limited to ceil(timeout_s) seconds, memory to `memory_mb`."""
+    prelude = _PRELUDE.format(cpu=int(-(-timeout_s // 1)), memory=memory_mb << 20)
     with tempfile.TemporaryDirectory() as cwd:
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", "-c", _NO_NETWORK + code],
+                [sys.executable, "-I", "-c", prelude + code],
                 cwd=cwd,
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
                 env={"PATH": os.environ.get("PATH", "")},
-                preexec_fn=_limit(int(-(-timeout_s // 1)), memory_mb << 20),
             )
         except subprocess.TimeoutExpired as e:
             raise TimeoutError(f"code ran longer than {timeout_s} s") from e

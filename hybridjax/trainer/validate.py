@@ -287,7 +287,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
             rewards_BxT,
             mask_BxT,
             config=algorithm,
-            group_size=n,
+            uid_B=jnp.arange(2 * n) // n,
             values_BxT=values_BxT,
             reward_baselines_B=baselines_B,
         )

@@ -142,6 +142,9 @@ def base_config() -> ConfigDict:
         rollout_is_level="token",  # token | sequence | geometric
         rollout_is_mode="truncate",  # truncate | mask
         rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
+        # DAPO dynamic sampling (hybridjax.trainer.dynamic_sampling): drop groups whose metric
+        # has no spread, generate more until data.train_batch_size groups; 0 = no cap
+        filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0),
     )
     c.trainer = dict(
         project_name="hybridjax",
@@ -160,6 +163,9 @@ def base_config() -> ConfigDict:
         max_consecutive_nan_steps=3,
         peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
+        # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
+        # module>:<function>" (or before / replace), or "remove <stage>"
+        stages=(),
     )
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),

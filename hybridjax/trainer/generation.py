@@ -65,7 +65,8 @@ def generate_batch(
       pad_token_id: fills responses past their end.
       sharding: where the batch rows go (the training mesh's batch axes).
     Returns:
-      (RLBatch with `rollout_log_probs`, HostColumns), rows ordered prompt-major (n contiguous).
+      (RLBatch with `rollout_log_probs` and `uid` = the prompt's index in this batch,
+      HostColumns), rows ordered prompt-major (n contiguous).
     Host sync: the whole rollout (the engine returns numpy arrays).
     """
     out = generate(engine, prompts["input_ids"], sampling, prompts["attention_mask"], pad_token_id)
@@ -79,6 +80,7 @@ def generate_batch(
         put(out.responses),
         put(out.response_mask.astype(np.float32)),
         put(out.rollout_log_probs),
+        put(np.repeat(np.arange(len(prompts["input_ids"]), dtype=np.int32), n)),
     )
     repeat = lambda values: [v for v in values for _ in range(n)]
     host = HostColumns(

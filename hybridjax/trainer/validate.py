@@ -29,6 +29,7 @@ from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
 
@@ -327,7 +328,7 @@ def validate(
             value = _get(cfg, key)
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
-        problems += _structure_problems(cfg, n_devices)
+        problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)

@@ -7,7 +7,6 @@ import collections
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

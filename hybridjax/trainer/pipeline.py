@@ -99,7 +99,7 @@ class StepContext:
     Attributes:
       step: the RL step (1-based).
       trainer: the run (`RLTrainer`): `models`, `kl_coef` (stages replace them), `cfg` (the
-        ConfigDict), `stage_config`, `engine`, `reward`, `tokenizer`, `train_loader`.
+        ConfigDict), `stage_cfg`, `engine`, `reward`, `tokenizer`, `train_loader`.
       prompts: this step's batch of prompts from the data loader (what `gen` samples from).
       host: per-row host columns of the batch (data source, ground truth, lengths, ...).
       greedy: (batch, host) of one greedy response per prompt, when an estimator needs it.
@@ -135,7 +135,7 @@ class StepContext:
 
     @property
     def stage_config(self):
-        return self.trainer.stage_config
+        return self.trainer.stage_cfg
 
 
 class Pipeline:

@@ -156,7 +156,7 @@ class RLTrainer:
             ctx.timing,
             self.n_devices,
             self.actor_config,
-            self.stage_config.actor_update.ppo_epochs,
+            self.stage_cfg.actor_update.ppo_epochs,
             self.peak_flops,
         )
         metrics |= {

@@ -56,6 +56,7 @@ class RLTrainer:
     Raises:
       ConfigError: the config has problems (all listed in one message).
       PipelineError: `pipeline` has a stage reading a field no earlier stage writes.
+      ValueError: both `pipeline` and `trainer.stages` are given.
     """
 
     def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None):
@@ -65,6 +66,11 @@ class RLTrainer:
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
         if pipeline is not None:
+            if cfg.trainer.stages:
+                raise ValueError(
+                    "trainer.stages edits the default pipeline; with a pipeline given, add "
+                    f"those stages to it in Python instead ({list(cfg.trainer.stages)})"
+                )
             pipeline.check()
         self.pipeline = pipeline or step.configured_pipeline(cfg)
         self.meshes = make_meshes(MeshConfig.from_config(cfg))

@@ -23,7 +23,7 @@ import dataclasses
 import jax
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import needs_reward_baseline
+from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
 from hybridjax.metrics import compute_data_metrics
 from hybridjax.sharding import load_to_device, offload_to_host
 from hybridjax.trainer import stages
@@ -99,6 +99,8 @@ def config_problems(cfg: ConfigDict) -> list[str]:
         )
     if spec.enable and not spec.metric:
         problems.append("algorithm.filter_groups.metric: empty")
+    if cfg.algorithm.adv_estimator not in ADV_ESTIMATORS:  # reported with the registry names
+        return problems
     try:
         configured_pipeline(cfg)
     except PipelineError as err:

@@ -22,6 +22,7 @@ from hybridjax.trainer.pipeline import (
     StepContext,
     apply_entries,
 )
+from hybridjax.trainer.validate import ConfigError, validate
 
 
 def _batch(rows=4, uid=(0, 0, 1, 1)):
@@ -181,6 +182,8 @@ def test_config_problems_name_their_keys(tmp_path):
     assert "max_num_gen_batches: must be >= 0" in problems
     assert "metric: 'seq_final_reward'" in problems
     assert "'nowhere.py' is not a file or an importable module" in problems
+    with pytest.raises(ConfigError, match="'nowhere.py' is not a file"):  # the start-up check
+        validate(c, 1)
 
 
 def test_varied_groups_keeps_spread_and_singletons():

@@ -13,9 +13,9 @@ Every estimator is called as::
 * `values_BxT` (critic values, `gae` only) and `reward_baselines_B` (greedy-rollout scores,
   `remax` only) are None when the stage that fills them did not run; an estimator that needs one
   raises ValueError naming it (at trace time: no host sync).
-* `uid_B` int32 (B,), values in [0, B): the group of each row (verl's `index`, the prompt's
-  uid). Rows with equal uid form a group, of any size and in any row order; group statistics
-  are segment reductions with B segments (static shapes, however many rows a stage dropped).
+* `uid_B` int (B,): the group of each row (verl's `index`, the prompt's uid). Rows with equal
+  uid form a group, of any size and in any row order; group statistics are segmented sums
+  (`group_sums`: static shapes however many rows a stage dropped, bitwise reproducible).
   Estimators without groups ignore it.
 * `config`: the frozen `AlgorithmConfig` (`gamma`, `lam`, `norm_adv_by_std_in_grpo`, ...).
 
@@ -78,18 +78,40 @@ def _require(value: jax.Array | None, name: str, estimator: str) -> jax.Array:
     return value
 
 
+def group_sums(x_B: jax.Array, uid_B: jax.Array) -> jax.Array:
+    """Σ x over the row's group (rows sharing a uid), for every row: (B,), x's dtype.
+
+    A segmented sum with static shapes: the rows are sorted by uid (stable), summed by a
+    segmented `associative_scan` that restarts at each new uid, and each row takes its
+    segment's total. Unlike `jax.ops.segment_sum` (a scatter-add, which GPUs run with atomics in
+    no fixed order) the order of additions is fixed, so results are bitwise reproducible on
+    every backend, as the resumed-run guarantee needs. O(B log B) on B numbers.
+    """
+    (batch,) = x_B.shape
+    order_B = jnp.argsort(uid_B, stable=True)
+    uid_sorted_B = uid_B[order_B]
+    new_B = jnp.concatenate([jnp.ones(1, bool), uid_sorted_B[1:] != uid_sorted_B[:-1]])
+
+    def add(left, right):
+        (left_sum, left_new), (right_sum, right_new) = left, right
+        return jnp.where(right_new, right_sum, left_sum + right_sum), left_new | right_new
+
+    running_B, _ = jax.lax.associative_scan(add, (x_B[order_B], new_B))
+    last_B = jnp.concatenate([new_B[1:], jnp.ones(1, bool)])
+    end_B = jax.lax.cummin(jnp.where(last_B, jnp.arange(batch), batch), reverse=True)
+    return jnp.zeros_like(x_B).at[order_B].set(running_B[end_B], unique_indices=True)
+
+
 def group_mean_std(scores_B: jax.Array, uid_B: jax.Array) -> tuple[jax.Array, ...]:
     """Per-row statistics of the row's group: (mean_B, unbiased std_B, size_B), float32.
 
-    Groups are the rows sharing a uid (`uid_B` int32 in [0, B)); sums are
-    `jax.ops.segment_sum` with B segments, so shapes are static for any grouping. A singleton
-    group has std 0 (numpy's ddof=1 gives NaN; callers follow verl's singleton rules).
+    Groups are the rows sharing a uid (`uid_B` int32, any values); sums are `group_sums`, so
+    shapes are static for any grouping. A singleton group has std 0 (numpy's ddof=1 gives
+    NaN; callers follow verl's singleton rules).
     """
-    (batch,) = scores_B.shape
-    segments = lambda x: jax.ops.segment_sum(x, uid_B, num_segments=batch)
-    size_B = segments(jnp.ones_like(scores_B))[uid_B]
-    mean_B = segments(scores_B)[uid_B] / size_B
-    squares_B = segments(jnp.square(scores_B - mean_B))[uid_B]
+    size_B = group_sums(jnp.ones_like(scores_B), uid_B)
+    mean_B = group_sums(scores_B, uid_B) / size_B
+    squares_B = group_sums(jnp.square(scores_B - mean_B), uid_B)
     std_B = jnp.sqrt(squares_B / jnp.maximum(size_B - 1.0, 1.0))
     return mean_B, std_B, size_B
 

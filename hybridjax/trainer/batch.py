@@ -2,9 +2,9 @@
 
 Layout (verl's): `prompts` B×P left padded, `responses` B×R right padded, and the model input is
 `input_ids = concat(prompts, responses)` B×(P+R) with `attention_mask` and `position_ids` over
-it. Each row carries its prompt's `uid` (int32 in [0, B), verl's `uid`/`index`): the rows of
+it. Each row carries its prompt's `uid` (int32, verl's `uid`/`index`): the rows of
 one prompt form a group whatever their number and order, so a stage may drop or reorder rows
-and group statistics (segment sums over uids) stay right. Every per-token field over the
+and group statistics (segmented sums over uids) stay right. Every per-token field over the
 response is B×R float32 and 0 outside `response_mask`.
 
 A stage returns `batch.replace(field=...)`; a stage that reads a field no earlier stage filled
@@ -43,7 +43,7 @@ class RLBatch:
     response_mask: jax.Array  # B×R float32 0/1
     attention_mask: jax.Array  # B×(P+R) int32 0/1
     position_ids: jax.Array  # B×(P+R) int32
-    uid: jax.Array | None = None  # B int32 in [0, B): the row's prompt (its group)
+    uid: jax.Array | None = None  # B int32: the row's prompt (its group)
     rollout_log_probs: jax.Array | None = None
     rollout_is_weights: jax.Array | None = None  # B×R, π_old / π_rollout bounded
     reward_baselines: jax.Array | None = None  # B, score of a greedy response to the prompt
@@ -90,7 +90,7 @@ def make_batch(
     uid_B: jax.Array | None = None,
 ) -> RLBatch:
     """Assembles an RLBatch from left-padded prompts and right-padded responses (rows already
-    repeated n times per prompt; `uid_B` int32 names each row's prompt, in [0, B)). Position
+    repeated n times per prompt; `uid_B` int32 names each row's prompt). Position
     ids count valid tokens from 0 at the first one."""
     attention_mask = jnp.concatenate(
         [prompt_mask_BxP.astype(jnp.int32), response_mask_BxR.astype(jnp.int32)], axis=1

@@ -85,8 +85,10 @@ def _take(parts: list[tuple[RLBatch, HostColumns, np.ndarray]], groups: int, sha
 
     batch = jax.tree.map(join, *batches, is_leaf=lambda x: x is None)
     batch = batch.replace(uid=put_global(group.astype(np.int32), sharding))
-    columns = {}
+    columns = {}  # `mine` (rows this process scores) stays "all": scoring is done
     for field in dataclasses.fields(HostColumns):
+        if field.name == "mine":
+            continue
         values = [getattr(h, field.name) for _, h, _ in parts]
         if isinstance(values[0], np.ndarray):
             columns[field.name] = np.concatenate(values)[rows]

@@ -99,6 +99,11 @@ def config_problems(cfg: ConfigDict) -> list[str]:
         )
     if spec.enable and not spec.metric:
         problems.append("algorithm.filter_groups.metric: empty")
+    if spec.enable and cfg.trainer.log_train_generations:
+        problems.append(
+            "trainer.log_train_generations: not available with algorithm.filter_groups.enable "
+            "(the trained rows come from several generation batches); set it to 0"
+        )
     if cfg.algorithm.adv_estimator not in ADV_ESTIMATORS:  # reported with the registry names
         return problems
     try:
@@ -127,11 +132,15 @@ def _gen(batch, ctx: StepContext, greedy: bool = False):
     t = ctx.trainer
     sampling = t.sampling(ctx.step, gen_batch=ctx.gen_batches)
     ctx.gen_batches += 1
-    pad = t.tokenizer.pad_token_id
-    batch, ctx.host = generate_batch(t.engine, ctx.prompts, sampling, pad, t.batch_sharding)
+    pad, first = t.tokenizer.pad_token_id, t.train_loader.rows.start or 0  # this process's
+    generate = lambda params: generate_batch(
+        t.engine, ctx.prompts, params, pad, t.batch_sharding, first
+    )
+    batch, ctx.host = generate(sampling)
     if greedy:
-        argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-        ctx.greedy = generate_batch(t.engine, ctx.prompts, argmax, pad, t.batch_sharding)
+        ctx.greedy = generate(
+            dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
+        )
     return batch
 
 

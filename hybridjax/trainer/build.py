@@ -36,17 +36,15 @@ from hybridjax.sharding import (
     init_sharded,
     sharding_fn,
 )
-from hybridjax.trainer import stages
 from hybridjax.trainer.optim import OptimConfig, make_optimizer
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
-_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
-
 
 @functools.partial(jax.jit, static_argnums=1)
-def _init_lora_train_state(params: Any, optim: OptimConfig) -> TrainState:
-    """Optimizer state for the adapters only (`split_trainable`); the base stays in `params`."""
+def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """A fresh optimizer state, laid out as the params. With LoRA adapters in `params`, for the
+    adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
     trainable, _ = split_trainable(params)
     return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
 
@@ -279,14 +277,13 @@ def build_models(
     if cfg.critic.enable:
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = _init_train_state(critic_params, stage.critic_optim)
+        critic_state = init_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable:
         reward_model = nnx.split(build_reward_model(cfg, mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
-    init = _init_lora_train_state if lora else _init_train_state
     return Models(
         actor_graphdef=actor_graphdef,
-        actor_state=init(params, stage.actor_optim),
+        actor_state=init_train_state(params, stage.actor_optim),
         ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.models.config import ModelConfig
@@ -39,10 +38,7 @@ from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
-    TRAIN_AXES,
-    MeshConfig,
     init_sharded,
-    make_meshes,
 )
 from hybridjax.sharding.rules import sharding_fn
 from hybridjax.trainer import offline
@@ -94,6 +90,7 @@ def sft_config() -> ConfigDict:
         seed=0,
         save_freq=-1,  # -1: only at the end
         test_freq=-1,  # -1: validate only at the end (when val_files is set)
+        val_before_train=False,  # also validate the starting model (logged as step 0)
         logger=("console", "jsonl"),
         resume_mode="auto",  # auto | disable
         max_ckpt_to_keep=1,
@@ -103,8 +100,10 @@ def sft_config() -> ConfigDict:
     return c
 
 
-def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "") -> None:
-    """Raises ValueError naming every key of `cfg` that `sft_config()` does not have."""
+def check_keys(
+    cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "", name: str = "SFT"
+) -> None:
+    """Raises ValueError naming every key of `cfg` that `schema` (`sft_config()`) lacks."""
     schema = sft_config() if schema is None else schema
     unknown = []
     for key, value in cfg.items():
@@ -112,11 +111,11 @@ def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = 
             unknown.append(prefix + key)
         elif isinstance(value, ConfigDict) and key != "override_config":
             try:
-                check_keys(value, schema[key], f"{prefix}{key}.")
+                check_keys(value, schema[key], f"{prefix}{key}.", name)
             except ValueError as e:
-                unknown.extend(str(e).removeprefix("unknown SFT config keys: ").split(", "))
+                unknown.extend(str(e).removeprefix(f"unknown {name} config keys: ").split(", "))
     if unknown:
-        raise ValueError(f"unknown SFT config keys: {', '.join(unknown)}")
+        raise ValueError(f"unknown {name} config keys: {', '.join(unknown)}")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -138,9 +137,16 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
         for key in (prompt_key, response_key):
             if key not in record:
                 raise ValueError(f"{path}, row {i}: no column {key!r}; has {sorted(record)}")
-        if not isinstance(record[response_key], str):
-            raise ValueError(f"{path}, row {i}, column {response_key!r}: expected a string")
-        rows.append((record[prompt_key], record[response_key]))
+        response = record[response_key]
+        if isinstance(response, list):  # TRL's conversational form: the assistant's turn(s)
+            turns = [m for m in response if isinstance(m, dict) and m.get("role") == "assistant"]
+            response = "".join(str(m.get("content", "")) for m in turns) if turns else None
+        if not isinstance(response, str):
+            raise ValueError(
+                f"{path}, row {i}, column {response_key!r}: expected a string or a list of "
+                "messages with an assistant turn"
+            )
+        rows.append((record[prompt_key], response))
     return rows
 
 
@@ -254,20 +260,11 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     check_keys(cfg)
     t = cfg.trainer
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
-    sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
-    mesh = make_meshes(MeshConfig(train=sizes)).train
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    mesh, rows = offline.train_mesh(cfg)
     train = load_split(cfg.data.train_files, tokenizer, cfg.data)
     val = load_split(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
     bs = cfg.data.train_batch_size
-    if bs % mesh.shape["data"] or len(train["input_ids"]) < bs:
-        raise ValueError(
-            f"data.train_batch_size={bs} must divide over {mesh.shape['data']} data-parallel "
-            f"devices and be at most the {len(train['input_ids'])} training rows"
-        )
-    total = t.total_training_steps
-    if total <= 0:
-        total = t.total_epochs * (len(train["input_ids"]) // bs)
+    total = offline.total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
     optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
     graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
     step_fn = functools.partial(

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
@@ -37,6 +38,7 @@ from hybridjax.models.lora import (
     split_trainable,
 )
 from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.sharding import TRAIN_AXES, MeshConfig, make_meshes
 from hybridjax.trainer.build import checkpointed, restored
 from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.trainer.update import TrainState
@@ -83,7 +85,7 @@ def fit(
 
     Args:
       trainer: the `trainer.*` ConfigDict (`default_local_dir`, `max_ckpt_to_keep`, `logger`,
-        `progress_bar`, `save_freq`, `test_freq`, `resume_mode`).
+        `progress_bar`, `save_freq`, `test_freq`, `val_before_train`, `resume_mode`).
       step_fn: (state, device batch) -> (state, device metrics), e.g. a partial of `train_step`.
       batch_fn: step (0-based) -> that step's batch, placed on the devices.
       validate: params -> host metrics, or None.
@@ -99,6 +101,8 @@ def fit(
     tracker = Tracking(t.logger, logs, total_steps, start, t.progress_bar)
     metrics: dict[str, float] = {}
     try:
+        if validate is not None and t.val_before_train and start == 0:
+            tracker.log(validate(state.params), 0)
         for step in range(start, total_steps):
             tic = time.perf_counter()
             state, device_metrics = step_fn(state, batch_fn(step))
@@ -126,6 +130,31 @@ def export(model: nnx.Module, tokenizer: Tokenizer, directory: str, base_path: s
     tokenizer.save(directory)
     if isinstance(model, LoRAModel):
         save_peft_adapter(model, os.path.join(directory, "adapter"), base_path)
+
+
+def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:
+    """The training mesh of `mesh.train` and the sharding of a batch's rows over it."""
+    sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
+    mesh = make_meshes(MeshConfig(train=sizes)).train
+    return mesh, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def total_steps(cfg: ConfigDict, num_rows: int, data_parallel: int) -> int:
+    """`trainer.total_training_steps`, or `total_epochs` × full batches per epoch.
+
+    Raises:
+      ValueError: `data.train_batch_size` does not divide over the data-parallel devices or
+        exceeds the training rows.
+    """
+    bs, t = cfg.data.train_batch_size, cfg.trainer
+    if bs % data_parallel or num_rows < bs:
+        raise ValueError(
+            f"data.train_batch_size={bs} must divide over {data_parallel} data-parallel "
+            f"devices and be at most the {num_rows} training rows"
+        )
+    return (
+        t.total_training_steps if t.total_training_steps > 0 else t.total_epochs * (num_rows // bs)
+    )
 
 
 def place(rows: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:

@@ -1,0 +1,38 @@
+"""DPO on arithmetic preference pairs from the quick start's SFT warm start (CPU, minutes).
+
+    python -m hybridjax.data.arithmetic_pairs --input hybridjax/assets/quickstart/data \
+        --output data/arithmetic_pairs
+    python -m hybridjax.dpo --config=configs/dpo_arithmetic.py
+
+Pairs (`hybridjax.data.arithmetic_pairs`): chosen `#### n`, rejected `Answer: n` (the form the
+warm start prefers on subtractions and multiplications) or a wrong `#### m`. Sigmoid DPO loss
+(beta 0.1), reference = the warm start (log-probs computed once), AdamW lr 1e-5 constant,
+32 pairs per step, 60 steps; validation on the 256 held-out pairs every 20 steps. Add
+`--config.model.lora_rank=16` for LoRA (adapters only; then a higher lr, e.g. 2e-4).
+"""
+
+import os
+
+import hybridjax
+from hybridjax.dpo import dpo_config
+
+ASSETS = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "quickstart")
+
+
+def get_config():
+    c = dpo_config()
+    c.data.train_files = "data/arithmetic_pairs/train.parquet"
+    c.data.val_files = "data/arithmetic_pairs/test.parquet"
+    c.data.max_length = 40
+    c.data.train_batch_size = 32
+    c.model.path = os.path.join(ASSETS, "sft_model")
+    c.dpo.beta = 0.1
+    c.dpo.loss_type = "sigmoid"
+    c.optim.lr = 1e-5
+    c.optim.weight_decay = 0.0
+    c.trainer.experiment_name = "dpo_arithmetic"
+    c.trainer.default_local_dir = "checkpoints/hybridjax/dpo_arithmetic"
+    c.trainer.total_training_steps = 60
+    c.trainer.test_freq = 20
+    c.trainer.save_freq = -1
+    return c

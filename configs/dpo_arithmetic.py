@@ -6,9 +6,10 @@
 
 Pairs (`hybridjax.data.arithmetic_pairs`): chosen `#### n`, rejected `Answer: n` (the form the
 warm start prefers on subtractions and multiplications) or a wrong `#### m`. Sigmoid DPO loss
-(beta 0.1), reference = the warm start (log-probs computed once), AdamW lr 1e-5 constant,
-32 pairs per step, 60 steps; validation on the 256 held-out pairs every 20 steps. Add
-`--config.model.lora_rank=16` for LoRA (adapters only; then a higher lr, e.g. 2e-4).
+(beta 0.1), reference = the warm start (log-probs computed once), AdamW lr 1e-4 constant,
+32 pairs per step, 40 steps; validation on the 256 held-out pairs before training and every 20
+steps. Add `--config.model.lora_rank=16` for LoRA (adapters only; then a higher lr, e.g. 1e-3).
+`python -m experiments.examples.dpo_arithmetic` runs all of it and measures greedy accuracy.
 """
 
 import os
@@ -28,11 +29,12 @@ def get_config():
     c.model.path = os.path.join(ASSETS, "sft_model")
     c.dpo.beta = 0.1
     c.dpo.loss_type = "sigmoid"
-    c.optim.lr = 1e-5
+    c.optim.lr = 1e-4
     c.optim.weight_decay = 0.0
     c.trainer.experiment_name = "dpo_arithmetic"
     c.trainer.default_local_dir = "checkpoints/hybridjax/dpo_arithmetic"
-    c.trainer.total_training_steps = 60
+    c.trainer.total_training_steps = 40
     c.trainer.test_freq = 20
+    c.trainer.val_before_train = True
     c.trainer.save_freq = -1
     return c

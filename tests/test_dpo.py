@@ -6,6 +6,7 @@ import json
 import math
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,3 +141,62 @@ def test_arithmetic_example_raises_preference_and_greedy_accuracy(tmp_path):
     greedy = summary["greedy_accuracy"]
     assert greedy["after"] >= greedy["before"] + 0.15, summary
     json.dumps(summary)  # what the script writes
+
+
+def _write_preferences(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = i % 10, (3 * i) % 10
+            prompt = [{"role": "user", "content": f"He has {a} cups and gets {b} more."}]
+            chosen = [{"role": "assistant", "content": f"#### {a + b}"}]  # TRL's message form
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": f"#### {a}"}))
+            f.write("\n")
+
+
+def _dpo_config(tmp_path, steps, **changes):
+    from configs.sft_arithmetic import TOKENIZER
+    from hybridjax.dpo import dpo_config
+    from tests.quickstart.test_sft import TINY
+
+    c = dpo_config()
+    c.data.train_files = c.data.val_files = str(tmp_path / "pairs.jsonl")
+    c.data.tokenizer = TOKENIZER
+    c.data.max_length = 32
+    c.data.train_batch_size = 8
+    c.model.override_config = TINY
+    c.model.lora_rank = 4
+    c.dpo.beta = 1.0
+    c.optim.lr = 1e-2
+    c.trainer.total_training_steps = steps
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.trainer.logger = ("jsonl",)
+    c.update_from_flattened_dict(changes)
+    return c
+
+
+@pytest.mark.slow
+def test_lora_dpo_learns_resumes_exactly_and_exports(tmp_path):
+    from flax import nnx
+
+    from hybridjax.dpo import run_dpo
+    from hybridjax.models.hf_io import load_pretrained
+
+    _write_preferences(tmp_path / "pairs.jsonl", 32)
+    straight = run_dpo(_dpo_config(tmp_path, 8, **{"trainer.val_before_train": True}))
+    records = [json.loads(line) for line in open(tmp_path / "run" / "logs" / "metrics.jsonl")]
+    assert records[0]["step"] == 0 and records[0]["eval_loss"] == pytest.approx(math.log(2))
+    assert straight["eval_loss"] < records[0]["eval_loss"] - 0.02
+    assert straight["eval_rewards/accuracies"] > 0.5
+    assert {"loss", "learning_rate", "grad_norm", "rewards/margins"} <= set(records[1])
+    assert (tmp_path / "run" / "hf" / "adapter" / "adapter_model.safetensors").is_file()
+    a = load_pretrained(tmp_path / "run" / "hf")
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    _write_preferences(cut / "pairs.jsonl", 32)
+    run_dpo(_dpo_config(cut, 4, **{"trainer.save_freq": 2}))
+    resumed = run_dpo(_dpo_config(cut, 8, **{"trainer.save_freq": 2}))  # resumes at step 4
+    assert resumed["eval_loss"] == straight["eval_loss"]
+    b = load_pretrained(cut / "run" / "hf")
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

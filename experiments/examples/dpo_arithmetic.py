@@ -1,6 +1,6 @@
 """The DPO example, measured end to end on the CPU:
 
-    python -m experiments.examples.dpo_arithmetic [--steps 60] [--lr 1e-4] [--lora_rank 0]
+    python -m experiments.examples.dpo_arithmetic [--steps 40] [--lr 1e-4] [--lora_rank 0]
 
 writes the preference pairs (`hybridjax.data.arithmetic_pairs`), measures the greedy accuracy
 of the shipped warm start on the 256 held-out problems (the quick start's validation: strict
@@ -83,7 +83,7 @@ def run(steps: int, lr: float, lora_rank: int, out: pathlib.Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora_rank", type=int, default=0)
     parser.add_argument("--results", default="results")

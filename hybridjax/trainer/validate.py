@@ -28,6 +28,7 @@ from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
+from hybridjax.models.lora import LoRAConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
@@ -302,6 +303,15 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     return []
 
 
+def _lora_problems(c: ConfigDict) -> list[str]:
+    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    try:
+        LoRAConfig.from_config(c.actor_rollout_ref.model)
+    except ValueError as err:
+        return str(err).split("; ")
+    return []
+
+
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
     """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
     try:
@@ -329,6 +339,7 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _lora_problems(cfg)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
     if problems:

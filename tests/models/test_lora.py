@@ -130,3 +130,14 @@ def test_peft_loads_exported_adapter_with_same_logits(tmp_path):
     valid = np.asarray(mask, bool)
     np.testing.assert_allclose(theirs[valid], ours[valid], atol=1e-5)
     np.testing.assert_allclose(merged[valid], ours[valid], atol=1e-5)
+
+
+def test_trainer_config_check_names_lora_keys(tmp_path):
+    from hybridjax.trainer.validate import ConfigError, validate
+    from tests.trainer.test_trainer_config import ACTOR, _load
+
+    config = _load("tiny", tmp_path)
+    config.actor_rollout_ref.model.lora_rank = 8
+    config.actor_rollout_ref.model.target_modules = "q_proj,qkv"
+    with pytest.raises(ConfigError, match=r"target_modules: unknown \['qkv'\]"):
+        validate(config, 8, ACTOR)

@@ -8,7 +8,9 @@ Pairs (`hybridjax.data.arithmetic_pairs`): chosen `#### n`, rejected `Answer: n`
 warm start prefers on subtractions and multiplications) or a wrong `#### m`. Sigmoid DPO loss
 (beta 0.1), reference = the warm start (log-probs computed once), AdamW lr 1e-4 constant,
 32 pairs per step, 40 steps; validation on the 256 held-out pairs before training and every 20
-steps. Add `--config.model.lora_rank=16` for LoRA (adapters only; then a higher lr, e.g. 1e-3).
+steps. Add `--config.model.lora_rank=16 --config.optim.lr=3e-4` for LoRA (adapters only;
+measured: greedy accuracy 32.0% → 96.1%; at lr 1e-3 DPO over-optimises and greedy decoding
+breaks).
 `python -m experiments.examples.dpo_arithmetic` runs all of it and measures greedy accuracy.
 """
 

@@ -79,8 +79,7 @@ def dpo_config() -> ConfigDict:
     c.optim.lr = 1e-6
     c.optim.lr_warmup_steps_ratio = 0.0
     c.optim.warmup_style = "constant"
-    c.trainer.experiment_name = "dpo"
-    c.trainer.default_local_dir = "checkpoints/hybridjax/dpo"
+    c.trainer.experiment_name = "dpo"  # default_local_dir: checkpoints/hybridjax/dpo
     return c
 
 
@@ -296,7 +295,7 @@ def run_dpo(cfg: ConfigDict) -> dict[str, Any]:
         offline.train_step, graphdef, optim, DPOObjective(config), TRL_METRIC_NAMES
     )
     state = init_train_state(params, optim)
-    state, metrics = offline.fit(t, graphdef, state, total, step_fn, batch_fn, validate)
+    state, metrics = offline.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path)
     print(f"DPO model written to {out}", flush=True)
@@ -305,10 +304,10 @@ def run_dpo(cfg: ConfigDict) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     del argv
-    from absl import logging as absl_logging
+    from hybridjax.metrics.console import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
+    configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
     try:
         run_dpo(_CONFIG.value)
     except ValueError as err:

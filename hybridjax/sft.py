@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 from flax import nnx
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
@@ -80,10 +80,12 @@ def sft_config() -> ConfigDict:
         total_training_steps=-1,
         grad_clip=1.0,
     )
+    project_name, experiment_name = FieldReference("hybridjax"), FieldReference("sft")
     c.trainer = dict(
-        project_name="hybridjax",
-        experiment_name="sft",
-        default_local_dir="checkpoints/hybridjax/sft",
+        project_name=project_name,  # wandb project; TensorBoard run name (as the RL trainer)
+        experiment_name=experiment_name,
+        # checkpoints/<project_name>/<experiment_name> unless set (verl's default)
+        default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         output_dir="",  # HF checkpoint written at the end; "" = <default_local_dir>/hf
         total_epochs=1,
         total_training_steps=-1,  # -1: total_epochs × batches per epoch
@@ -278,7 +280,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     if val is not None:
         validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows)}  # noqa: E731
     state = init_train_state(params, optim)
-    state, metrics = offline.fit(t, graphdef, state, total, step_fn, batch_fn, validate)
+    state, metrics = offline.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path)
     print(f"SFT model written to {out}", flush=True)
@@ -302,10 +304,10 @@ def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows)
 
 def main(argv: list[str]) -> None:
     del argv
-    from absl import logging as absl_logging
+    from hybridjax.metrics.console import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
+    configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
     try:
         run_sft(_CONFIG.value)
     except ValueError as err:

@@ -1,11 +1,13 @@
-"""Rewards: rule-based reward functions keyed by `data_source`, the reward manager, and
-reward-model scoring (`hybridjax.rewards.reward_model`)."""
+"""Rewards: rule-based reward functions keyed by `data_source`, verl's reward managers over
+isolated workers (`manager`, `scoring`), reward servers and their client (`serve`, `remote`),
+and reward-model scoring (`hybridjax.rewards.reward_model`)."""
 
 from hybridjax.rewards.manager import (
     RewardConfig,
     RewardFunctionError,
     RewardManager,
     RewardResult,
+    concat_results,
     decode_responses,
     place_scores,
 )
@@ -21,6 +23,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardManager",
     "RewardResult",
+    "concat_results",
     "decode_responses",
     "default_compute_score",
     "load_custom_reward_function",

@@ -72,7 +72,7 @@ train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=4)
 
 
 def fit(
-    trainer: ConfigDict,
+    cfg: ConfigDict,
     graphdef: nnx.GraphDef,
     state: TrainState,
     total_steps: int,
@@ -84,13 +84,14 @@ def fit(
     `auto`) to `total_steps`; returns (final state, last step's metrics).
 
     Args:
-      trainer: the `trainer.*` ConfigDict (`default_local_dir`, `max_ckpt_to_keep`, `logger`,
-        `progress_bar`, `save_freq`, `test_freq`, `val_before_train`, `resume_mode`).
+      cfg: the run's config; `trainer.*` is read (`default_local_dir`, `max_ckpt_to_keep`,
+        `logger`, `progress_bar`, `project_name`, `experiment_name`, `save_freq`, `test_freq`,
+        `val_before_train`, `resume_mode`), and the whole config goes to the loggers.
       step_fn: (state, device batch) -> (state, device metrics), e.g. a partial of `train_step`.
       batch_fn: step (0-based) -> that step's batch, placed on the devices.
       validate: params -> host metrics, or None.
     """
-    t = trainer
+    t = cfg.trainer
     checkpointer = Checkpointer(t.default_local_dir, t.max_ckpt_to_keep)
     start = 0
     if t.resume_mode == "auto" and (saved := checkpointer.restore(checkpointed(state))):
@@ -98,7 +99,10 @@ def fit(
         state = restored(state, tree)
         log.info("resumed from step %d", start)
     logs = os.path.join(t.default_local_dir, "logs")
-    tracker = Tracking(t.logger, logs, total_steps, start, t.progress_bar)
+    run_name = (t.project_name, t.experiment_name)
+    tracker = Tracking(
+        t.logger, logs, total_steps, start, t.progress_bar, run_name=run_name, config=cfg.to_dict()
+    )
     metrics: dict[str, float] = {}
     try:
         if validate is not None and t.val_before_train and start == 0:

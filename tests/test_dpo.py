@@ -131,16 +131,27 @@ def test_matches_trl_dpo_trainer(loss_type, beta):
 
 @pytest.mark.slow
 def test_arithmetic_example_raises_preference_and_greedy_accuracy(tmp_path):
-    from experiments.examples.dpo_arithmetic import run
+    """The README's example command (shortened to 32 steps), one CPU device as a user runs it."""
+    import os
+    import subprocess
+    import sys
 
-    summary = run(steps=24, lr=1e-4, lora_rank=0, out=tmp_path)
-    before, after = summary["held_out"][0], summary["held_out"][24]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)  # `experiments` is not installed
+    env.pop("XLA_FLAGS", None)
+    args = ["-m", "experiments.examples.dpo_arithmetic", "--steps", "32", "--results", "r"]
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = (tmp_path / "r").glob("*/dpo_arithmetic.json")
+    summary = json.loads(path.read_text())
+    before, after = summary["held_out"]["0"], summary["held_out"]["32"]
     assert after["eval_logps/accuracies"] >= before["eval_logps/accuracies"] + 0.2, summary
     assert after["eval_rewards/accuracies"] >= 0.8, summary
     assert after["eval_loss"] < 0.6, summary
     greedy = summary["greedy_accuracy"]
     assert greedy["after"] >= greedy["before"] + 0.15, summary
-    json.dumps(summary)  # what the script writes
 
 
 def _write_preferences(path, n):

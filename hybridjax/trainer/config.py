@@ -52,6 +52,11 @@ def base_config() -> ConfigDict:
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
             dtype="float32",  # compute dtype of training matmuls
+            # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is
+            # "all-linear" (every attention and MLP projection) or names, e.g. "q_proj,v_proj"
+            lora_rank=0,
+            lora_alpha=16.0,
+            target_modules="all-linear",
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses

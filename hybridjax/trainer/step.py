@@ -182,8 +182,8 @@ def _old_log_prob_stage(batch, ctx: StepContext):
 
 
 def _ref_stage(batch, ctx: StepContext):
-    m = ctx.models
-    return _ref_log_prob(m.actor_graphdef, m.ref_params, batch, ctx.stage_config)
+    m = ctx.models  # the frozen copy, or with LoRA the actor with its adapters off
+    return _ref_log_prob(m.actor_graphdef, m.reference(), batch, ctx.stage_config)
 
 
 def _values_stage(batch, ctx: StepContext):

@@ -202,7 +202,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ checkpoints
 
     def _state_tree(self) -> dict[str, Any]:
-        tree = {"actor": self.actor_state, "kl_coef": self.kl_coef}
+        tree = {"actor": build.checkpointed(self.actor_state), "kl_coef": self.kl_coef}
         if self.critic_state is not None:
             tree["critic"] = self.critic_state
         return tree
@@ -233,7 +233,9 @@ class RLTrainer:
             return 0
         step, tree, meta = restored
         self.models = dataclasses.replace(
-            self.models, actor_state=tree["actor"], critic_state=tree.get("critic")
+            self.models,
+            actor_state=build.restored(self.actor_state, tree["actor"]),
+            critic_state=tree.get("critic"),
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])

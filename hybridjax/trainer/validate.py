@@ -28,6 +28,7 @@ from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import ModelConfig
+from hybridjax.models.lora import LoRAConfig
 from hybridjax.rewards.manager import (
     COMBINE,
     ON_ERROR_POLICIES,
@@ -327,6 +328,15 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     return []
 
 
+def _lora_problems(c: ConfigDict) -> list[str]:
+    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    try:
+        LoRAConfig.from_config(c.actor_rollout_ref.model)
+    except ValueError as err:
+        return str(err).split("; ")
+    return []
+
+
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
     """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
     try:
@@ -354,6 +364,7 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)

@@ -66,9 +66,9 @@ def _frozen_train_step(t: RLTrainer, n: int) -> dict:
                 g, p = models.actor_graphdef, models.actor_state.params
                 batch, m = step._old_log_prob(g, p, batch, sc)
                 device |= jax.block_until_ready(m)
-        if models.ref_params is not None:
+        if models.reference() is not None:
             with timed(timing, "ref"):
-                batch = step._ref_log_prob(models.actor_graphdef, models.ref_params, batch, sc)
+                batch = step._ref_log_prob(models.actor_graphdef, models.reference(), batch, sc)
                 jax.block_until_ready(batch.ref_log_prob)
         if models.critic_state is not None:
             with timed(timing, "values"):

@@ -284,9 +284,7 @@ class CausalLM(nnx.Module):
         `segments`: a packed buffer's (segment ids, prefix ids), see `Transformer`."""
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
-        hidden, _ = self.model(
-            input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments
-        )
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments)
         return self.logits(hidden)
 
     def decode(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache):
@@ -321,9 +319,7 @@ class SequenceClassifier(nnx.Module):
     ) -> jax.Array:
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
-        hidden, _ = self.model(
-            input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments
-        )
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments)
         w = self.score[...].astype(hidden.dtype)
         scores = jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
         if self.config.score_bias:

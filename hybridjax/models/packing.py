@@ -49,14 +49,30 @@ import jax.numpy as jnp
 class PackingConfig:
     """How one role's pass is packed (static).
 
-    capacity: tokens per device per buffer (the token budget of a micro-batch), ≥ P + R.
+    row_length: tokens of one buffer row (≥ P + R); attention is dense within a row, so its
+      cost per token grows with it, and a group shares one prompt only within a row.
+    rows: buffer rows per device per step: the token budget of a micro-batch is
+      rows × row_length per device.
     pieces: data-parallel size D (data × fsdp); B must be a multiple of it.
     share_prompts: rows of one group share one prompt copy (`use_prefix_sharing`).
     """
 
-    capacity: int
+    row_length: int
+    rows: int = 1
     pieces: int = 1
     share_prompts: bool = True
+
+    @classmethod
+    def for_budget(
+        cls, token_budget: int, prompt_len: int, response_len: int, group_size: int, **kw
+    ) -> PackingConfig:
+        """Rows of P + n·R tokens (a full group fits one row; no longer than the budget, never
+        shorter than P + R), as many per step as `token_budget` (per device) holds, ≥ 1."""
+        seq = prompt_len + response_len
+        share = kw.get("share_prompts", True)
+        want = prompt_len + group_size * response_len if share else seq
+        row = max(min(want, token_budget), seq)
+        return cls(row_length=row, rows=max(token_budget // row, 1), **kw)
 
 
 @jax.tree_util.register_dataclass
@@ -70,13 +86,10 @@ class PackPlan:
     writes_prompt: jax.Array  # bool: the row writes that prompt copy
     prompt_len: jax.Array
     response_len: jax.Array
-    num_buffers: jax.Array  # int32 scalar: buffers of the fullest piece
-    capacity: int = dataclasses.field(metadata=dict(static=True))
+    num_buffers: jax.Array  # int32 scalar: buffer rows of the fullest piece
+    capacity: int = dataclasses.field(metadata=dict(static=True))  # row length
     prompt_columns: int = dataclasses.field(metadata=dict(static=True))  # P
-
-    @property
-    def rows(self) -> int:
-        return self.buffer.size
+    rows: int = dataclasses.field(metadata=dict(static=True))  # buffer rows per step
 
 
 def _pieces(x: jax.Array, d: int) -> jax.Array:
@@ -128,8 +141,8 @@ def plan(
       ValueError: L > capacity, or B not a multiple of `config.pieces`.
     """
     b, length = input_ids_BxL.shape
-    if length > config.capacity:
-        raise ValueError(f"a row of {length} tokens does not fit a buffer of {config.capacity}")
+    if length > config.row_length:
+        raise ValueError(f"a row of {length} tokens does not fit a buffer of {config.row_length}")
     if b % config.pieces:
         raise ValueError(f"{b} rows do not split into {config.pieces} data-parallel pieces")
     p_cols = length - response_length
@@ -141,7 +154,7 @@ def plan(
     prompts = jnp.where(mask[:, :p_cols] > 0, input_ids_BxL[:, :p_cols], -1)
     args = [_pieces(x, d) for x in (p, r, key, prompts)]
     buf, prompt_start, response_start, writes = jax.vmap(
-        lambda *a: _plan_piece(*a, config.capacity)
+        lambda *a: _plan_piece(*a, config.row_length)
     )(*args)
     return PackPlan(
         buffer=buf,
@@ -151,8 +164,9 @@ def plan(
         prompt_len=args[0],
         response_len=args[1],
         num_buffers=jnp.max(buf) + 1,
-        capacity=config.capacity,
+        capacity=config.row_length,
         prompt_columns=p_cols,
+        rows=config.rows,
     )
 
 
@@ -184,13 +198,20 @@ def _buffer_piece(pl: PackPlan, ids_mxL, k):
     }
 
 
+def _step_rows(pl: PackPlan, k: jax.Array) -> jax.Array:
+    return k * pl.rows + jnp.arange(pl.rows)
+
+
 def buffer(pl: PackPlan, input_ids_BxL: jax.Array, k: jax.Array) -> dict[str, jax.Array]:
-    """Buffer `k` of the plan: `input_ids`, `positions` (int32), `valid` (bool),
-    `segment_ids`, `prefix_ids` (int32), each D×capacity. Empty slots are invalid."""
+    """Step `k` of the plan (buffer rows k·rows … k·rows + rows − 1 of every piece):
+    `input_ids`, `positions` (int32), `valid` (bool), `segment_ids`, `prefix_ids` (int32),
+    each (D·rows)×row_length, piece-major. Empty slots are invalid."""
     d = pl.buffer.shape[0]
-    return jax.vmap(_buffer_piece, in_axes=(0, 0, None))(
-        _vmap_plan(pl), _pieces(input_ids_BxL, d), k
+    per_row = jax.vmap(_buffer_piece, in_axes=(None, None, 0))  # over the step's rows
+    out = jax.vmap(per_row, in_axes=(0, 0, None))(
+        _vmap_plan(pl), _pieces(input_ids_BxL, d), _step_rows(pl, k)
     )
+    return jax.tree.map(lambda x: x.reshape(d * pl.rows, pl.capacity), out)
 
 
 def _vmap_plan(pl: PackPlan) -> PackPlan:
@@ -200,54 +221,71 @@ def _vmap_plan(pl: PackPlan) -> PackPlan:
 
 
 def source_index(pl: PackPlan, k: jax.Array) -> jax.Array:
-    """D×capacity int32: for each slot q, the slot whose hidden state predicts the token at q
-    (q − 1, or the prompt's last token for a first response token)."""
+    """(D·rows)×row_length int32: for each slot q of step `k`, the slot of the same buffer row
+    whose hidden state predicts the token at q (q − 1, or the prompt's last token for a first
+    response token)."""
 
-    def one(p: PackPlan):
+    def one(p: PackPlan, row):
         c = p.capacity
         src = jnp.maximum(jnp.arange(c) - 1, 0)
-        first = (p.buffer == k) & (p.response_len > 0)
+        first = (p.buffer == row) & (p.response_len > 0)
         return src.at[jnp.where(first, p.response_start, c)].set(
             p.prompt_start + p.prompt_len - 1, mode="drop"
         )
 
-    return jax.vmap(one)(_vmap_plan(pl))
+    per_row = jax.vmap(one, in_axes=(None, 0))
+    out = jax.vmap(per_row, in_axes=(0, None))(_vmap_plan(pl), _step_rows(pl, k))
+    return out.reshape(-1, pl.capacity)
 
 
-def gather_response(pl: PackPlan, y_DxC: jax.Array, k: jax.Array, response_length: int):
-    """B×R: `y` at the slot of each response token of the rows in buffer `k`, 0 elsewhere
-    (other buffers, padding). Trailing axes of `y` are kept."""
+def _slot(pl: PackPlan, k: jax.Array, offset: jax.Array) -> jax.Array:
+    """Index into a piece's flattened rows × row_length slots of step k (clipped)."""
+    j = jnp.clip(pl.buffer - k * pl.rows, 0, pl.rows - 1)
+    return j[..., None] * pl.capacity + jnp.minimum(offset, pl.capacity - 1)
 
-    def one(p: PackPlan, y):
-        t = jnp.arange(response_length)[None, :]
-        ok = (p.buffer == k)[:, None] & (t < p.response_len[:, None])
-        slot = jnp.minimum(p.response_start[:, None] + t, p.capacity - 1)
-        values = jnp.take(y, slot, axis=0)
-        ok = ok.reshape(ok.shape + (1,) * (values.ndim - 2))
-        return jnp.where(ok, values, 0)
 
-    out = jax.vmap(one)(_vmap_plan(pl), y_DxC)
+def gather_response(pl: PackPlan, y: jax.Array, k: jax.Array, response_length: int):
+    """B×R: `y` ((D·rows)×row_length×…, one step's outputs) at the slot of each response
+    token of the rows packed in step `k`, 0 elsewhere (other steps, padding). Trailing axes
+    of `y` are kept."""
+    d = pl.buffer.shape[0]
+    y = y.reshape(d, pl.rows * pl.capacity, *y.shape[2:])
+    t = jnp.arange(response_length)
+    ok = in_buffer(pl, k).reshape(d, -1)[..., None] & (t < pl.response_len[..., None])
+    slot = _slot(pl, k, pl.response_start[..., None] + t)  # D×m×R
+    values = jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(y, slot)
+    ok = ok.reshape(ok.shape + (1,) * (values.ndim - 3))
+    out = jnp.where(ok, values, 0)
     return out.reshape(-1, *out.shape[2:])
 
 
-def last_token_index(pl: PackPlan) -> jax.Array:
-    """D×m int32: slot of each row's last token (last response token, else the prompt's)."""
+def gather_last_token(pl: PackPlan, y: jax.Array, k: jax.Array) -> jax.Array:
+    """B(…): `y` of step `k` at each row's last token (last response token, else the prompt's
+    last), 0 for rows of other steps."""
+    d = pl.buffer.shape[0]
+    y = y.reshape(d, pl.rows * pl.capacity, *y.shape[2:])
     r = pl.response_len
-    return jnp.where(r > 0, pl.response_start + r - 1, pl.prompt_start + pl.prompt_len - 1)
+    last = jnp.where(r > 0, pl.response_start + r - 1, pl.prompt_start + pl.prompt_len - 1)
+    values = jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(y, _slot(pl, k, last[..., None]))
+    values = values[:, :, 0]
+    ok = in_buffer(pl, k).reshape(d, -1)
+    out = jnp.where(ok.reshape(ok.shape + (1,) * (values.ndim - 2)), values, 0)
+    return out.reshape(-1, *out.shape[2:])
 
 
 def in_buffer(pl: PackPlan, k: jax.Array) -> jax.Array:
-    """B bool: the rows packed into buffer `k`."""
-    return (pl.buffer == k).reshape(-1)
+    """B bool: the rows packed into step `k`."""
+    return ((pl.buffer >= k * pl.rows) & (pl.buffer < (k + 1) * pl.rows)).reshape(-1)
 
 
 def over_buffers(pl: PackPlan, body: Callable[[jax.Array, Any], Any], init: Any) -> Any:
-    """`carry = body(k, carry)` for k = 0 … num_buffers − 1 (a `lax.while_loop`: the count
-    is data dependent, each iteration one buffer's work). Returns the final carry."""
+    """`carry = body(k, carry)` for the steps k = 0 … ⌈num_buffers / rows⌉ − 1 (a
+    `lax.while_loop`: the count is data dependent, each iteration one micro-batch's work).
+    Returns the final carry."""
 
     def step(state):
         k, carry = state
         return k + 1, body(k, carry)
 
     k0 = jnp.zeros((), jnp.int32)
-    return jax.lax.while_loop(lambda s: s[0] < pl.num_buffers, step, (k0, init))[1]
+    return jax.lax.while_loop(lambda s: s[0] * pl.rows < pl.num_buffers, step, (k0, init))[1]

@@ -31,6 +31,7 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
+from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 WARMUP_STYLES = ("constant", "cosine")
@@ -328,6 +329,7 @@ def validate(
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
+        problems += packing_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)

@@ -103,8 +103,19 @@ def test_plan_lays_a_group_end_to_end():
     assert int(unshared.num_buffers) == 2  # 5 + 3 + 4 tokens: two rows of 10
 
 
-@pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("row_length, rows", [(P + R, 1), (24, 2), (P + N * R, 3)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "share, row_length, rows",
+    [
+        (True, 24, 2),
+        (False, P + R, 1),
+        pytest.param(True, P + R, 1, marks=SLOW),
+        pytest.param(True, P + N * R, 3, marks=SLOW),
+        pytest.param(False, 24, 2, marks=SLOW),
+    ],
+)
 def test_packed_forward_passes_equal_padded(models, share, row_length, rows):
     (graphdef, params), (critic_graphdef, critic_params) = models
     batch, groups = ragged_batch()
@@ -192,7 +203,9 @@ def plain_step(models):
     return _step(models, _stage_config(**PLAIN))
 
 
-@pytest.mark.parametrize("variant", sorted(PACKED))
+@pytest.mark.parametrize(
+    "variant", ["shared", pytest.param("unshared", marks=SLOW), pytest.param("dynamic", marks=SLOW)]
+)
 def test_packed_stages_and_updates_equal_padded(models, plain_step, variant):
     cfg = _stage_config(**PACKED[variant])
     assert cfg.actor_update.packing is not None and cfg.values_packing is not None
@@ -280,3 +293,64 @@ def test_cudnn_attention_equals_the_jnp_path():
     assert attention_backend(jnp.bfloat16) == "cudnn"
     out = fused_attention(bf(q), bf(k), bf(v), attention_bias(mask), "cudnn")
     np.testing.assert_allclose(out.astype(jnp.float32)[valid], ref[valid], atol=3e-2)
+
+
+class _LastTokenReward:
+    """The reward stage's interface: a fixed score per row on its last valid response token."""
+
+    def __init__(self, batch):
+        mask = np.asarray(batch.response_mask)
+        self.scores = np.zeros(mask.shape, np.float32)
+        rows = np.flatnonzero(mask.sum(-1))
+        self.scores[rows, mask.sum(-1)[rows].astype(int) - 1] = np.linspace(0, 1, len(rows))
+
+    def submit(self, batch, host):
+        return self.scores
+
+    def collect(self, pending):
+        return jnp.asarray(pending), None
+
+
+def _two_rl_steps(models, changes):
+    """Steps 1 and 2 of `trainer.step` (prepare + update) on ragged batches of 4 groups of 4."""
+    from hybridjax.trainer import step
+
+    cfg = _stage_config(**changes)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # `step.update` donates the states
+    (graphdef, params), (critic_graphdef, critic_params) = copy(models)
+    actor = stages.init_train_state(copy(params), cfg.actor_optim)
+    use_critic = changes.get("critic.enable", True)
+    critic = stages.init_train_state(critic_params, cfg.critic_optim) if use_critic else None
+    state = build.Models(graphdef, actor, params, critic_graphdef if use_critic else None,
+                         critic, None)  # fmt: skip
+    metrics = []
+    for n in (1, 2):
+        batch, _ = ragged_batch(seed=n, group_sizes=(4, 4, 4, 4))
+        batch, _, device, _ = step.prepare(
+            state, batch, None, None, _LastTokenReward(batch), jnp.float32(0.01), cfg, {}
+        )
+        state, m = step.update(state, batch, jax.random.key(n), cfg, True, {})
+        metrics.append({k: float(v) for k, v in (device | m).items()})
+    return state, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"algorithm.adv_estimator": "grpo", "critic.enable": False}, {}],
+    ids=["grpo", "ppo"],
+)
+def test_two_rl_steps_packed_equal_padded(models, algorithm):
+    """Two full PPO (critic, GAE) and GRPO steps: same parameters and metrics (1e-5)."""
+    plain_state, plain = _two_rl_steps(models, PLAIN | algorithm)
+    packed_state, packed = _two_rl_steps(models, algorithm)
+    states = [(plain_state.actor_state, packed_state.actor_state)]
+    if plain_state.critic_state is not None:
+        states.append((plain_state.critic_state, packed_state.critic_state))
+    for a, b in states:
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+            np.testing.assert_allclose(y, x, **TOL)
+    for m_plain, m_packed in zip(plain, packed, strict=True):
+        assert m_plain.keys() == m_packed.keys()
+        for key, value in m_plain.items():
+            np.testing.assert_allclose(m_packed[key], value, **TOL, err_msg=key)

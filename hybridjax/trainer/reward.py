@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from hybridjax.models.packing import PackingConfig
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards import RewardManager, RewardResult
 from hybridjax.rewards.reward_model import score_responses
@@ -45,6 +46,7 @@ class RewardStage:
       micro_batch_size_per_device: `reward_model.micro_batch_size_per_gpu`.
       sharding: where per-row arrays go (the training mesh's batch axes).
       data_parallel: batch shards of the training mesh (data × fsdp).
+      packing: the reward model's packed forward (`trainer.packing`), or None (padded).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class RewardStage:
         micro_batch_size_per_device: int,
         sharding: NamedSharding,
         data_parallel: int,
+        packing: PackingConfig | None = None,
     ):
         self.manager = manager
         self.tokenizer = tokenizer
@@ -62,6 +65,7 @@ class RewardStage:
         self.micro_per_device = micro_batch_size_per_device
         self.sharding = sharding
         self.data_parallel = data_parallel
+        self.packing = packing
 
     def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
         """Starts scoring `batch` (returns at once; no host sync)."""
@@ -79,6 +83,7 @@ class RewardStage:
                 micro_batch_size=forward_micro_batch(
                     self.micro_per_device, batch.batch_size, self.data_parallel
                 ),
+                packing=self.packing,
             )
         return PendingScores(rule, model)
 

@@ -43,6 +43,7 @@ from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
+from hybridjax.trainer.packing import packing_configs
 from hybridjax.trainer.reward import RewardStage
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
@@ -103,6 +104,7 @@ class RLTrainer:
             cfg.reward_model.micro_batch_size_per_gpu,
             self.batch_sharding,
             dp,
+            packing=packing_configs(cfg, dp)["reward_model"],
         )
         self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)

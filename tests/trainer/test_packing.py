@@ -354,3 +354,19 @@ def test_two_rl_steps_packed_equal_padded(models, algorithm):
         assert m_plain.keys() == m_packed.keys()
         for key, value in m_plain.items():
             np.testing.assert_allclose(m_packed[key], value, **TOL, err_msg=key)
+
+
+def test_packed_reward_model_scores_equal_padded(models):
+    """The reward model's last-token scores, packed with shared prompts (one buffer row per
+    step, so groups also straddle steps), equal the padded forward's."""
+    from hybridjax.rewards.reward_model import score_responses
+
+    _, (graphdef, params) = models
+    batch, _ = ragged_batch()
+    args = (batch.prompts, batch.attention_mask[:, :P], batch.responses, batch.response_mask)
+    token_level, scores = score_responses(graphdef, params, *args)
+    config = packing.PackingConfig(P + 2 * R, 1, pieces=2)
+    p_token_level, p_scores = score_responses(graphdef, params, *args, packing=config)
+    np.testing.assert_allclose(p_scores, scores, **TOL)
+    np.testing.assert_allclose(p_token_level, token_level, **TOL)
+    assert np.std(np.asarray(scores)) > 1e-4

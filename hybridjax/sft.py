@@ -3,13 +3,15 @@
 Supervised fine-tuning on prompt/response pairs (verl's `fsdp_sft_trainer`): the prompt is
 rendered with the tokenizer's chat template (generation prompt added), the response and the EOS
 token follow, and the loss is the token-mean negative log-likelihood of the **response tokens
-only**. Same machinery as the RL trainer: an ml_collections config (`sft_config()` is the
-schema; unknown keys are rejected), the training mesh and rule table of the actor, optax AdamW
-with verl's warmup/cosine schedule (`hybridjax.trainer.optim`), orbax checkpoints with automatic
-resume (`hybridjax.checkpointing`), and metrics to the console / JSONL / TensorBoard
-(`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`, `val/loss`). At the end
-the model is written as an HF checkpoint (with the tokenizer) that `actor_rollout_ref.model.path`
-loads.
+only**. With `model.use_remove_padding` (default) the pairs of a batch are packed end to end
+in rows of `data.max_length` tokens (`hybridjax.models.packing`, no padding computed; the
+gradient equals the padded one). Same machinery as the RL trainer: an ml_collections config
+(`sft_config()` is the schema; unknown keys are rejected), the training mesh and rule table of
+the actor, optax AdamW with verl's warmup/cosine schedule (`hybridjax.trainer.optim`), orbax
+checkpoints with automatic resume (`hybridjax.checkpointing`), and metrics to the console /
+JSONL / TensorBoard (`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`,
+`val/loss`). At the end the model is written as an HF checkpoint (with the tokenizer) that
+`actor_rollout_ref.model.path` loads.
 
 Input: parquet or jsonl files with a prompt column (a list of `{role, content}` messages, or a
 plain string taken as one user message) and a response column (a string).
@@ -35,6 +37,7 @@ from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
 from hybridjax.metrics import Tracking
+from hybridjax.models import packing
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained, read_hf_config, save_pretrained
@@ -47,6 +50,7 @@ from hybridjax.sharding import (
     make_meshes,
 )
 from hybridjax.sharding.rules import sharding_fn
+from hybridjax.trainer.forward import response_log_probs
 from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.trainer.update import TrainState
 
@@ -66,7 +70,12 @@ def sft_config() -> ConfigDict:
         truncation="error",  # error | right
         train_batch_size=64,
     )
-    c.model = dict(path="", override_config=ConfigDict(), dtype="float32")
+    c.model = dict(
+        path="",
+        override_config=ConfigDict(),
+        dtype="float32",
+        use_remove_padding=True,  # pack the pairs of a batch end to end (no padding computed)
+    )
     c.optim = dict(
         lr=1e-3,
         lr_warmup_steps=-1,
@@ -205,14 +214,46 @@ def sft_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, 
     return (nll_BxT * mask_BxT).sum(), mask_BxT.sum()
 
 
-def train_step(graphdef, optim: OptimConfig, state: TrainState, batch: dict[str, jax.Array]):
-    """One AdamW step on the token-mean loss; returns (state, metrics)."""
+def packed_loss_and_grads(graphdef, params, batch, config: packing.PackingConfig):
+    """(token-mean response NLL, its gradient) over packed buffers of the batch: each pair is
+    one sequence (no shared prompt), buffers summed in a `lax.while_loop`; equal to
+    `value_and_grad` of the padded `sft_loss` mean."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    b, length = ids.shape
+    target_mask = batch["loss_mask"].at[:, 0].set(0.0)  # token 0 has no prediction
+    count = jnp.maximum(target_mask.sum(), 1.0)
+    fields = {"input_ids": ids, "attention_mask": mask, "responses": ids}
+    pl = packing.plan(ids, mask, length, jnp.arange(b), config)
+
+    def loss_k(params, k):
+        f = dict(fields, pack_plan=pl, pack_buffer=k)
+        log_probs, _ = response_log_probs(graphdef, params, f, 1.0)
+        return -(log_probs * target_mask).sum() / count
+
+    def body(k, acc):
+        return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_k)(params, k))
+
+    zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), params))
+    return packing.over_buffers(pl, body, zeros)
+
+
+def train_step(
+    graphdef,
+    optim: OptimConfig,
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    packed: packing.PackingConfig | None = None,
+):
+    """One AdamW step on the token-mean loss (packed when `packed`); returns (state, metrics)."""
 
     def loss_fn(params):
         total, count = sft_loss(graphdef, params, batch)
         return total / jnp.maximum(count, 1.0)
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    if packed is None:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    else:
+        loss, grads = packed_loss_and_grads(graphdef, state.params, batch, packed)
     lr = learning_rate(optim, state.step)
     tx = make_optimizer(optim)
     updates, opt_state = tx.update(grads, set_learning_rate(state.opt_state, lr), state.params)
@@ -225,7 +266,7 @@ def eval_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array,
     return sft_loss(graphdef, params, batch)
 
 
-_train_step = jax.jit(train_step, static_argnums=(0, 1), donate_argnums=2)
+_train_step = jax.jit(train_step, static_argnums=(0, 1, 4), donate_argnums=2)
 _eval_loss = jax.jit(eval_loss, static_argnums=0)
 
 
@@ -274,6 +315,10 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     if total <= 0:
         total = t.total_epochs * (len(train["input_ids"]) // bs)
     optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
+    pieces = mesh.shape["data"] * mesh.shape["fsdp"]
+    packed = None
+    if cfg.model.use_remove_padding:  # rows of max_length; budget = the padded batch's tokens
+        packed = packing.PackingConfig(cfg.data.max_length, max(bs // pieces, 1), pieces, False)
     model = build_model(cfg, tokenizer, mesh)
     graphdef, params = nnx.split(model)
     state = jax.jit(lambda p: TrainState(p, make_optimizer(optim).init(p), jnp.int32(0)))(params)
@@ -290,7 +335,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
             tic = time.perf_counter()
             idx = batch_indices(len(train["input_ids"]), bs, step, t.seed)
             batch = {k: jax.device_put(v[idx], rows) for k, v in train.items()}
-            state, device_metrics = _train_step(graphdef, optim, state, batch)
+            state, device_metrics = _train_step(graphdef, optim, state, batch, packed)
             metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # sync
             metrics["timing_s/step"] = time.perf_counter() - tic
             last = step + 1 == total

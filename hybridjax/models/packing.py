@@ -229,9 +229,8 @@ def source_index(pl: PackPlan, k: jax.Array) -> jax.Array:
         c = p.capacity
         src = jnp.maximum(jnp.arange(c) - 1, 0)
         first = (p.buffer == row) & (p.response_len > 0)
-        return src.at[jnp.where(first, p.response_start, c)].set(
-            p.prompt_start + p.prompt_len - 1, mode="drop"
-        )
+        last_prompt = jnp.maximum(p.prompt_start + p.prompt_len - 1, 0)  # none: unused slot
+        return src.at[jnp.where(first, p.response_start, c)].set(last_prompt, mode="drop")
 
     per_row = jax.vmap(one, in_axes=(None, 0))
     out = jax.vmap(per_row, in_axes=(0, None))(_vmap_plan(pl), _step_rows(pl, k))

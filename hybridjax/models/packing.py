@@ -45,6 +45,9 @@ import jax
 import jax.numpy as jnp
 
 
+STEPS_PER_BUDGET = 4  # a micro-batch's token budget, split into this many loop steps
+
+
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
     """How one role's pass is packed (static).
@@ -66,13 +69,20 @@ class PackingConfig:
     def for_budget(
         cls, token_budget: int, prompt_len: int, response_len: int, group_size: int, **kw
     ) -> PackingConfig:
-        """Rows of P + n·R tokens (a full group fits one row; no longer than the budget, never
-        shorter than P + R), as many per step as `token_budget` (per device) holds, ≥ 1."""
+        """Rows of min(P + n·R, 2·(P + R)) tokens (never shorter than P + R, never longer
+        than the budget), and as many rows per step as a quarter of `token_budget` (tokens per
+        device) holds, at least one.
+
+        Row length: a group sharing one prompt needs P + n·R tokens, but attention is dense
+        within a row, so past 2·(P + R) a longer row costs more attention than the prompt
+        copies it saves. Steps of a quarter budget: the loop's count follows the tokens
+        present, so an almost empty micro-batch costs one small step, not the whole budget.
+        """
         seq = prompt_len + response_len
         share = kw.get("share_prompts", True)
-        want = prompt_len + group_size * response_len if share else seq
+        want = min(prompt_len + group_size * response_len, 2 * seq) if share else seq
         row = max(min(want, token_budget), seq)
-        return cls(row_length=row, rows=max(token_budget // row, 1), **kw)
+        return cls(row_length=row, rows=max(token_budget // row // STEPS_PER_BUDGET, 1), **kw)
 
 
 @jax.tree_util.register_dataclass

@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
 STEPS_PER_BUDGET = 4  # a micro-batch's token budget, split into this many loop steps
 
 

@@ -17,7 +17,8 @@ Workloads (lengths in tokens; responses uniform in the range, ending at EOS):
          32–128 of 128.
 
 `step`: `python -m hybridjax.train`'s quick start (`configs/quickstart.py`), `warmup + steps`
-RL steps per variant in one process; medians of `timing_s/step` and `timing_s/update_actor`.
+RL steps per variant in one process; medians of `timing_s/step` and `timing_s/update_actor`,
+and the number of shapes each jitted device stage compiled over those steps.
 
     python -m experiments.benchmarks.packing [--workloads qs,gsm8k,b] [--repeats 5]
         [--step_steps 4] [--out DIR]
@@ -180,9 +181,12 @@ def measure_step(steps: int, warmup: int) -> dict:
 
     from experiments.benchmarks.throughput import load_trainer_config
     from hybridjax.trainer import RLTrainer
+    from hybridjax.trainer import step as step_module
 
+    jitted = {k: v for k, v in vars(step_module).items() if hasattr(v, "_cache_size")}
     out = {}
     for variant, changes in VARIANTS.items():
+        before = {k: f._cache_size() for k, f in jitted.items()}
         cfg = load_trainer_config(str(ROOT / "configs" / "quickstart.py"))
         cfg.trainer.default_local_dir = tempfile.mkdtemp(prefix="hybridjax_packing_")
         cfg.trainer.logger = ()
@@ -199,6 +203,10 @@ def measure_step(steps: int, warmup: int) -> dict:
             k: med(k) for k in ("timing_s/step", "timing_s/update_actor", "timing_s/gen")
         }
         out[variant]["update_actor_share"] = med("timing_s/update_actor") / med("timing_s/step")
+        # compiled shapes of the device stages over these steps (one per stage = static shapes)
+        out[variant]["stage_compiles"] = {
+            k: f._cache_size() - before[k] for k, f in jitted.items() if f._cache_size() > before[k]
+        }
         print(f"step {variant}: {json.dumps(out[variant])}", flush=True)
     for v in ("packed", "shared"):
         out[f"speedup_step_{v}"] = out["plain"]["timing_s/step"] / out[v]["timing_s/step"]

@@ -149,8 +149,11 @@ class Attention(nnx.Module):
         v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
         if cache is None and attention_backend(dtype) != "jnp":
-            out = fused_attention(q, k, v, bias, attention_backend(dtype))
-            return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dtype)), cache
+            try:  # cuDNN rejects some shapes at trace time: then the jnp path below
+                out = fused_attention(q, k, v, bias, attention_backend(dtype))
+                return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dtype)), cache
+            except (ValueError, NotImplementedError, RuntimeError):
+                pass
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
             chunks = min(MAX_QUERY_CHUNKS, max(q.shape[1] // MIN_QUERY_CHUNK, 1))

@@ -74,9 +74,13 @@ class StageConfig:
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
-    """B int32: the prompt group of each row (the rollout's n samples of a prompt are
-    contiguous rows). Packing shares a prompt only between rows of one group whose prompt
-    tokens are equal, so any grouping is exact; unequal groups need only other ids here."""
+    """B int32: the prompt group of each row: the batch's per-row `uid` when it has one (groups
+    of any size, in any order), else contiguous groups of `rollout.n` rows. Packing shares a
+    prompt only between rows of one group whose prompt tokens are equal, so any grouping is
+    exact; better groups only share more."""
+    uid = getattr(batch, "uid", None)
+    if uid is not None and jnp.issubdtype(jnp.asarray(uid).dtype, jnp.integer):
+        return jnp.asarray(uid, jnp.int32)
     return jnp.arange(batch.batch_size, dtype=jnp.int32) // cfg.group_size
 
 

@@ -11,7 +11,7 @@ them alike; reported are medians of wall seconds per call after one warm-up call
 Workloads (lengths in tokens; responses uniform in the range, ending at EOS):
   qs     the quick-start model (3.4M) and shape: 16 prompts × n 8, prompts as the quick-start
          data renders them (max 32), responses 3–10 of 16;
-  gsm8k  the quick-start model on GSM8K: 16 prompts × n 8, the first GSM8K test questions in
+  gsm8k  the quick-start model on GSM8K: 4 prompts × n 8, the first GSM8K test questions in
          the chat template (`hybridjax.data.gsm8k`'s instruction), responses 32–256 of 256;
   b      the peer comparison's 102M model: 2 prompts × n 4, prompts 40–64 of 64, responses
          32–128 of 128.
@@ -47,7 +47,7 @@ VARIANTS = {
 QS_MODEL = ROOT / "hybridjax" / "assets" / "quickstart" / "sft_model"
 WORKLOADS = {
     "qs": dict(prompts=16, n=8, prompt=(20, 32), response=(3, 10), P=32, R=16, model="qs"),
-    "gsm8k": dict(prompts=16, n=8, prompt="gsm8k", response=(32, 256), P=0, R=256, model="qs"),
+    "gsm8k": dict(prompts=4, n=8, prompt="gsm8k", response=(32, 256), P=0, R=256, model="qs"),
     "b": dict(prompts=2, n=4, prompt=(40, 64), response=(32, 128), P=64, R=128, model="b"),
 }
 

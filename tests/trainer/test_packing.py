@@ -396,3 +396,27 @@ def test_packed_sft_gradient_equals_padded(models):
     np.testing.assert_allclose(p_loss, loss, **TOL)
     for a, b in zip(jax.tree.leaves(p_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_packing_keys_are_read_and_checked():
+    from hybridjax.trainer.packing import packing_configs, packing_problems
+
+    c = load_config_file("tiny")  # P 256, R 32
+    c.actor_rollout_ref.rollout.n = 4
+    c.actor_rollout_ref.actor.use_dynamic_bsz = True
+    c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 4096
+    c.actor_rollout_ref.ref.use_prefix_sharing = False
+    c.critic.model.use_remove_padding = False
+    configs = packing_configs(c, data_parallel=2)
+    # rows of min(P + n·R, 2·(P + R)) = 384 tokens, a quarter budget per step: 4096 // 384 // 4
+    assert configs["update_actor"] == packing.PackingConfig(384, 2, 2, True)
+    assert configs["ref"].share_prompts is False and configs["ref"].row_length == 288
+    assert configs["values"] is None and configs["update_critic"] is None
+    assert packing_problems(c) == []
+    c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 100
+    c.critic.use_dynamic_bsz = True
+    problems = packing_problems(c)
+    assert any("ppo_max_token_len_per_gpu: must hold one sequence" in p for p in problems)
+    assert any(
+        "critic.use_dynamic_bsz: needs critic.model.use_remove_padding" in p for p in problems
+    )

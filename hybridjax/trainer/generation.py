@@ -42,13 +42,26 @@ class HostColumns:
     response_lengths: np.ndarray  # int (B·n,): up to the last model token
     responses: np.ndarray  # (B·n)×R int32, for decoding
     response_mask: np.ndarray  # (B·n)×R: model tokens
-    valid_mask: np.ndarray  # (B·n)×R: every response token (tool responses included)
-    num_turns: np.ndarray  # int (B·n,): assistant turns (1 without multi-turn)
-    tool_calls: np.ndarray  # int (B·n,)
-    tool_errors: np.ndarray  # int (B·n,)
+    # Multi-turn rollouts (None: single-turn values, filled in by __post_init__):
+    valid_mask: np.ndarray | None = None  # (B·n)×R: every response token (tool ones included)
+    num_turns: np.ndarray | None = None  # int (B·n,): assistant turns
+    tool_calls: np.ndarray | None = None  # int (B·n,)
+    tool_errors: np.ndarray | None = None  # int (B·n,)
     mine: slice = dataclasses.field(
         default_factory=lambda: slice(None)
     )  # rows this process scores (its share of the prompts)
+
+    def __post_init__(self):
+        rows = len(self.row_mask)
+        defaults = dict(
+            valid_mask=self.response_mask,
+            num_turns=np.ones(rows, np.int32),
+            tool_calls=np.zeros(rows, np.int32),
+            tool_errors=np.zeros(rows, np.int32),
+        )
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     def share(self) -> HostColumns:
         """The columns of the rows this process scores."""
@@ -104,9 +117,7 @@ def generate_batch(
     repeat = lambda values: [v for v in values for _ in range(n)]
     prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
     extra_info = repeat(prompts["extra_info"])
-    rows = len(out.responses)
-    valid, turns = out.response_mask, np.ones(rows, np.int32)
-    calls = errors = np.zeros(rows, np.int32)
+    valid = turns = calls = errors = None  # single-turn values (`HostColumns`)
     if multi_turn is not None:
         extra_info = multi_turn.extra_info(out, extra_info)
         lengths = np.array([sum(len(t) for _, t in row) for row in out.turns])

@@ -20,13 +20,15 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hybridjax.errors import InputFileError
+
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 PROMPT_TYPE = pa.list_(MESSAGE_TYPE)
 REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
-class DataError(ValueError):
+class DataError(InputFileError):
     """A problem with an input file, located by file, row and column."""
 
     def __init__(self, path: str, row: int | None, column: str | None, problem: str):

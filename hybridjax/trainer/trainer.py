@@ -56,11 +56,12 @@ class RLTrainer:
 
     Args:
       cfg: a full trainer ConfigDict (`hybridjax.trainer.config.base_config()` + changes).
+      read_only: never write to `trainer.default_local_dir` (export): no checkpoint is saved.
     Raises:
       ConfigError: the config has problems (all listed in one message).
     """
 
-    def __init__(self, cfg: ConfigDict):
+    def __init__(self, cfg: ConfigDict, read_only: bool = False):
         self.cfg = cfg
         self.n_devices = jax.device_count()
         self.tokenizer = build.load_tokenizer(cfg)
@@ -105,7 +106,9 @@ class RLTrainer:
             dp,
         )
         self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
-        self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
+        self.checkpointer = Checkpointer(
+            t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
+        )
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
         self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
@@ -230,17 +233,25 @@ class RLTrainer:
         self.checkpointer.save(self.global_step, self._state_tree(), meta)
 
     def restore(self) -> int:
-        """Resumes per `trainer.resume_mode`; returns the restored step (0: fresh start)."""
+        """Resumes per `trainer.resume_mode`; returns the restored step (0: fresh start).
+
+        Raises:
+          CheckpointError: the checkpoint does not match this config (tensors, or the data
+            iterator's dataset size / batch size / seed), or an explicit path is missing or
+            unreadable. Unreadable checkpoints under `auto` are skipped (see `Checkpointer`).
+        """
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
             return 0
         if mode == "auto":
-            restored = self.checkpointer.restore(self._state_tree())
+            restored = self.checkpointer.restore(self._state_tree(), check_meta=self._meta_problems)
         else:
             directory, step = split_checkpoint_path(mode)
-            source = Checkpointer(directory, self.cfg.trainer.max_actor_ckpt_to_keep)
-            restored = source.restore(self._state_tree(), step)
-            source.close()
+            source = Checkpointer(directory, 1, read_only=True)
+            try:
+                restored = source.restore(self._state_tree(), step, self._meta_problems)
+            finally:
+                source.close()
         if restored is None:
             return 0
         step, tree, meta = restored
@@ -257,6 +268,21 @@ class RLTrainer:
         self._update_weights()
         log.info("resumed from step %d", step)
         return step
+
+    def _meta_problems(self, meta: dict) -> list[str]:
+        """How a checkpoint's data-iterator state does not fit this run's loader."""
+        saved, mine = meta.get("data", {}), self.train_loader.get_state()
+        keys = {
+            "num_rows": "rows after filtering: data.train_files, data.filter_overlong_prompts",
+            "batch_size": "data.train_batch_size",
+            "seed": "data.seed",
+        }
+        return [
+            f"data iterator {key}: {saved.get(key)} in the checkpoint, {mine[key]} with this "
+            f"config ({why})"
+            for key, why in keys.items()
+            if saved.get(key) != mine[key]
+        ]
 
     # ------------------------------------------------------------------------------ the loop
 

@@ -26,6 +26,7 @@ from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
+from hybridjax.errors import ConfigError
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.sharding import MeshConfig, parallelism_problems
@@ -36,10 +37,6 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 WARMUP_STYLES = ("constant", "cosine")
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 FREE_FORM = ("override_config", "reward_kwargs")  # dict-valued keys, checked as a whole
-
-
-class ConfigError(ValueError):
-    """A config has problems; the message lists each one as `key: problem (value)`."""
 
 
 def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:

@@ -1,0 +1,94 @@
+"""Errors a user causes or can fix, and the one handler that reports them at the command line.
+
+Every such error is a `UserError`: its message says what is wrong, where (file, row, column or
+config key) and the valid choices. The entry points (`python -m hybridjax.train`, `python -m
+hybridjax.sft`) run under `cli_errors()`, which turns a `UserError` (and a full disk, and a
+second Ctrl-C) into that message on stderr and a non-zero exit code, without a traceback. Set
+`HYBRIDJAX_DEBUG=1` to get the traceback as well. Anything else is a bug and keeps its traceback.
+
+Each class also derives from the builtin exception a caller would catch before (`ValueError`,
+`FileNotFoundError`, ...), so library code that catches those keeps working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+
+DEBUG_ENV = "HYBRIDJAX_DEBUG"
+EXIT_USER_ERROR = 2  # absl's flag errors exit with 1; a bad input exits with 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+class UserError(Exception):
+    """A problem with the user's input, files or environment; the message is complete."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config has problems; the message lists each one as `key: problem (value)`."""
+
+
+class InputFileError(UserError, ValueError):
+    """A data, model or tokenizer file that is missing, unreadable or malformed (names it)."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be used as asked (missing step, does not match the config)."""
+
+
+class ExportError(UserError, ValueError):
+    """An export target that would lose files (not empty without `--overwrite`, a file)."""
+
+
+def _disk_full(err: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT `OSError` in `err`'s cause chain, if any (orbax and TensorStore wrap
+    the writer's error in their own)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        text = str(err)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return OSError(errno.ENOSPC, text.splitlines()[0] if text else "disk full")
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextlib.contextmanager
+def cli_errors(program: str) -> Iterator[None]:
+    """Runs a command-line entry point: a `UserError` or a full disk ends the process with a
+    short message on stderr and exit code 2; Ctrl-C with exit code 130. Tracebacks only when
+    `HYBRIDJAX_DEBUG=1`. Other exceptions propagate (a bug: the traceback is wanted)."""
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        yield
+    except UserError as err:
+        if debug:
+            traceback.print_exc()
+        _exit(f"{program}: error: {err}", EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        _exit(f"{program}: interrupted", EXIT_INTERRUPTED)
+    except Exception as err:
+        full = _disk_full(err)
+        if full is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        _exit(
+            f"{program}: error: disk full ({full.strerror or full}). The last completed "
+            "checkpoint is kept; free space and run again to resume.",
+            EXIT_USER_ERROR,
+        )
+
+
+def _exit(message: str, code: int) -> None:
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)

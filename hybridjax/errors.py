@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sys
 import traceback
@@ -34,6 +35,30 @@ class ConfigError(UserError, ValueError):
 
 class InputFileError(UserError, ValueError):
     """A data, model or tokenizer file that is missing, unreadable or malformed (names it)."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or directory the run needs does not exist (names the path)."""
+
+
+def read_json(path) -> object:
+    """The parsed JSON file `path`.
+
+    Raises:
+      MissingFileError: no such file.
+      InputFileError: not valid JSON or not UTF-8 (names the path, line and column).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError as err:
+        raise MissingFileError(f"{path}: no such file") from err
+    except json.JSONDecodeError as err:
+        raise InputFileError(
+            f"{path}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+        ) from err
+    except UnicodeDecodeError as err:
+        raise InputFileError(f"{path}: not UTF-8 text (byte {err.start})") from err
 
 
 class CheckpointError(UserError, ValueError):

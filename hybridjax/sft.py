@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -34,10 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
+from hybridjax.checkpointing.export import check_export_target, write_hf_export
+from hybridjax.errors import ConfigError, InputFileError, cli_errors
 from hybridjax.metrics import Tracking
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.models.hf_io import load_pretrained, read_hf_config, save_pretrained
+from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
@@ -98,7 +99,7 @@ def sft_config() -> ConfigDict:
 
 
 def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "") -> None:
-    """Raises ValueError naming every key of `cfg` that `sft_config()` does not have."""
+    """Raises ConfigError naming every key of `cfg` that `sft_config()` does not have."""
     schema = sft_config() if schema is None else schema
     unknown = []
     for key, value in cfg.items():
@@ -110,7 +111,7 @@ def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = 
             except ValueError as e:
                 unknown.extend(str(e).removeprefix("unknown SFT config keys: ").split(", "))
     if unknown:
-        raise ValueError(f"unknown SFT config keys: {', '.join(unknown)}")
+        raise ConfigError(f"unknown SFT config keys: {', '.join(unknown)}")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -120,20 +121,36 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
     """(prompt, response) pairs of a parquet or jsonl file.
 
     Raises:
-      ValueError: a column is missing or a response is not a string (names file, row, column).
+      InputFileError: the file is missing, a directory or unreadable; a line is not JSON; a
+        column is missing or a response is not a string (names file, row or line, column).
     """
+    if not os.path.isfile(path):
+        what = "is a directory, not a data file" if os.path.isdir(path) else "no such file"
+        raise InputFileError(f"data.train_files/val_files: {path}: {what}")
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = []
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    if raw.strip():
+                        records.append(json.loads(raw.decode("utf-8")))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise InputFileError(f"{path}, line {line_no}: not valid JSON ({e})") from e
     else:
-        records = pq.read_table(path).to_pylist()
+        try:
+            records = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise InputFileError(f"{path}: not a readable parquet file ({e})") from e
     rows = []
     for i, record in enumerate(records):
         for key in (prompt_key, response_key):
             if key not in record:
-                raise ValueError(f"{path}, row {i}: no column {key!r}; has {sorted(record)}")
+                raise InputFileError(
+                    f"{path}, row {i}: no column {key!r} (data.prompt_key / data.response_key); "
+                    f"has {sorted(record)}"
+                )
         if not isinstance(record[response_key], str):
-            raise ValueError(f"{path}, row {i}, column {response_key!r}: expected a string")
+            raise InputFileError(f"{path}, row {i}, column {response_key!r}: expected a string")
         rows.append((record[prompt_key], record[response_key]))
     return rows
 
@@ -145,7 +162,8 @@ def tokenize_pairs(
 
     `loss_mask` is 1 on response tokens and the EOS after them, 0 on the prompt and padding.
     Raises:
-      ValueError: a pair is longer than `max_length` under `truncation="error"` (names the row).
+      InputFileError: a pair is longer than `max_length` under `truncation="error"` (names the
+        row).
     """
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -160,7 +178,7 @@ def tokenize_pairs(
         seq = p + r + [eos]
         if len(seq) > max_length:
             if truncation == "error":
-                raise ValueError(
+                raise InputFileError(
                     f"{path} row {i}: {len(seq)} tokens > data.max_length={max_length}; "
                     "raise it or set data.truncation=right"
                 )
@@ -236,7 +254,6 @@ def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM:
     """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`."""
     overrides = {"dtype": cfg.model.dtype} | dict(cfg.model.override_config)
     if cfg.model.path:
-        config = ModelConfig.from_hf_dict(read_hf_config(cfg.model.path), **overrides)
         shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
         return load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
     config = ModelConfig(
@@ -249,15 +266,21 @@ def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM:
     return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, cfg.trainer.seed)
 
 
-def run_sft(cfg: ConfigDict) -> dict[str, Any]:
+def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     """Trains per `cfg` (resuming from `trainer.default_local_dir` when `resume_mode=auto`),
     writes the HF checkpoint, and returns the last metrics (with `val/loss` if validated).
 
+    Args:
+      overwrite: let the HF export replace a `trainer.output_dir` that is not empty.
     Raises:
-      ValueError: unknown config keys, unreadable data, a batch size the devices do not divide.
+      ConfigError: unknown config keys, a batch size the devices do not divide.
+      InputFileError: unreadable data, tokenizer or model files.
+      ExportError: `trainer.output_dir` is not empty and `overwrite` is False (checked first).
     """
     check_keys(cfg)
     t = cfg.trainer
+    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
+    check_export_target(os.path.abspath(out), overwrite)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
     mesh = make_meshes(MeshConfig(train=sizes)).train
@@ -266,7 +289,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     val = load_split(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
     bs = cfg.data.train_batch_size
     if bs % mesh.shape["data"] or len(train["input_ids"]) < bs:
-        raise ValueError(
+        raise ConfigError(
             f"data.train_batch_size={bs} must divide over {mesh.shape['data']} data-parallel "
             f"devices and be at most the {len(train['input_ids'])} training rows"
         )
@@ -303,9 +326,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
         checkpointer.wait()
         checkpointer.close()
         tracker.close()
-    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    save_pretrained(nnx.merge(graphdef, state.params), out)
-    tokenizer.save(out)
+    write_hf_export(nnx.merge(graphdef, state.params), tokenizer, out, overwrite)
     print(f"SFT model written to {out}", flush=True)
     return metrics
 
@@ -331,15 +352,16 @@ def main(argv: list[str]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
-    try:
-        run_sft(_CONFIG.value)
-    except ValueError as err:
-        sys.exit(f"SFT: {err}")
+    with cli_errors("hybridjax.sft"):
+        run_sft(_CONFIG.value, _OVERWRITE.value)
 
 
 if __name__ == "__main__":
-    from absl import app
+    from absl import app, flags
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "SFT config file", lock_config=True)
+    _OVERWRITE = flags.DEFINE_bool(
+        "overwrite", False, "let the HF export replace a trainer.output_dir that is not empty"
+    )
     app.run(main)

@@ -67,10 +67,20 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def all_finite(tree: Any) -> bool:
-    """True when every floating-point leaf of `tree` is finite. One compile per tree structure;
-    host sync (one scalar)."""
-    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    return bool(_all_finite(arrays))
+    """True when every floating-point leaf of `tree` is finite. Leaves are checked in one
+    jitted call per set of devices they live on (restored leaves are committed to theirs);
+    one compile per tree structure; host sync (one scalar per device set)."""
+    groups: dict[Any, list[jax.Array]] = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            key = frozenset(d.id for d in x.sharding.device_set) if x.committed else None
+            groups.setdefault(key, []).append(x)
+    uncommitted = groups.pop(None, [])
+    if groups and uncommitted:  # uncommitted leaves follow any committed group
+        next(iter(groups.values())).extend(uncommitted)
+    elif uncommitted:
+        groups[None] = uncommitted
+    return all(bool(_all_finite(arrays)) for arrays in groups.values())
 
 
 def split_checkpoint_path(path: str) -> tuple[str, int]:

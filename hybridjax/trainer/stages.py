@@ -56,6 +56,7 @@ class StageConfig:
     actor_optim: OptimConfig
     critic_optim: OptimConfig
     overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
+    ref_log_prob_micro_batch_size: int = 0  # the reference pass's; 0: log_prob_micro_batch_size
     # False: no `old_log_prob` stage; the on-policy update takes π_old = stop_gradient(π_θ)
     recompute_old_log_prob: bool = True
 
@@ -71,9 +72,9 @@ def _fields(batch: RLBatch, *names: str) -> dict[str, jax.Array]:
     return base | dict(zip(names, batch.require(*names), strict=True))
 
 
-def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig) -> jax.Array:
+def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, micro: int = 0) -> jax.Array:
     fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature)[0]
-    return map_micro_batches(fn, _fields(batch), cfg.log_prob_micro_batch_size)
+    return map_micro_batches(fn, _fields(batch), micro or cfg.log_prob_micro_batch_size)
 
 
 def compute_old_log_prob(
@@ -106,7 +107,8 @@ def compute_ref_log_prob(
 ) -> RLBatch:
     """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
     return batch.replace(
-        ref_log_prob=_log_probs(graphdef, params, batch, cfg) * batch.response_mask
+        ref_log_prob=_log_probs(graphdef, params, batch, cfg, cfg.ref_log_prob_micro_batch_size)
+        * batch.response_mask
     )
 
 

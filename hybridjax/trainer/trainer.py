@@ -64,6 +64,7 @@ class RLTrainer:
     def __init__(self, cfg: ConfigDict, read_only: bool = False):
         self.cfg = cfg
         self.n_devices = jax.device_count()
+        validate_config(cfg, self.n_devices)  # before any file is read or model built
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
@@ -71,7 +72,10 @@ class RLTrainer:
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
 
-        data = DataConfig.from_config(cfg.data)
+        data = dataclasses.replace(
+            DataConfig.from_config(cfg.data),
+            any_ground_truth=bool(cfg.custom_reward_function.path),
+        )
         self.train_loader = train_loader(data, self.tokenizer)
         self.val_loader = val_loader(data, self.tokenizer) if data.val_files else None
         t = cfg.trainer
@@ -302,6 +306,8 @@ class RLTrainer:
                     tracker.log(self.validate(), 0)
                 for step in range(start + 1, self.total_steps + 1):
                     metrics = self.train_step(step)
+                    if step == start + 1:  # what loading dropped or cut, once per process
+                        metrics |= self._data_metrics()
                     self.global_step = step
                     last = step == self.total_steps
                     if t.test_freq > 0 and (step % t.test_freq == 0 or last):
@@ -319,6 +325,16 @@ class RLTrainer:
             self.checkpointer.wait()
             tracker.close()
         return metrics
+
+    def _data_metrics(self) -> dict[str, float]:
+        """`data/{train,val}/{filtered_prompts,truncated_prompts,special_token_rows}`."""
+        loaders = {"train": self.train_loader, "val": self.val_loader}
+        return {
+            f"data/{split}/{key}": float(value)
+            for split, loader in loaders.items()
+            if loader is not None
+            for key, value in loader.dataset.counts().items()
+        }
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -2,7 +2,7 @@
 
 `PromptDataset` reads one or more parquet files (pyarrow, memory-mapped), renders each row's chat
 messages with the tokenizer's chat template (generation prompt added), tokenises, and applies the
-length policy to the length measured AFTER templating (REFERENCE.md, "Prompt length"):
+length policy to the length measured AFTER templating (docs/verl_behaviour.md, "Prompt length"):
 
   * `filter_overlong_prompts=True`: rows longer than `max_prompt_length` are dropped;
   * otherwise `truncation`: `error` fails at load time naming file and row; `left` keeps the last

@@ -4,7 +4,7 @@
 scoring right after generation and collect the result when it needs `token_level_scores` (verl's
 "naive" reward manager, off the device's critical path: JAX releases the GIL while the device
 runs the reference/critic passes). Each row's score goes on its last valid response token;
-an empty response gets no reward anywhere (REFERENCE.md, "Rewards").
+an empty response gets no reward anywhere (docs/verl_behaviour.md, "Rewards").
 
 A reward function that raises, or returns NaN/inf, never poisons the run silently: it is logged,
 counted (`reward/num_errors`, `reward/num_nonfinite`) and handled by `reward_model.on_error`:

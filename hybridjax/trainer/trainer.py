@@ -314,7 +314,8 @@ class RLTrainer:
                         with timed(timing := {}, "testing"):
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
-                    if last or stop.requested or (t.save_freq > 0 and step % t.save_freq == 0):
+                    periodic = t.save_freq > 0 and step % t.save_freq == 0
+                    if last or stop.requested or periodic:
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]

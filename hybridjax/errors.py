@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -90,6 +92,9 @@ def cli_errors(program: str) -> Iterator[None]:
     short message on stderr and exit code 2; Ctrl-C with exit code 130. Tracebacks only when
     `HYBRIDJAX_DEBUG=1`. Other exceptions propagate (a bug: the traceback is wanted)."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    quiet = _NoLibraryTracebacks()
+    if not debug:
+        logging.getLogger("absl").addFilter(quiet)
     try:
         yield
     except UserError as err:
@@ -106,11 +111,26 @@ def cli_errors(program: str) -> Iterator[None]:
             raise
         if debug:
             traceback.print_exc()
+        where = re.search(r'"(/[^"]+)"', str(full))
         _exit(
-            f"{program}: error: disk full ({full.strerror or full}). The last completed "
-            "checkpoint is kept; free space and run again to resume.",
+            f"{program}: error: disk full (No space left on device"
+            f"{' writing ' + where.group(1) if where else ''}). The last completed checkpoint is "
+            "kept; free space and run again to resume.",
             EXIT_USER_ERROR,
         )
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
+
+
+class _NoLibraryTracebacks(logging.Filter):
+    """Drops the traceback orbax logs with a failed background save (the error itself is
+    raised to `cli_errors`, which reports it in one line); the log line stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 def _exit(message: str, code: int) -> None:

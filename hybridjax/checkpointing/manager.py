@@ -21,10 +21,12 @@ Restoring a checkpoint, newest first:
      config*: `CheckpointError` names each difference with both values and the ways out. A
      valid checkpoint is never skipped for not matching;
   3. the arrays load, and every floating-point value is finite; otherwise *unreadable*.
-An unreadable checkpoint is skipped with a warning naming the file and the reason; it is never
-renamed or deleted (only orbax's keep-N policy removes old steps, after a newer one is
-committed). Read-only users (`read_only=True`: export, an explicit resume path) never create,
-change or delete anything under the directory.
+An unreadable checkpoint is skipped with a warning naming the file and the reason; skipping
+never renames or deletes it. Only when the resumed run reaches that step again and saves it is
+the unreadable directory moved aside (`global_step_<N>.unreadable`, never over another one) to
+make room; orbax's keep-N policy removes old steps only after a newer one is committed.
+Read-only users (`read_only=True`: export, an explicit resume path) never create, change or
+delete anything under the directory.
 
 Safety of saving: orbax writes into `global_step_<N>.orbax-checkpoint-tmp` and renames it when
 complete, so a process killed during a save (or a full disk) leaves the previous checkpoint
@@ -89,11 +91,11 @@ def split_checkpoint_path(path: str) -> tuple[str, int]:
     Raises:
       CheckpointError: any other name (says what `trainer.resume_mode` accepts).
     """
-    path = os.path.abspath(path.rstrip("/"))
+    given, path = path, os.path.abspath(path.rstrip("/"))
     match = re.fullmatch(rf"{STEP_PREFIX}_(\d+)", os.path.basename(path))
     if not match:
         raise CheckpointError(
-            f"trainer.resume_mode: {path!r} is not a checkpoint directory; valid values are "
+            f"trainer.resume_mode: {given!r} is not a checkpoint directory; valid values are "
             f"'auto', 'disable' or a path ending in {STEP_PREFIX}_<step>"
         )
     return os.path.dirname(path), int(match.group(1))
@@ -191,6 +193,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
         self._saving: int | None = None
+        self._unreadable: set[int] = set()  # skipped by `restore`; replaced only when re-saved
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep,
             step_prefix=STEP_PREFIX,
@@ -217,15 +220,17 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
         """Starts saving `state` and `meta` as step `step`; returns False (and warns) if skipped.
 
-        A state with a non-finite value is refused. An existing step (say one skipped as
-        unreadable) is not overwritten. Errors of an earlier asynchronous save (a full disk)
-        are raised here or by `wait()`.
+        A state with a non-finite value is refused. An existing step is not overwritten, unless
+        `restore` found it unreadable: then it is moved aside (see the module docstring).
+        Errors of an earlier asynchronous save (a full disk) are raised here or by `wait()`.
         """
         if self.read_only:
             raise RuntimeError(f"checkpointer of {self.directory} is read-only")
         if step in self._manager.all_steps():
-            log.warning("not saving step %d: %s exists and is kept", step, self.step_path(step))
-            return False
+            if step not in self._unreadable:
+                log.warning("not saving step %d: %s exists and is kept", step, self.step_path(step))
+                return False
+            self._set_aside(step)
         if not all_finite(state):
             log.warning("not saving step %d: the state contains NaN or inf", step)
             return False
@@ -233,6 +238,19 @@ class Checkpointer:
         self._saving = step
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         return bool(self._manager.save(step, args=args, force=True))
+
+    def _set_aside(self, step: int) -> None:
+        """Moves a checkpoint found unreadable by this process's restore out of the way of its
+        replacement, to a free `global_step_<N>.unreadable[-k]` name (never over another)."""
+        path = self.step_path(step)
+        target, k = f"{path}.unreadable", 0
+        while os.path.lexists(target):
+            k += 1
+            target = f"{path}.unreadable-{k}"
+        os.rename(path, target)
+        self._unreadable.discard(step)
+        self._manager.reload()
+        log.warning("step %d is saved again: the unreadable %s is kept as %s", step, path, target)
 
     def _write_checksums(self) -> None:
         """orbax's post-finalization callback: the manifest of the step being saved, written
@@ -297,6 +315,7 @@ class Checkpointer:
                     self.step_path(candidate),
                     err,
                 )
+                self._unreadable.add(candidate)
         return None
 
     def _restore_one(self, step: int, abstract: Any, check_meta) -> tuple[int, Any, dict]:

@@ -99,7 +99,13 @@ def test_unreadable_newest_step_is_skipped_and_kept_untouched(tmp_path, caplog):
     assert step == 1 and float(np.asarray(state["w"])[0, 0]) == 1.0
     assert "global_step_2" in caplog.text and "unreadable" in caplog.text
     assert _tree_bytes(tmp_path) == before  # nothing renamed, deleted or written
-    assert not fresh.save(2, _state(5.0), {"global_step": 2})  # the kept step is not replaced
+    assert not fresh.save(1, _state(5.0), {"global_step": 1})  # a readable step is kept
+    again = _target()
+    assert fresh.save(2, again, {"global_step": 2})  # the run reached step 2 again
+    fresh.wait()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["global_step_1", "global_step_2", "global_step_2.unreadable"]
+    assert fresh.restore(_target())[0] == 2
     fresh.close()
 
 

@@ -60,7 +60,7 @@ def test_disk_full_is_found_inside_wrapped_errors(monkeypatch, capsys):
 
     code, stderr = _run(fn, monkeypatch, capsys)
     assert code == EXIT_USER_ERROR
-    assert "disk full (No space left on device)" in stderr and "last completed checkpoint" in stderr
+    assert "disk full (No space left on device" in stderr and "last completed checkpoint" in stderr
     assert "Traceback" not in stderr
 
     def tensorstore_style():

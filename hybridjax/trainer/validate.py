@@ -12,7 +12,6 @@ before any model is built.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -35,8 +34,14 @@ from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT, as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
-from hybridjax.rewards.manager import ON_ERROR_POLICIES
+from hybridjax.rewards.manager import (
+    COMBINE,
+    ON_ERROR_POLICIES,
+    REWARD_MANAGERS,
+    overlong_enabled,
+)
 from hybridjax.rewards.registry import load_custom_reward_function
+from hybridjax.rewards.scoring import check_signature
 from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
@@ -161,11 +166,6 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v in SPECIAL_TOKENS_IN_CONTENT,
             f"one of {SPECIAL_TOKENS_IN_CONTENT}",
         ),
-        (
-            "reward_model.on_error",
-            lambda v: v in ON_ERROR_POLICIES,
-            f"one of {ON_ERROR_POLICIES}",
-        ),
         ("actor_rollout_ref.rollout.n", positive, "must be > 0"),
         ("actor_rollout_ref.rollout.temperature", lambda v: v >= 0, "must be >= 0"),
         ("actor_rollout_ref.rollout.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
@@ -200,6 +200,19 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v in ROLLOUT_IS_MODES,
             f"one of {ROLLOUT_IS_MODES}",
         ),
+        (
+            "reward_model.reward_manager",
+            lambda v: v in REWARD_MANAGERS,
+            f"one of {REWARD_MANAGERS}",
+        ),
+        ("reward_model.on_error", lambda v: v in ON_ERROR_POLICIES, f"one of {ON_ERROR_POLICIES}"),
+        ("reward_model.combine", lambda v: v in COMBINE, f"one of {COMBINE}"),
+        ("reward_model.num_workers", positive, "must be > 0"),
+        ("reward_model.timeout_s", lambda v: v >= 0, "must be >= 0 (0: no limit)"),
+        ("reward_model.remote.timeout_s", positive, "must be > 0"),
+        ("reward_model.remote.max_retries", lambda v: v >= 0, "must be >= 0"),
+        ("reward_model.remote.concurrency", positive, "must be > 0"),
+        ("reward_model.remote.batch_size", positive, "must be > 0"),
         ("reward_model.overlong_buffer.len", lambda v: v >= 0, "must be >= 0"),
         ("reward_model.overlong_buffer.penalty_factor", lambda v: v >= 0, "must be >= 0"),
         ("trainer.total_epochs", positive, "must be > 0"),
@@ -308,13 +321,15 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",
     )
     need(
-        not overlong.enable or 0 < overlong.len < d.max_response_length,
+        not overlong_enabled(c.reward_model) or 0 < overlong.len < d.max_response_length,
         f"reward_model.overlong_buffer.len ({overlong.len}) must be in "
-        f"(0, data.max_response_length = {d.max_response_length}) when enabled",
+        f"(0, data.max_response_length = {d.max_response_length}) when enabled "
+        "(reward_model.reward_manager=dapo enables it)",
     )
     need(
-        not c.reward_model.enable or bool(c.reward_model.model.path),
-        "reward_model.enable is true but reward_model.model.path is empty",
+        not c.reward_model.enable or bool(c.reward_model.model.path or c.reward_model.remote.urls),
+        "reward_model.enable is true but reward_model.model.path and reward_model.remote.urls "
+        "are empty",
     )
     need(
         bool(a.model.path) or bool(override),
@@ -353,7 +368,7 @@ def _path_problems(c: ConfigDict) -> list[str]:
 
 def _custom_reward_problems(c: ConfigDict) -> list[str]:
     """Loads `custom_reward_function.path` and checks that `name` exists and can be called as
-    verl calls it: `fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`."""
+    verl calls it (per row, or by keyword for `reward_model.reward_manager=batch`)."""
     custom = c.custom_reward_function
     if not custom.path:
         return []
@@ -368,15 +383,11 @@ def _custom_reward_problems(c: ConfigDict) -> list[str]:
             f"{type(err).__name__}: {err}"
         ]
     try:
-        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None)
+        check_signature(
+            fn, c.reward_model.reward_manager == "batch", f"{custom.path}:{custom.name}"
+        )
     except TypeError as err:
-        return [
-            f"custom_reward_function.name: {custom.name}{inspect.signature(fn)} in "
-            f"{custom.path} cannot be called with verl's arguments (data_source, solution_str, "
-            f"ground_truth, extra_info) and reward_kwargs {sorted(kwargs)}: {err}"
-        ]
-    except ValueError:  # no signature (a builtin): accepted as it is
-        pass
+        return [f"custom_reward_function.name: {err} (reward_kwargs {sorted(kwargs)})"]
     return []
 
 

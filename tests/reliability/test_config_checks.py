@@ -78,7 +78,7 @@ def _reward(tmp_path: pathlib.Path, source: str) -> str:
         (None, "compute_score", "is not a file or an importable module"),
         ("import no_such_module_xyz\n", "compute_score", "ModuleNotFoundError"),
         ("def other(a, b, c, d=None):\n    return 0.0\n", "compute_score", "'compute_score'"),
-        ("def compute_score(text):\n    return 0.0\n", "compute_score", "verl's arguments"),
+        ("def compute_score(text):\n    return 0.0\n", "compute_score", "expected fn(data_source"),
         ("def f(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
          "f", None),
     ],

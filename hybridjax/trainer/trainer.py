@@ -301,7 +301,7 @@ class RLTrainer:
                     tracker.log(self.validate(), 0)
                 for step in range(start + 1, self.total_steps + 1):
                     metrics = self.train_step(step)
-                    if step == start + 1:  # what loading dropped or cut, once per process
+                    if step == 1:  # what loading dropped or cut (logged at every start)
                         metrics |= self._data_metrics()
                     self.global_step = step
                     last = step == self.total_steps

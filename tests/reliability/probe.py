@@ -310,7 +310,7 @@ def _load_case(name: str, table: Callable, *needles: str, extra: tuple[str, ...]
         path = write_parquet(ctx, f"{name}.parquet", table)
         r = ctx.train(
             f"--config.data.train_files={path}",
-            f"--config.trainer.default_local_dir={ctx.trained}",
+            f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
             f"--export_hf={ctx.root / (name + '_hf')}",
             *extra,
         )
@@ -336,7 +336,7 @@ def special_tokens_counted(ctx: Context) -> tuple[str, str]:
     path = write_parquet(ctx, "special_keep.parquet", special_token_table)
     r = ctx.train(
         f"--config.data.train_files={path}",
-        f"--config.trainer.default_local_dir={ctx.trained}",
+        f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
         f"--export_hf={ctx.root / 'special_keep_hf'}",
     )
     if "1 rows have message text that spells a special token" in r.out and not r.traceback:
@@ -351,7 +351,7 @@ def truncation_counted(ctx: Context) -> tuple[str, str]:
         "--config.actor_rollout_ref.rollout.prompt_length=96",
         "--config.data.filter_overlong_prompts=False",
         "--config.data.truncation=right",
-        f"--config.trainer.default_local_dir={ctx.trained}",
+        f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
         f"--export_hf={ctx.root / 'trunc_hf'}",
     )
     counted = "prompts to max_prompt_length=96" in r.out and "assistant header" in r.out
@@ -418,14 +418,15 @@ def resume_config_mismatch(ctx: Context) -> tuple[str, str]:
 
 @case
 def export_config_mismatch(ctx: Context) -> tuple[str, str]:
-    before = snapshot(ctx.trained)
+    run = ctx.copy_run("mismatch_export")
+    before = snapshot(run)
     target = ctx.root / "mismatch_hf"
     r = ctx.train(
-        f"--config.trainer.default_local_dir={ctx.trained}",
+        f"--config.trainer.default_local_dir={run}",
         "--config.actor_rollout_ref.model.override_config.hidden_size=128",
         f"--export_hf={target}",
     )
-    if snapshot(ctx.trained) != before:
+    if snapshot(run) != before:
         return "lost", "export changed the checkpoint directory"
     return message_case(r, "global_step_3", "does not match")
 
@@ -492,7 +493,9 @@ def _occupied(ctx: Context, name: str) -> pathlib.Path:
 def export_into_occupied_dir(ctx: Context) -> tuple[str, str]:
     target = _occupied(ctx, "occupied_hf")
     before = snapshot(target)
-    r = ctx.train(f"--config.trainer.default_local_dir={ctx.trained}", f"--export_hf={target}")
+    r = ctx.train(
+        f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}", f"--export_hf={target}"
+    )
     if snapshot(target) != before:
         return "lost", f"target now holds {sorted(os.listdir(target))}"
     return message_case(r, str(target), "not empty", "--overwrite")
@@ -501,15 +504,16 @@ def export_into_occupied_dir(ctx: Context) -> tuple[str, str]:
 @case
 def export_overwrite(ctx: Context) -> tuple[str, str]:
     target = _occupied(ctx, "overwrite_hf")
-    before = snapshot(ctx.trained)
+    run = ctx.copy_run("readonly")
+    before = snapshot(run)
     r = ctx.train(
-        f"--config.trainer.default_local_dir={ctx.trained}", f"--export_hf={target}", "--overwrite"
+        f"--config.trainer.default_local_dir={run}", f"--export_hf={target}", "--overwrite"
     )
     names = sorted(os.listdir(target)) if target.is_dir() else []
     leftovers = [n for n in os.listdir(ctx.root) if n.startswith(".overwrite_hf.")]
     if r.returncode != 0:
         return message_case(r, "--overwrite")
-    if snapshot(ctx.trained) != before:
+    if snapshot(run) != before:
         return "lost", "export changed the checkpoint directory"
     if (
         names != ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

@@ -36,7 +36,7 @@ from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
 from hybridjax.errors import ConfigError, InputFileError, cli_errors
 from hybridjax.metrics import Tracking
-from hybridjax.models.config import ModelConfig
+from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.tokenizer import Tokenizer
@@ -273,12 +273,20 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     Args:
       overwrite: let the HF export replace a `trainer.output_dir` that is not empty.
     Raises:
-      ConfigError: unknown config keys, a batch size the devices do not divide.
+      ConfigError: unknown config keys, a value outside its choices, a batch size the devices
+        do not divide.
       InputFileError: unreadable data, tokenizer or model files.
       ExportError: `trainer.output_dir` is not empty and `overwrite` is False (checked first).
     """
     check_keys(cfg)
     t = cfg.trainer
+    for key, value, choices in (
+        ("trainer.resume_mode", t.resume_mode, ("auto", "disable")),
+        ("data.truncation", cfg.data.truncation, ("error", "right")),
+        ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
+    ):
+        if value not in choices:
+            raise ConfigError(f"{key}: one of {choices} (got {value!r})")
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     check_export_target(os.path.abspath(out), overwrite)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)

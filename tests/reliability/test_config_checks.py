@@ -108,3 +108,18 @@ def test_reference_pass_has_its_own_micro_batch():
     c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
     sc = build.stage_config(c, 10, 8)
     assert (sc.ref_log_prob_micro_batch_size, sc.log_prob_micro_batch_size) == (8, 16)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("trainer.resume_mode", "latest"), ("data.truncation", "left"), ("model.dtype", "fp8")],
+)
+def test_sft_choices_are_checked_before_anything_runs(key, value, tmp_path):
+    from hybridjax.sft import run_sft, sft_config
+
+    c = sft_config()
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.update_from_flattened_dict({key: value})
+    with pytest.raises(ConfigError, match=rf"{key}: one of .*got '{value}'"):
+        run_sft(c)
+    assert not (tmp_path / "run").exists()

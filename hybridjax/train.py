@@ -10,14 +10,13 @@ checkpoints, export target, a full disk) ends the run with one message and exit 
 
 from __future__ import annotations
 
-import logging
 import os
 
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from hybridjax.errors import cli_errors
+from hybridjax.errors import ConfigError, cli_errors
+from hybridjax.metrics.console import configure_logging
 
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "configs", "quickstart.py"
@@ -33,31 +32,46 @@ _OVERWRITE = flags.DEFINE_bool(
 
 
 def run(config, export_hf: str = "", overwrite: bool = False) -> None:
-    """Trains per `config`, or exports its newest checkpoint to `export_hf`."""
+    """Trains per `config`, or exports its newest checkpoint to `export_hf`.
+
+    Raises:
+      UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
+    """
     from hybridjax.checkpointing.export import check_export_target, export_actor
+    from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
     from hybridjax.trainer.trainer import RLTrainer
 
+    try:
+        initialize(DistributedConfig.from_config(config))  # before any other JAX call
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    # console: progress bar, step lines, warnings; INFO (compiles, resume) to the log file
+    # unless --verbosity=0 (one file per process: train.log, train.process1.log, ...). An
+    # export only reads the run's directory, so it logs to the console alone.
+    out = config.trainer.default_local_dir
+    logs = os.path.join(out, "logs")
+    writable = not export_hf and (os.path.isdir(out) or not os.path.lexists(out))
+    configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
     if export_hf:
         check_export_target(os.path.abspath(export_hf), overwrite)
     trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
         if export_hf:
-            export_actor(trainer, export_hf, overwrite)
+            step = export_actor(trainer, export_hf, overwrite)
+            if is_main():
+                print(f"exported the actor of step {step} to {export_hf}", flush=True)
         else:
             trainer.fit()
             from hybridjax.metrics.plots import write_plots
 
-            write_plots(os.path.join(config.trainer.default_local_dir, "logs"))
+            if is_main():
+                write_plots(logs)
     finally:
         trainer.close()
 
 
 def main(argv: list[str]) -> None:
     del argv
-    # hybridjax's own INFO lines (compiles, resume); orbax and absl only from WARNING up.
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("hybridjax").setLevel(logging.INFO)
     with cli_errors("hybridjax.train"):
         run(_CONFIG.value, _EXPORT_HF.value, _OVERWRITE.value)
 

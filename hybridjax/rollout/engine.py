@@ -211,7 +211,7 @@ class Engine:
         """Pages per layer: explicit, else from free device memory, else the CPU default."""
         if self.config.num_pages:
             return self.config.num_pages
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             log.info("no device memory statistics; %d pages", self.config.default_num_pages)
             return self.config.default_num_pages

@@ -32,7 +32,7 @@ from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
 from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT, as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
-from hybridjax.metrics.tracking import LOGGERS
+from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.rewards.manager import (
     COMBINE,
@@ -224,6 +224,9 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.test_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+        ("trainer.log_val_generations", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.log_train_generations", lambda v: v >= 0, "must be >= 0"),
+        ("actor_rollout_ref.rollout.val_kwargs.n", positive, "must be > 0"),
     ]
     for role in ("actor_rollout_ref.actor", "critic"):
         rules += [
@@ -447,6 +450,7 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
     if problems:

@@ -141,6 +141,12 @@ def message_case(result: Result, *needles: str, upfront: bool = False) -> tuple[
     return "clear", last_line(result.out)
 
 
+def run_log(run: pathlib.Path) -> str:
+    """The run's INFO log (`logs/train.log`; older versions log INFO to the console)."""
+    path = run / "logs" / "train.log"
+    return path.read_text() if path.is_file() else ""
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:200] if lines else ""
@@ -454,9 +460,10 @@ def resume_corrupt_newest(ctx: Context) -> tuple[str, str]:
         return "lost", f"checkpoints changed: {sorted(os.listdir(run))}"
     if r.returncode != 0 or r.traceback:
         return "unclear", last_line(r.out)
-    if "resumed from step 3" in r.out:
+    text = r.out + run_log(run)
+    if "resumed from step 3" in text:
         return "lost", "resumed from the corrupted step 3 (garbage weights)"
-    if "resumed from step 2" in r.out and os.path.basename(victim) in r.out:
+    if "resumed from step 2" in text and os.path.basename(victim) in r.out:
         return "documented", "fell back to step 2, warning names the file"
     return "unclear", last_line(r.out)
 
@@ -582,7 +589,7 @@ def second_sigint(ctx: Context) -> tuple[str, str]:
     log = open(ctx.root / "sigint.log", "w+")
     proc = subprocess.Popen(cmd, cwd=ctx.root, env=ctx.env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
-    while "resumed from step 3" not in (ctx.root / "sigint.log").read_text():
+    while "resumed from step 3" not in (ctx.root / "sigint.log").read_text() + run_log(run):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             return "crash", "never resumed: " + last_line((ctx.root / "sigint.log").read_text())

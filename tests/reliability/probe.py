@@ -141,6 +141,12 @@ def message_case(result: Result, *needles: str, upfront: bool = False) -> tuple[
     return "clear", last_line(result.out)
 
 
+def fresh(path: pathlib.Path) -> pathlib.Path:
+    """`path` with nothing there (an export target of an earlier probe run is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def run_log(run: pathlib.Path) -> str:
     """The run's INFO log (`logs/train.log`; older versions log INFO to the console)."""
     path = run / "logs" / "train.log"
@@ -317,7 +323,7 @@ def _load_case(name: str, table: Callable, *needles: str, extra: tuple[str, ...]
         r = ctx.train(
             f"--config.data.train_files={path}",
             f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
-            f"--export_hf={ctx.root / (name + '_hf')}",
+            f"--export_hf={fresh(ctx.root / (name + '_hf'))}",
             *extra,
         )
         return message_case(r, path, *needles)
@@ -343,7 +349,7 @@ def special_tokens_counted(ctx: Context) -> tuple[str, str]:
     r = ctx.train(
         f"--config.data.train_files={path}",
         f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
-        f"--export_hf={ctx.root / 'special_keep_hf'}",
+        f"--export_hf={fresh(ctx.root / 'special_keep_hf')}",
     )
     if "1 rows have message text that spells a special token" in r.out and not r.traceback:
         return "documented", "counted and warned"
@@ -358,7 +364,7 @@ def truncation_counted(ctx: Context) -> tuple[str, str]:
         "--config.data.filter_overlong_prompts=False",
         "--config.data.truncation=right",
         f"--config.trainer.default_local_dir={ctx.copy_run('readonly')}",
-        f"--export_hf={ctx.root / 'trunc_hf'}",
+        f"--export_hf={fresh(ctx.root / 'trunc_hf')}",
     )
     counted = "prompts to max_prompt_length=96" in r.out and "assistant header" in r.out
     return ("documented", "counted, header warning") if counted else ("silent", last_line(r.out))
@@ -474,7 +480,7 @@ def export_corrupt_newest(ctx: Context) -> tuple[str, str]:
     victim = _corrupt_newest(run)
     before = snapshot(run)
     r = ctx.train(
-        f"--config.trainer.default_local_dir={run}", f"--export_hf={ctx.root / 'corrupt_hf'}"
+        f"--config.trainer.default_local_dir={run}", f"--export_hf={fresh(ctx.root / 'corrupt_hf')}"
     )
     if snapshot(run) != before:
         return "lost", "export changed the checkpoint directory"
@@ -609,7 +615,7 @@ def second_sigint(ctx: Context) -> tuple[str, str]:
     if TRACEBACK in text:
         return "unclear", f"traceback after the second SIGINT ({took:.1f} s)"
     r = ctx.train(
-        f"--config.trainer.default_local_dir={run}", f"--export_hf={ctx.root / 'sigint_hf'}"
+        f"--config.trainer.default_local_dir={run}", f"--export_hf={fresh(ctx.root / 'sigint_hf')}"
     )
     if r.returncode != 0:
         return "lost", "the newest checkpoint no longer loads: " + last_line(r.out)
@@ -638,7 +644,8 @@ def disk_full(ctx: Context) -> tuple[str, str]:
             timeout=900,
         )
         check = ctx.train(
-            f"--config.trainer.default_local_dir={run}", f"--export_hf={ctx.root / 'full_hf'}"
+            f"--config.trainer.default_local_dir={run}",
+            f"--export_hf={fresh(ctx.root / 'full_hf')}",
         )
         if check.returncode != 0:
             return "lost", "no loadable checkpoint left: " + last_line(check.out)

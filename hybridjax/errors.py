@@ -94,7 +94,8 @@ def cli_errors(program: str) -> Iterator[None]:
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     quiet = _NoLibraryTracebacks()
     if not debug:
-        logging.getLogger("absl").addFilter(quiet)
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).addFilter(quiet)
     try:
         yield
     except UserError as err:
@@ -112,25 +113,39 @@ def cli_errors(program: str) -> Iterator[None]:
         if debug:
             traceback.print_exc()
         where = re.search(r'"(/[^"]+)"', str(full))
-        _exit(
+        print(
             f"{program}: error: disk full (No space left on device"
             f"{' writing ' + where.group(1) if where else ''}). The last completed checkpoint is "
             "kept; free space and run again to resume.",
-            EXIT_USER_ERROR,
+            file=sys.stderr,
+            flush=True,
         )
+        sys.stdout.flush()
+        # every `finally` has run; leave now, so the writer's abandoned asyncio tasks do not
+        # print their tracebacks after this message at interpreter shutdown
+        _leave_now(EXIT_USER_ERROR)
     finally:
-        logging.getLogger("absl").removeFilter(quiet)
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
+
+
+QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its writer's tasks via asyncio
 
 
 class _NoLibraryTracebacks(logging.Filter):
-    """Drops the traceback orbax logs with a failed background save (the error itself is
-    raised to `cli_errors`, which reports it in one line); the log line stays."""
+    """Drops the traceback orbax (or its asyncio tasks) log with a failed background save (the
+    error itself is raised to `cli_errors`, which reports it in one line); the line stays."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+        library = f"{os.sep}orbax{os.sep}" in record.pathname or record.name == "asyncio"
+        if record.exc_info and library:
             record.exc_info = None
             record.exc_text = None
         return True
+
+
+def _leave_now(code: int) -> None:
+    os._exit(code)
 
 
 def _exit(message: str, code: int) -> None:

@@ -649,6 +649,12 @@ def disk_full(ctx: Context) -> tuple[str, str]:
         )
         if check.returncode != 0:
             return "lost", "no loadable checkpoint left: " + last_line(check.out)
+        # orbax/TensorStore threads may print tracebacks while the save fails; the run must
+        # end with the one message as its last line
+        ours = "error: disk full" in last_line(r.out)
+        noise = " (library tracebacks above it)" if r.traceback else ""
+        if r.returncode == 2 and ours:
+            return "clear", last_line(r.out)[:120] + noise
         return message_case(r, "disk full", "checkpoint")
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)

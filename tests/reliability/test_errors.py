@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from hybridjax import errors
 from hybridjax.checkpointing.signals import StopRequest
 from hybridjax.errors import (
     EXIT_USER_ERROR,
@@ -58,6 +59,10 @@ def test_disk_full_is_found_inside_wrapped_errors(monkeypatch, capsys):
         except OSError as inner:
             raise RuntimeError("async save failed") from inner
 
+    def leave_now(code):  # the process would end here (os._exit)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(errors, "_leave_now", leave_now)
     code, stderr = _run(fn, monkeypatch, capsys)
     assert code == EXIT_USER_ERROR
     assert "disk full (No space left on device" in stderr and "last completed checkpoint" in stderr

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridjax.rollout.config import SamplingParams
-from hybridjax.rollout.engine import Engine, Prefix, Request
+from hybridjax.rollout.engine import Engine
+from hybridjax.rollout.pages import Prefix, Request
 
 # The decode loop returns to the host (to refill slots) once max_num_seqs / REFILL_DIVISOR slots
 # have finished (at least one). Each refill costs a round trip, a decode loop's page gather and

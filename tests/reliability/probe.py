@@ -14,8 +14,9 @@ the outcome as one of:
   crash       a hang, or killed by a signal it should have handled
   lost        a file the user had was changed, renamed or deleted
 
-The test suite (`tests/reliability/test_cli.py`) runs these cases and requires `clear` or
-`documented`; run this module against another checkout (`PYTHONPATH=<checkout>`) to count.
+The test suite (`tests/reliability/test_cli.py`) runs the checkpoint, export, data and signal
+cases and requires `clear` or `documented` (the config cases run there batched in one process);
+`--pythonpath <checkout>` probes another checkout, to count before and after a change.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from flax import nnx
 
 from hybridjax.errors import CheckpointError, ExportError
 from hybridjax.models.hf_io import save_pretrained
+from hybridjax.models.lora import LoRAModel, merged_model, save_peft_adapter
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,12 @@ def check_export_target(directory: str, overwrite: bool) -> None:
         raise ExportError(f"export target {directory} exists and is not a directory")
 
 
-def write_hf_export(model, tokenizer, directory: str, overwrite: bool = False) -> None:
-    """Writes `model` (a CausalLM) and `tokenizer` to `directory` in HF layout, atomically.
+def write_hf_export(
+    model, tokenizer, directory: str, overwrite: bool = False, adapter_base: str = ""
+) -> None:
+    """Writes `model` (a CausalLM) and `tokenizer` to `directory` in HF layout, atomically. A
+    LoRA model is written with its adapters merged into the weights, and the adapters alone
+    (peft layout, base model `adapter_base`) under `adapter/`.
 
     Raises:
       ExportError: the target is not empty and `overwrite` is False, or is a file.
@@ -51,13 +56,15 @@ def write_hf_export(model, tokenizer, directory: str, overwrite: bool = False) -
     directory = os.path.abspath(directory.rstrip("/"))
     check_export_target(directory, overwrite)
     if jax.process_index() != 0:  # gathering is collective; only process 0 writes
-        save_pretrained(model, directory)
+        save_pretrained(merged_model(model), directory)
         return
     parent, name = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.export-tmp-", dir=parent)
     try:
-        save_pretrained(model, tmp)
+        save_pretrained(merged_model(model), tmp)  # LoRA: adapters merged into the weights
+        if isinstance(model, LoRAModel):  # and the adapters alone, for peft
+            save_peft_adapter(model, os.path.join(tmp, "adapter"), adapter_base)
         tokenizer.save(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if os.path.isdir(directory):
@@ -89,6 +96,7 @@ def export_actor(trainer, directory: str, overwrite: bool = False) -> int:
             "(trainer.default_local_dir, or trainer.resume_mode=<path>/global_step_<N>)"
         )
     model = nnx.merge(trainer.actor_graphdef, trainer.actor_state.params)
-    write_hf_export(model, trainer.tokenizer, directory, overwrite)
+    write_hf_export(model, trainer.tokenizer, directory, overwrite,
+                    adapter_base=trainer.cfg.actor_rollout_ref.model.path)  # fmt: skip
     log.info("exported the actor of step %d to %s", step, directory)
     return step

@@ -34,6 +34,7 @@ from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT, as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
 from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
+from hybridjax.models.lora import LoRAConfig
 from hybridjax.rewards.manager import (
     COMBINE,
     ON_ERROR_POLICIES,
@@ -44,6 +45,7 @@ from hybridjax.rewards.registry import load_custom_reward_function
 from hybridjax.rewards.scoring import check_signature
 from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
 
@@ -408,7 +410,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
             rewards_BxT,
             mask_BxT,
             config=algorithm,
-            group_size=n,
+            uid_B=jnp.arange(2 * n) // n,
             values_BxT=values_BxT,
             reward_baselines_B=baselines_B,
         )
@@ -420,6 +422,15 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     except ValueError as err:
         hint = "" if c.critic.enable else " (set critic.enable=True for a critic's values)"
         return [f"algorithm.adv_estimator: {c.algorithm.adv_estimator!r}: {err}{hint}"]
+    return []
+
+
+def _lora_problems(c: ConfigDict) -> list[str]:
+    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    try:
+        LoRAConfig.from_config(c.actor_rollout_ref.model)
+    except ValueError as err:
+        return str(err).split("; ")
     return []
 
 
@@ -448,8 +459,9 @@ def validate(
             value = _get(cfg, key)
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
-        problems += _structure_problems(cfg, n_devices)
+        problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)

@@ -48,6 +48,7 @@ from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
+from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
@@ -460,6 +461,7 @@ def validate(
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
+        problems += packing_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)

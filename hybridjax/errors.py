@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 DEBUG_ENV = "HYBRIDJAX_DEBUG"
 EXIT_USER_ERROR = 2  # absl's flag errors exit with 1; a bad input exits with 2
@@ -152,3 +152,26 @@ def _exit(message: str, code: int) -> None:
     sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def run_main(main: Callable[[list[str]], None], program: str) -> None:
+    """`absl.app.run(main)`, with a mistake in the command line's flags (an unknown
+    `--config.a.b` key, a value of the wrong type) reported in one line, exit code 2, instead of
+    the config library's traceback (kept with `HYBRIDJAX_DEBUG=1`)."""
+    from absl import app, flags
+
+    try:
+        app.run(main)
+    except Exception as err:  # noqa: BLE001 - only errors of flag parsing are handled here
+        if flags.FLAGS.is_parsed() or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        missing = isinstance(err, KeyError | AttributeError)  # ml_collections' unknown key
+        text = err.args[0] if missing and err.args else str(err)
+        text = str(text).replace("\\n", " ").replace("\\'", "'").strip("'\"")
+        text = " ".join(text.split())
+        if missing:
+            m = re.search(r"(\w+)'? Did you mean \"(\w+)\"", text)
+            text = f"unknown config key {m[1] if m else text!r}" + (
+                f"; did you mean {m[2]!r}?" if m else ""
+            )
+        _exit(f"{program}: error: in the command line's flags: {text}", EXIT_USER_ERROR)

@@ -33,7 +33,7 @@ from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.checkpointing.export import check_export_target
-from hybridjax.errors import ConfigError, InputFileError, cli_errors
+from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.decoder import CausalLM
@@ -374,11 +374,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "SFT config file", lock_config=True)
     _OVERWRITE = flags.DEFINE_bool(
         "overwrite", False, "let the HF export replace a trainer.output_dir that is not empty"
     )
-    app.run(main)
+    run_main(main, "hybridjax.sft")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from hybridjax.errors import ConfigError, cli_errors
+from hybridjax.errors import ConfigError, cli_errors, run_main
 from hybridjax.metrics.console import configure_logging
 
 DEFAULT_CONFIG = os.path.join(
@@ -77,4 +77,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main, "hybridjax.train")

@@ -5,7 +5,11 @@ keeps its traceback."""
 from __future__ import annotations
 
 import errno
+import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +108,30 @@ def test_first_signal_requests_a_stop_and_the_second_is_left_to_the_os():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (
+            "--config.actor_rollout_ref.rollout.val_kwarg.n=4",
+            "unknown config key 'val_kwarg'; did you mean 'val_kwargs'?",
+        ),
+        ("--config.trainer.nope=1", "unknown config key 'nope'"),
+    ],
+)
+def test_unknown_key_on_the_command_line_is_one_line(flag, message):
+    """A mistyped `--config.a.b` key: one line naming it, exit code 2, no traceback."""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridjax.train", f"--config={repo}/configs/tiny.py", flag],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != errors.DEBUG_ENV},
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"hybridjax.train: error: in the command line's flags: {message}"
+    )
+    assert "Traceback" not in out.stderr

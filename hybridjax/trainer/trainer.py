@@ -321,6 +321,13 @@ class RLTrainer:
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
                     tracker.log(metrics, step)
                     if stopping:
+                        log.warning(
+                            "stopped after step %d of %d; checkpoint saved under %s (run the "
+                            "same command to resume)",
+                            step,
+                            self.total_steps,
+                            t.default_local_dir,
+                        )
                         break
         finally:
             self.checkpointer.wait()

@@ -41,6 +41,7 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
     from hybridjax.trainer.trainer import RLTrainer
 
+    configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
         initialize(DistributedConfig.from_config(config))  # before any other JAX call
     except ValueError as err:

@@ -171,6 +171,9 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
         )
     if algo.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
+    if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
+        reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
     if algo.rollout_is_threshold > 0:
         reasons.append(
             "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "

@@ -31,13 +31,11 @@ from hybridjax.models.config import to_dtype
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
-    MeshConfig,
     load_to_device,
-    make_meshes,
     offload_to_host,
     state_shardings,
-    update_weights,
 )
+from hybridjax.sharding.pools import make_placement, sync_weights
 from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
@@ -66,7 +64,9 @@ class RLTrainer:
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
         check_reward_servers(cfg)  # fails fast, before any model is loaded
-        self.meshes = make_meshes(MeshConfig.from_config(cfg))
+        # placement: training mesh of the actor's pool, generation mesh of the rollout's pool
+        self.placement = make_placement(cfg)
+        self.meshes = self.placement.meshes()
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
 
@@ -121,7 +121,7 @@ class RLTrainer:
 
     def _update_weights(self) -> int:
         """Re-lays the actor's weights into the generation layout; returns bytes moved."""
-        params, nbytes = update_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
+        params, nbytes = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
         self.engine.update_weights(params)
         return nbytes
 

@@ -7,7 +7,8 @@ placement of every role on a pool.
     placement.<role>                    the pool of `actor` (training), `rollout` (generation),
                                         `ref`, `critic`, `reward_model`
 
-Pools take consecutive slices of `jax.devices()` in their config order (flat order, which under
+Pools take consecutive slices of `jax.devices()` in the order of their names (ConfigDict keeps
+its keys sorted), in flat device order (which under
 `jax.distributed` spans every process), so a pool can later span hosts. The default is one pool,
 `global_pool`, holding every device and every role: the hybrid engine co-located, as before.
 
@@ -195,7 +196,7 @@ def pool_config(cfg: Any, pool_name: str, n_devices: int) -> Any:
 
 
 def make_placement(cfg: Any, devices: Sequence[Any] | None = None) -> Placement:
-    """The pools over `devices` (default `jax.devices()`), consecutive slices in config order.
+    """The pools over `devices` (default `jax.devices()`), consecutive slices in name order.
 
     Raises:
       ValueError: listing `placement_problems` (the trainer checks them earlier, with the rest

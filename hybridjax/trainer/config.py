@@ -176,7 +176,7 @@ def base_config() -> ConfigDict:
         generate=dict(data=-1, tensor=1),
     )
     # verl's resource pools: name -> n_devices (-1 = the rest) and optional train / generate
-    # mesh shapes (default mesh.*); pools take consecutive devices in this order
+    # mesh shapes (default mesh.*); pools take consecutive devices in the order of their names
     # (hybridjax.sharding.pools)
     c.resource_pool = dict(global_pool=dict(n_devices=-1))
     c.placement = dict(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ from hybridjax.sharding import (
 )
 from hybridjax.sharding.pools import make_placement, sync_weights
 from hybridjax.trainer import build, step
+from hybridjax.trainer.async_rollout import RolloutAhead, staleness_metrics
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
@@ -95,6 +97,8 @@ class RLTrainer:
         engine_config = RolloutConfig.from_config(rollout)
         actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
         self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
+        self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
+        self.weights_version = 0  # actor updates in the weights the rollout has
         self._update_weights()
         self.reward = RewardStage.from_config(
             cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
@@ -120,10 +124,71 @@ class RLTrainer:
         return self.models.critic_state
 
     def _update_weights(self) -> int:
-        """Re-lays the actor's weights into the generation layout; returns bytes moved."""
+        """Re-lays the actor's weights into the rollout pool's generation layout (handed to the
+        engine, or with a rollout ahead published as `weights_version`); returns bytes moved.
+        Split pools report the move's own time as `timing_s/update_weights`."""
+        start = time.perf_counter()
         params, nbytes = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
-        self.engine.update_weights(params)
+        if not self.placement.co_located:
+            jax.block_until_ready(params)
+            self._sync_time = time.perf_counter() - start
+        if self.rollout_ahead is None:
+            self.engine.update_weights(params)
+        else:
+            self.rollout_ahead.publish(params, self.weights_version)
         return nbytes
+
+    # --------------------------------------------------------- placement and asynchrony (issue 16)
+
+    def _rollout_ahead(self) -> RolloutAhead | None:
+        """The rollout thread of `trainer.rollout_mode` one_step_off / async (see async_rollout)."""
+        t = self.cfg.trainer
+        if t.rollout_mode == "sync":
+            return None
+        lag = 1 if t.rollout_mode == "one_step_off" else t.staleness_threshold
+
+        def generate(prompts, n):
+            batch, host, greedy = self._rollout(prompts, n)
+            return (batch, host, greedy), len(host.response_lengths)
+
+        self._data_states = []  # loader state before each batch drawn ahead, oldest first
+
+        def next_prompts():
+            self._data_states = self._data_states[-lag:] + [self.train_loader.get_state()]
+            return next(self.train_loader)
+
+        return RolloutAhead(
+            generate, self.engine.update_weights, next_prompts, lag, self.total_steps
+        )
+
+    def _rollout(self, prompts, n: int):
+        """One batch of samples (+ greedy responses when the estimator needs a baseline)."""
+        sampling = self._sampling(n)
+        pad = self.tokenizer.pad_token_id
+        batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+        greedy = None
+        if self.greedy_baseline:
+            argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
+            greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
+        return batch, host, greedy
+
+    def _data_state(self) -> Any:
+        """The loader state after the last trained batch: batches drawn ahead of training are
+        drawn again after a restore."""
+        ahead = len(self._data_states) if self.rollout_ahead is not None else 0
+        drawn_ahead = self.rollout_ahead.requested - self.global_step if ahead else 0
+        if drawn_ahead > 0:
+            return self._data_states[-drawn_ahead]
+        return self.train_loader.get_state()
+
+    def _take_rollout(self, n: int, timing: dict[str, float], metrics: dict[str, float]):
+        """Step `n`'s batch from the rollout thread: its timings and staleness into the step's."""
+        rollout = self.rollout_ahead.take(n, timing)
+        for key, seconds in rollout.timing.items():
+            timing[key] = timing.get(key, 0.0) + seconds
+        self.policy_versions = rollout.versions
+        metrics |= staleness_metrics(rollout.versions, n)
+        return rollout.output
 
     def _sampling(self, step: int, validate: bool = False) -> SamplingParams:
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -138,7 +203,11 @@ class RLTrainer:
         sc = self.stage_cfg
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+            self.weights_version = n  # this step's update makes policy version n
+            if self.rollout_ahead is None:
+                batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+            else:
+                batch, host, greedy = self._take_rollout(n, timing, async_metrics := {})
             batch, self.kl_coef, device, result = step.prepare(
                 self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
             )
@@ -154,6 +223,10 @@ class RLTrainer:
         self.nan_guard.count(int(metrics.pop("nan_skipped")), n)
         metrics |= {k: float(v) for k, v in result.metrics.items()}
         metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
+        if self.rollout_ahead is not None:
+            metrics |= async_metrics
+        if not self.placement.co_located:
+            metrics["timing_s/update_weights"] = self._sync_time
         seq_lens = host.prompt_lengths + host.response_lengths
         metrics |= compute_perf_metrics(
             seq_lens,
@@ -180,13 +253,7 @@ class RLTrainer:
             with timed(timing, "offload"):
                 self.models = move_idle_states(self.models, self.offload, offload_to_host)
         with timed(timing, "gen"):
-            sampling = self._sampling(n)
-            pad = self.tokenizer.pad_token_id
-            batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
-            greedy = None
-            if self.greedy_baseline:
-                argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-                greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
+            batch, host, greedy = self._rollout(prompts, n)
         if self.offload_any:
             with timed(timing, "onload"):
                 self.models = move_idle_states(self.models, self.offload, load_to_device)
@@ -197,6 +264,14 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         sampling = self._sampling(self.global_step, validate=True)
+        if self.rollout_ahead is None:
+            return self._validate(sampling)
+        with self.rollout_ahead.engine_lock:  # waits for the batch being generated
+            params, _ = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
+            self.engine.update_weights(params)  # the trained weights; each request sets its own
+            return self._validate(sampling)
+
+    def _validate(self, sampling: SamplingParams) -> dict[str, float]:
         return validate(
             self.engine,
             self.val_loader,
@@ -218,7 +293,7 @@ class RLTrainer:
         """Checkpoints the current step (asynchronously; refused if any value is non-finite)."""
         meta = {
             "global_step": self.global_step,
-            "data": self.train_loader.get_state(),
+            "data": self._data_state(),
             "nan_consecutive": self.nan_guard.consecutive,
             "nan_total": self.nan_guard.total,
         }
@@ -243,6 +318,7 @@ class RLTrainer:
             self.models, actor_state=tree["actor"], critic_state=tree.get("critic")
         )
         self.kl_coef = tree["kl_coef"]
+        self.weights_version = meta["global_step"]
         self.train_loader.set_state(meta["data"])
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (
@@ -290,5 +366,7 @@ class RLTrainer:
         return metrics
 
     def close(self) -> None:
+        if self.rollout_ahead is not None:
+            self.rollout_ahead.close()
         self.checkpointer.close()
         self.reward.close()

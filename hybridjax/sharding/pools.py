@@ -158,6 +158,8 @@ def placement_problems(cfg: Any, n_devices: int) -> list[str]:
     if problems:
         return problems
     for name, pool in dict(cfg.resource_pool).items():
+        if len(sizes) == 1:  # every device: `parallelism_problems` checks mesh.* as before
+            break
         mesh = _pool_mesh(cfg, pool)
         for layout in ("train", "generate"):
             try:

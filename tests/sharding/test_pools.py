@@ -136,3 +136,19 @@ def test_weight_sync_across_pools_is_bit_exact_both_ways():
     assert half * 2 == nbytes
     for a, b in zip(_leaves(params), _leaves(cast), strict=True):
         np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
+
+
+def test_rollout_mode_keys_are_checked():
+    c = load_config_file("tiny")
+    c.data.train_files, c.data.val_files = __file__, ""
+    c.trainer.rollout_mode = "eager"
+    c.trainer.staleness_threshold = 2  # read only by async
+    c.actor_rollout_ref.actor.fsdp_config.param_offload = True
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    message = str(err.value)
+    assert "trainer.rollout_mode: one of ('sync', 'one_step_off', 'async') (got 'eager')" in message
+    assert (
+        "trainer.staleness_threshold (2) is read only with trainer.rollout_mode='async'" in message
+    )
+    assert "['actor_rollout_ref.actor.fsdp_config.param_offload'] offload" in message

@@ -61,7 +61,7 @@ def test_split_pools_give_the_co_located_step(data, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_staleness_zero_is_sync_and_one_step_off_lags_by_one(data, tmp_path):
+def test_staleness_zero_is_sync(data, tmp_path):
     _, sync, params_sync = _steps(_config(data, tmp_path / "s", split=True), 3)
     async0 = _config(data, tmp_path / "a", split=True, **{"trainer.rollout_mode": "async"})
     async0.trainer.staleness_threshold = 0
@@ -72,6 +72,8 @@ def test_staleness_zero_is_sync_and_one_step_off_lags_by_one(data, tmp_path):
     for a, b in zip(params_sync, params_zero, strict=True):
         np.testing.assert_array_equal(a, b)
 
+
+def test_one_step_off_lags_by_exactly_one(data, tmp_path):
     off = _config(
         data,
         tmp_path / "o",

@@ -62,10 +62,10 @@ def test_split_pools_give_the_co_located_step(data, tmp_path):
 
 
 def test_staleness_zero_is_sync(data, tmp_path):
-    _, sync, params_sync = _steps(_config(data, tmp_path / "s", split=True), 3)
+    _, sync, params_sync = _steps(_config(data, tmp_path / "s", split=True), 2)
     async0 = _config(data, tmp_path / "a", split=True, **{"trainer.rollout_mode": "async"})
     async0.trainer.staleness_threshold = 0
-    _, zero, params_zero = _steps(async0, 3)
+    _, zero, params_zero = _steps(async0, 2)
     for m_sync, m_zero in zip(sync, zero, strict=True):
         assert _numbers(m_sync) == _numbers(m_zero)
         assert m_zero["async/staleness_max"] == 0

@@ -43,7 +43,7 @@ DEFAULT_POOL = "global_pool"
 POOL_KEYS = {"n_devices", "train", "generate"}
 # Roles that run on the actor's pool in this version: their stages read the batch where the
 # actor's stages leave it (moving the batch to another pool and back is not wired yet).
-WITH_ACTOR = ("ref", "critic", "reward_model")
+WITH_ACTOR = ("ref", "critic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,11 @@ class Placement:
         """The pool of `role` (one of `ROLES`)."""
         name = self.roles[role]
         return next(p for p in self.pools if p.name == name)
+
+    def train_mesh(self, role: str):
+        """The training-layout mesh of `role`'s pool (forward passes use it too)."""
+        pool = self.pool(role)
+        return make_meshes(pool.mesh, pool.devices).train
 
     def meshes(self) -> HybridMeshes:
         """(training mesh of the actor's pool, generation mesh of the rollout's pool): with one

@@ -234,10 +234,16 @@ class Models:
 
 
 def build_models(
-    cfg: ConfigDict, actor_config: ModelConfig, mesh, stage: StageConfig, use_ref: bool
+    cfg: ConfigDict,
+    actor_config: ModelConfig,
+    mesh,
+    stage: StageConfig,
+    use_ref: bool,
+    reward_mesh=None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout."""
+    `reward_model.enable`) with fresh optimizer states, each in its training layout; the reward
+    model on `reward_mesh` (its pool's training mesh) when given, else on `mesh`."""
     seed = cfg.trainer.seed
     actor = build_actor(cfg, actor_config, mesh, seed)
     actor_graphdef, params = nnx.split(actor)
@@ -247,7 +253,7 @@ def build_models(
         critic_graphdef, critic_params = nnx.split(critic)
         critic_state = _init_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
-        reward_model = nnx.split(build_reward_model(cfg, mesh))
+        reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
     return Models(
         actor_graphdef=actor_graphdef,
         actor_state=_init_train_state(params, stage.actor_optim),

@@ -71,6 +71,9 @@ class RewardStage:
       data_parallel: batch shards of the training mesh (data × fsdp).
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
+      model_sharding: the batch axes of the reward model's own pool when it is not the
+        actor's (`placement.reward_model`): its inputs move there and its scores back; None
+        when they share one.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class RewardStage:
         data_parallel: int,
         model_client: RemoteClient | None = None,
         combine: str = "replace",
+        model_sharding: NamedSharding | None = None,
     ):
         self.manager = manager
         self.tokenizer = tokenizer
@@ -92,11 +96,14 @@ class RewardStage:
         self.data_parallel = data_parallel
         self.model_client = model_client
         self.combine = combine
+        self.model_sharding = model_sharding
         self._model_batches = 0
         self._posts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-model")
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, reward_model, sharding, data_parallel) -> RewardStage:
+    def from_config(
+        cls, cfg, tokenizer, reward_model, sharding, data_parallel, model_sharding=None
+    ) -> RewardStage:
         """The stage of a trainer config (`reward_model.*`, `custom_reward_function.*`).
 
         Raises:
@@ -116,6 +123,7 @@ class RewardStage:
             data_parallel,
             client,
             config.combine,
+            model_sharding,
         )
 
     def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
@@ -124,16 +132,22 @@ class RewardStage:
         model = None
         if self.reward_model is not None:
             graphdef, params = self.reward_model
-            model, _ = score_responses(
-                graphdef,
-                params,
+            inputs = (
                 batch.prompts,
                 batch.attention_mask[:, : batch.prompts.shape[1]],
                 batch.responses,
                 batch.response_mask,
-                micro_batch_size=forward_micro_batch(
-                    self.micro_per_device, batch.batch_size, self.data_parallel
-                ),
+            )
+            dp = self.data_parallel
+            if self.model_sharding is not None:  # the model's own pool (async copy there)
+                inputs = jax.device_put(inputs, self.model_sharding)
+                mesh = self.model_sharding.mesh
+                dp = mesh.shape["data"] * mesh.shape["fsdp"]
+            model, _ = score_responses(
+                graphdef,
+                params,
+                *inputs,
+                micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
             )
         elif self.model_client is not None:
             # Host sync (small): every process gets the whole batch's prompt ids.
@@ -171,6 +185,8 @@ class RewardStage:
             host_scores, metrics = pending.model.result()
             model = put_global(host_scores, self.sharding)
             result = dataclasses.replace(result, metrics=_merge(result.metrics, metrics))
+        elif self.model_sharding is not None:  # back from the reward model's pool
+            model = jax.device_put(pending.model, self.sharding)
         else:
             model = pending.model
         scores = model + rule_scores() if self.combine == "sum" else model

@@ -86,8 +86,11 @@ class RLTrainer:
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)
         self.offload_any = any_offload(self.offload)
+        reward_mesh = None  # the reward model on its own pool (placement.reward_model)
+        if self.placement.roles["reward_model"] != self.placement.roles["actor"]:
+            reward_mesh = self.placement.train_mesh("reward_model")
         self.models = build.build_models(
-            cfg, self.actor_config, self.meshes.train, sc, self.use_ref
+            cfg, self.actor_config, self.meshes.train, sc, self.use_ref, reward_mesh
         )
         rollout = cfg.actor_rollout_ref.rollout
         self.gen_dtype = to_dtype(rollout.dtype)
@@ -100,8 +103,11 @@ class RLTrainer:
         self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
         self.weights_version = 0  # actor updates in the weights the rollout has
         self._update_weights()
+        rm_sharding = None
+        if reward_mesh is not None:
+            rm_sharding = NamedSharding(reward_mesh, PartitionSpec(("data", "fsdp")))
         self.reward = RewardStage.from_config(
-            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
+            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp, rm_sharding
         )
         self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)

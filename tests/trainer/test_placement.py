@@ -5,10 +5,16 @@ first on weights one update newer than the ones that sampled it, with rollout IS
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from hybridjax.models.decoder import SequenceClassifier
+from hybridjax.models.hf_io import save_pretrained
+from hybridjax.trainer import build
 from hybridjax.trainer.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, tiny_config
 
@@ -48,17 +54,34 @@ def _numbers(metrics: dict) -> dict:
 
 
 def test_split_pools_give_the_co_located_step(data, tmp_path):
-    _, (together,), params_together = _steps(_config(data, tmp_path / "a", split=False), 1)
-    trainer, (split,), params_split = _steps(_config(data, tmp_path / "b", split=True), 1)
+    """With a (random) reward model: all on 8 devices; rollout on 4 + the rest on 4; training
+    on 4, reward model on 2, rollout on 2. Same first step within 1e-6."""
+    rm = {"reward_model.enable": True, "reward_model.model.path": str(tmp_path / "rm")}
+    together_cfg = _config(data, tmp_path / "a", split=False, **rm)
+    shape = build.actor_model_config(together_cfg, build.load_tokenizer(together_cfg))
+    classifier = SequenceClassifier(dataclasses.replace(shape, num_labels=1), nnx.Rngs(7))
+    save_pretrained(classifier, tmp_path / "rm")
+    _, (together,), params_together = _steps(together_cfg, 1)
+    trainer, (split,), params_split = _steps(_config(data, tmp_path / "b", split=True, **rm), 1)
     # pools take devices in name order: global_pool 0-3, rollout_pool 4-7
     assert {d.id for d in trainer.meshes.train.devices.flat} == {0, 1, 2, 3}
     assert {d.id for d in trainer.meshes.generate.devices.flat} == {4, 5, 6, 7}
     assert split["timing_s/update_weights"] > 0 and split["perf/reshard_bytes"] > 0
-    assert _numbers(split).keys() == _numbers(together).keys()
-    for key, value in _numbers(together).items():
-        np.testing.assert_allclose(split[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
-    for a, b in zip(params_together, params_split, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    three = _config(data, tmp_path / "c", split=False, **rm)
+    three.resource_pool = dict(
+        global_pool=dict(n_devices=4), reward_pool=dict(n_devices=2), rollout_pool=dict(n_devices=2)
+    )
+    three.placement.update(dict(rollout="rollout_pool", reward_model="reward_pool"))
+    trainer, (third,), params_third = _steps(three, 1)
+    _, rm_params = trainer.models.reward_model
+    assert {d.id for x in jax.tree.leaves(rm_params) for d in x.sharding.device_set} == {4, 5}
+    assert {d.id for d in trainer.meshes.generate.devices.flat} == {6, 7}
+    for metrics, params in ((split, params_split), (third, params_third)):
+        assert _numbers(metrics).keys() == _numbers(together).keys()
+        for key, value in _numbers(together).items():
+            np.testing.assert_allclose(metrics[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+        for a, b in zip(params_together, params, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_staleness_zero_is_sync(data, tmp_path):

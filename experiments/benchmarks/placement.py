@@ -1,5 +1,6 @@
 """Placement and asynchrony: `sync` on one co-located pool against `one_step_off` with the
-rollout on its own pool, on the same trainer config and device count.
+rollout on its own pool, on the same trainer config and device count, plus `sync_split` (`sync`
+on the split pools), which separates the gain of the overlap from that of the placement.
 
 Each mode runs `warmup + steps` RL steps of `RLTrainer`; reported per mode: steps/hour, tokens/s
 (the medians of the timed steps' `timing_s/step` and `perf/total_num_tokens`), the stage times,
@@ -28,18 +29,25 @@ import time
 from experiments.benchmarks.throughput import load_trainer_config
 
 log = logging.getLogger(__name__)
-MODES = ("sync", "one_step_off")
+# run name -> (trainer.rollout_mode, rollout on its own pool). `sync_split` is the control: the
+# same pools as `one_step_off` without the overlap, so the two differ only by the overlap.
+MODES = {
+    "sync": ("sync", False),
+    "sync_split": ("sync", True),
+    "one_step_off": ("one_step_off", True),
+}
 
 
-def _trainer_config(cfg, mode: str, out_dir: pathlib.Path, n_devices: int):
+def _trainer_config(cfg, name: str, out_dir: pathlib.Path, n_devices: int):
     c = load_trainer_config(cfg.trainer_config)
     c.update_from_flattened_dict(json.loads(cfg.overrides or "{}"))
     t = c.trainer
-    t.default_local_dir = str(out_dir / mode / "checkpoints")
+    mode, split = MODES[name]
+    t.default_local_dir = str(out_dir / name / "checkpoints")
     t.logger, t.progress_bar, t.resume_mode = (), False, "disable"
     t.val_before_train, t.test_freq, t.save_freq = False, -1, -1
     t.total_training_steps = cfg.warmup + cfg.steps
-    if mode != "sync":  # training keeps global_pool, so every other role stays with it
+    if split:  # training keeps global_pool, so every other role stays with it
         rest = n_devices - cfg.rollout_devices
         c.resource_pool = dict(
             global_pool=dict(n_devices=rest), rollout_pool=dict(n_devices=cfg.rollout_devices)
@@ -49,10 +57,10 @@ def _trainer_config(cfg, mode: str, out_dir: pathlib.Path, n_devices: int):
     return c
 
 
-def _run_mode(cfg, mode: str, out_dir: pathlib.Path, n_devices: int) -> dict:
+def _run_mode(cfg, name: str, out_dir: pathlib.Path, n_devices: int) -> dict:
     from hybridjax.trainer.trainer import RLTrainer
 
-    trainer = RLTrainer(_trainer_config(cfg, mode, out_dir, n_devices))
+    trainer = RLTrainer(_trainer_config(cfg, name, out_dir, n_devices))
     steps, spans = [], []
     origin = time.perf_counter()
     try:
@@ -62,13 +70,14 @@ def _run_mode(cfg, mode: str, out_dir: pathlib.Path, n_devices: int) -> dict:
             end = time.perf_counter()
             steps.append(metrics)
             wait = metrics.get("timing_s/wait_rollout", 0.0)
-            if trainer.rollout_ahead is None:  # generation, then training, on every device
+            if trainer.rollout_ahead is None:  # generation, then training
                 gen = metrics["timing_s/gen"]
-                spans.append(("all devices", "gen", n, start, start + gen))
-                spans.append(("all devices", "train", n, start + gen, end))
+                rows = ("all devices",) * 2 if name == "sync" else ("rollout pool", "training pool")
+                spans.append((rows[0], "gen", n, start, start + gen))
+                spans.append((rows[1], "train", n, start + gen, end))
             else:
                 spans.append(("training pool", "train", n, start + wait, end))
-            log.info("%s step %d: %s", mode, n, json.dumps(metrics))
+            log.info("%s step %d: %s", name, n, json.dumps(metrics))
         if trainer.rollout_ahead is not None:
             for _, n, start, end in trainer.rollout_ahead.events:
                 spans.append(("rollout pool", "gen", n, start, end))
@@ -79,7 +88,7 @@ def _run_mode(cfg, mode: str, out_dir: pathlib.Path, n_devices: int) -> dict:
     step_s, tokens = med("timing_s/step"), med("perf/total_num_tokens")
     keys = sorted({k for m in timed for k in m if k.startswith(("timing_s/", "async/"))})
     return {
-        "mode": mode,
+        "rollout_mode": MODES[name][0],
         "placement": {p.name: len(p.devices) for p in trainer.placement.pools},
         "step_time_s": step_s,
         "steps_per_hour": 3600.0 / step_s,
@@ -101,14 +110,15 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
             f"placement.rollout_devices ({cfg.rollout_devices}) must leave devices for training "
             f"(of {n_devices})"
         )
-    runs = {mode: _run_mode(cfg, mode, out_dir, n_devices) for mode in MODES}
-    base = runs["sync"]["steps_per_hour"]
+    runs = {name: _run_mode(cfg, name, out_dir, n_devices) for name in MODES}
+    rate = lambda name: runs[name]["steps_per_hour"]
     return {
         "devices": n_devices,
         "trainer_config": cfg.trainer_config,
         "host_cpus": _cpus(),
         "runs": runs,
-        "speedup_one_step_off": runs["one_step_off"]["steps_per_hour"] / base,
+        "speedup_one_step_off": rate("one_step_off") / rate("sync"),
+        "speedup_of_the_overlap": rate("one_step_off") / rate("sync_split"),
     }
 
 

@@ -22,10 +22,11 @@ def _bench_config():
 
 def test_both_modes_configs_pass_the_start_up_check(tmp_path):
     cfg = _bench_config()
-    for mode in placement.MODES:
-        trainer_cfg = placement._trainer_config(cfg, mode, tmp_path, 8)
+    for name, (mode, split) in placement.MODES.items():
+        trainer_cfg = placement._trainer_config(cfg, name, tmp_path, 8)
         validate(trainer_cfg, 8)
         assert trainer_cfg.trainer.rollout_mode == mode
+        assert trainer_cfg.placement.rollout == ("rollout_pool" if split else "global_pool")
     assert dict(trainer_cfg.resource_pool.rollout_pool) == {"n_devices": 4}
 
 

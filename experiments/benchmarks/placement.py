@@ -114,6 +114,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     rate = lambda name: runs[name]["steps_per_hour"]
     return {
         "devices": n_devices,
+        "warmup": cfg.warmup,
         "trainer_config": cfg.trainer_config,
         "host_cpus": _cpus(),
         "runs": runs,
@@ -129,7 +130,9 @@ def _cpus() -> int:
 
 
 def plot(summary: dict, out_dir: pathlib.Path) -> None:
-    """`timeline.png`: per mode, one row per pool, a bar per generation / training span."""
+    """`timeline.png`: per mode, one row per pool, a bar per generation / training span of the
+    timed steps (from the first timed step's start; the warmup's compiles would dwarf them; a
+    batch generated during the warmup is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,17 +142,23 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.6 + 1.2 * len(runs)), sharex=True)
     colors = {"gen": "C1", "train": "C0"}
     for ax, (mode, run) in zip(axes, runs.items(), strict=True):
-        rows = sorted({s["row"] for s in run["timeline"]})
-        for span in run["timeline"]:
-            y = rows.index(span["row"])
-            ax.barh(y, span["end"] - span["start"], left=span["start"], color=colors[span["stage"]])
-            ax.text(span["start"], y, f"{span['stage'][0]}{span['step']}", va="center", fontsize=7)
+        timed = [s for s in run["timeline"] if s["step"] > summary["warmup"]]
+        origin = min(s["start"] for s in timed if s["stage"] == "train")
+        timed = [s for s in timed if s["end"] > origin - 2.0]  # not made during the warmup
+        rows = sorted({s["row"] for s in timed})
+        for span in timed:
+            y, start = rows.index(span["row"]), span["start"] - origin
+            width, color = span["end"] - span["start"], colors[span["stage"]]
+            ax.barh(y, width, left=start, color=color, edgecolor="white")
+            ax.text(start, y, f" {span['stage'][0]}{span['step']}", va="center", fontsize=7)
         ax.set_yticks(range(len(rows)), rows)
         ax.set_title(
             f"{mode}: {run['steps_per_hour']:.0f} steps/h, {run['tokens_per_s']:.0f} tokens/s",
             fontsize=9,
         )
-    axes[-1].set_xlabel("seconds (g = generation of batch k, t = training step k)")
+    axes[-1].set_xlabel(
+        "seconds from the first timed step (g = generation of batch k, t = training step k)"
+    )
     fig.tight_layout()
     fig.savefig(out_dir / "timeline.png", dpi=100)
     plt.close(fig)

@@ -47,5 +47,5 @@ def test_timeline_plot(tmp_path):
             ],
         ),
     }
-    placement.plot({"runs": runs}, tmp_path)
+    placement.plot({"runs": runs, "warmup": 0}, tmp_path)
     assert (tmp_path / "timeline.png").stat().st_size > 0

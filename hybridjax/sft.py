@@ -31,7 +31,7 @@ import optax
 import pyarrow.parquet as pq
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.checkpointing import Checkpointer
 from hybridjax.metrics import Tracking
@@ -78,10 +78,12 @@ def sft_config() -> ConfigDict:
         total_training_steps=-1,
         grad_clip=1.0,
     )
+    project_name, experiment_name = FieldReference("hybridjax"), FieldReference("sft")
     c.trainer = dict(
-        project_name="hybridjax",
-        experiment_name="sft",
-        default_local_dir="checkpoints/hybridjax/sft",
+        project_name=project_name,  # wandb project; TensorBoard run name (as the RL trainer)
+        experiment_name=experiment_name,
+        # checkpoints/<project_name>/<experiment_name> unless set (verl's default)
+        default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         output_dir="",  # HF checkpoint written at the end; "" = <default_local_dir>/hf
         total_epochs=1,
         total_training_steps=-1,  # -1: total_epochs × batches per epoch
@@ -283,7 +285,8 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
         start, state, _ = restored
         log.info("resumed SFT from step %d", start)
     tracker = Tracking(t.logger, os.path.join(t.default_local_dir, "logs"), total, start,
-                       t.progress_bar)  # fmt: skip
+                       t.progress_bar, run_name=(t.project_name, t.experiment_name),
+                       config=cfg.to_dict())  # fmt: skip
     metrics: dict[str, Any] = {}
     try:
         for step in range(start, total):
@@ -327,10 +330,10 @@ def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows)
 
 def main(argv: list[str]) -> None:
     del argv
-    from absl import logging as absl_logging
+    from hybridjax.metrics.console import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
+    configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
     try:
         run_sft(_CONFIG.value)
     except ValueError as err:

@@ -11,7 +11,7 @@ their type, so `None` defaults would break `--config.a.b=x` overrides).
 
 from __future__ import annotations
 
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 
 def _optim(lr: float) -> ConfigDict:
@@ -148,10 +148,15 @@ def base_config() -> ConfigDict:
         rollout_is_mode="truncate",  # truncate | mask
         rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
     )
+    # verl's default_local_dir is checkpoints/${project_name}/${experiment_name}: naming a run
+    # also names its directory, unless a config sets default_local_dir itself
+    project_name, experiment_name = FieldReference("hybridjax"), FieldReference("run")
     c.trainer = dict(
-        project_name="hybridjax",
-        experiment_name="run",
-        logger=("console", "jsonl", "tensorboard"),
+        project_name=project_name,  # wandb project; names the run directory (below)
+        experiment_name=experiment_name,  # wandb run, TensorBoard run, run directory
+        logger=("console", "jsonl", "tensorboard"),  # also "wandb" (pip install -e '.[wandb]')
+        log_val_generations=0,  # K (prompt, response, score) samples per validation
+        log_train_generations=0,  # K samples of the training rollout, every step
         total_epochs=1,
         total_training_steps=-1,  # -1: total_epochs × batches per epoch
         seed=0,
@@ -159,7 +164,7 @@ def base_config() -> ConfigDict:
         test_freq=-1,  # -1: no periodic validation
         val_before_train=False,
         critic_warmup=0,
-        default_local_dir="checkpoints/hybridjax/run",
+        default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         resume_mode="auto",  # auto | disable | a checkpoint path
         max_actor_ckpt_to_keep=2,
         max_consecutive_nan_steps=3,
@@ -170,6 +175,15 @@ def base_config() -> ConfigDict:
         # Both need the rollout on its own pool (hybridjax.trainer.async_rollout)
         rollout_mode="sync",
         staleness_threshold=1,  # async only: policy versions a sample may lag
+        # several processes under jax.distributed (hybridjax.sharding.hosts.DistributedConfig)
+        distributed=dict(
+            enable="auto",  # auto | on | off
+            coordinator_address="",  # host:port of process 0; "" = auto-detect
+            num_processes=0,  # 0 = auto-detect
+            process_id=-1,  # -1 = auto-detect
+            heartbeat_timeout_s=30,  # a silent peer ends the others' runs after this long
+            initialization_timeout_s=300,
+        ),
     )
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),

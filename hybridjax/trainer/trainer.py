@@ -36,6 +36,7 @@ from hybridjax.sharding import (
     offload_to_host,
     state_shardings,
 )
+from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 from hybridjax.sharding.pools import make_placement, sync_weights
 from hybridjax.trainer import build, step
 from hybridjax.trainer.async_rollout import RolloutAhead, staleness_metrics
@@ -45,7 +46,7 @@ from hybridjax.trainer.offload import any_offload, move_idle_states, offload_con
 from hybridjax.trainer.reward import RewardStage, check_reward_servers
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
-from hybridjax.trainer.validation import validate
+from hybridjax.trainer.validation import generation_samples, validate
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class RLTrainer:
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
 
         data = DataConfig.from_config(cfg.data)
-        self.train_loader = train_loader(data, self.tokenizer)
-        self.val_loader = val_loader(data, self.tokenizer) if data.val_files else None
+        # each process collates, generates and scores only its share of every batch
+        self.train_loader = train_loader(data, self.tokenizer, share)
+        self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
         t = cfg.trainer
         self.total_steps = (
             t.total_training_steps
@@ -98,11 +100,14 @@ class RLTrainer:
             self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
         )
         engine_config = RolloutConfig.from_config(rollout)
-        actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
-        self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
+        # one generation replica per host: the engine's host loop sees only local arrays
+        self.engine_mesh = local_mesh(self.meshes.generate)
+        actor = nnx.merge(self.actor_graphdef, self._generation_params()[0])
+        self.engine = Engine(actor, engine_config, mesh=self.engine_mesh)
         self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
         self.weights_version = 0  # actor updates in the weights the rollout has
-        self._update_weights()
+        if self.rollout_ahead is not None:
+            self._update_weights()  # the thread's first weights
         rm_sharding = None
         if reward_mesh is not None:
             rm_sharding = NamedSharding(reward_mesh, PartitionSpec(("data", "fsdp")))
@@ -129,15 +134,21 @@ class RLTrainer:
     def critic_state(self):
         return self.models.critic_state
 
-    def _update_weights(self) -> int:
-        """Re-lays the actor's weights into the rollout pool's generation layout (handed to the
-        engine, or with a rollout ahead published as `weights_version`); returns bytes moved.
-        Split pools report the move's own time as `timing_s/update_weights`."""
+    def _generation_params(self) -> tuple[Any, int]:
+        """The actor's weights re-laid into the rollout pool's generation layout, as this
+        host's replica's arrays, and the bytes moved. Split pools time the move as
+        `timing_s/update_weights`."""
         start = time.perf_counter()
         params, nbytes = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
         if not self.placement.co_located:
             jax.block_until_ready(params)
             self._sync_time = time.perf_counter() - start
+        return to_local(params, self.engine_mesh), nbytes
+
+    def _update_weights(self) -> int:
+        """Re-lays the actor's weights into the engine (or, with a rollout ahead, publishes them
+        as `weights_version`); returns bytes moved."""
+        params, nbytes = self._generation_params()
         if self.rollout_ahead is None:
             self.engine.update_weights(params)
         else:
@@ -155,7 +166,7 @@ class RLTrainer:
 
         def generate(prompts, n):
             batch, host, greedy = self._rollout(prompts, n)
-            return (batch, host, greedy), len(host.response_lengths)
+            return (prompts, batch, host, greedy), len(host.response_lengths)
 
         self._data_states = []  # loader state before each batch drawn ahead, oldest first
 
@@ -171,24 +182,27 @@ class RLTrainer:
         """One batch of samples (+ greedy responses when the estimator needs a baseline)."""
         sampling = self._sampling(n)
         pad = self.tokenizer.pad_token_id
-        batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+        first = self.train_loader.rows.start or 0
+        batch, host = generate_batch(
+            self.engine, prompts, sampling, pad, self.batch_sharding, first
+        )
         greedy = None
         if self.greedy_baseline:
             argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-            greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
+            greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding, first)
         return batch, host, greedy
 
     def _data_state(self) -> Any:
         """The loader state after the last trained batch: batches drawn ahead of training are
         drawn again after a restore."""
-        ahead = len(self._data_states) if self.rollout_ahead is not None else 0
-        drawn_ahead = self.rollout_ahead.requested - self.global_step if ahead else 0
-        if drawn_ahead > 0:
-            return self._data_states[-drawn_ahead]
+        ahead = self.rollout_ahead.requested - self.global_step if self.rollout_ahead else 0
+        if ahead > 0:
+            return self._data_states[-ahead]
         return self.train_loader.get_state()
 
     def _take_rollout(self, n: int, timing: dict[str, float], metrics: dict[str, float]):
-        """Step `n`'s batch from the rollout thread: its timings and staleness into the step's."""
+        """Step `n`'s (prompts, batch, host columns, greedy) from the rollout thread; its
+        timings and staleness into the step's."""
         rollout = self.rollout_ahead.take(n, timing)
         for key, seconds in rollout.timing.items():
             timing[key] = timing.get(key, 0.0) + seconds
@@ -211,9 +225,10 @@ class RLTrainer:
             epoch = self.train_loader.epoch
             self.weights_version = n  # this step's update makes policy version n
             if self.rollout_ahead is None:
-                batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+                prompts = next(self.train_loader)
+                batch, host, greedy = self._generate(prompts, n, timing)
             else:
-                batch, host, greedy = self._take_rollout(n, timing, async_metrics := {})
+                prompts, batch, host, greedy = self._take_rollout(n, timing, async_metrics := {})
             batch, self.kl_coef, device, result = step.prepare(
                 self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
             )
@@ -249,6 +264,10 @@ class RLTrainer:
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
+        if k := self.cfg.trainer.log_train_generations:
+            samples = generation_samples(self.tokenizer, prompts, host, result.scores, k)
+            metrics["train/generations"] = samples
+        self.global_step = n
         return metrics
 
     def _generate(self, prompts, n: int, timing):
@@ -265,19 +284,19 @@ class RLTrainer:
                 self.models = move_idle_states(self.models, self.offload, load_to_device)
         return batch, host, greedy
 
-    def validate(self) -> dict[str, float]:
-        """`val-core/<data_source>/acc/mean@n` on the validation files (empty if none)."""
+    def validate(self) -> dict[str, Any]:
+        """`val-core/<data_source>/acc/mean@N` etc. on the validation files (empty if none),
+        plus `val/generations` with `trainer.log_val_generations`."""
         if self.val_loader is None:
             return {}
         sampling = self._sampling(self.global_step, validate=True)
         if self.rollout_ahead is None:
             return self._validate(sampling)
         with self.rollout_ahead.engine_lock:  # waits for the batch being generated
-            params, _ = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
-            self.engine.update_weights(params)  # the trained weights; each request sets its own
+            self.engine.update_weights(self._generation_params()[0])  # each request sets its own
             return self._validate(sampling)
 
-    def _validate(self, sampling: SamplingParams) -> dict[str, float]:
+    def _validate(self, sampling: SamplingParams) -> dict[str, Any]:
         return validate(
             self.engine,
             self.val_loader,
@@ -285,6 +304,8 @@ class RLTrainer:
             self.tokenizer,
             self.reward.manager,
             self.batch_sharding,
+            self.cfg.trainer.log_val_generations,
+            self.val_loader.rows.start or 0,
         )
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -338,14 +359,23 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
-        """Trains from the restored (or first) step to `total_steps`; saves every
-        `trainer.save_freq` steps, at the end, and on SIGTERM/SIGINT (then returns early).
-        Returns the last step's metrics."""
+        """Trains to `total_steps`, continuing after the last step this trainer ran (a
+        notebook's `train_step(1)`), else from the checkpoint `trainer.resume_mode` restores (or
+        the first step); saves every `trainer.save_freq` steps, at the end, and on
+        SIGTERM/SIGINT (then returns early). Returns the last step's metrics."""
         t = self.cfg.trainer
-        start = self.restore()
+        start = self.global_step or self.restore()
         self.global_step = start
         log_dir = os.path.join(t.default_local_dir, "logs")
-        tracker = Tracking(t.logger, log_dir, self.total_steps, start, t.progress_bar)
+        tracker = Tracking(
+            t.logger if is_main() else (),  # one process writes the logs
+            log_dir,
+            self.total_steps,
+            start,
+            t.progress_bar,
+            run_name=(t.project_name, t.experiment_name),
+            config=self.cfg.to_dict(),
+        )
         metrics: dict[str, Any] = {}
         try:
             with StopRequest() as stop:
@@ -354,17 +384,18 @@ class RLTrainer:
                 for step in range(start + 1, self.total_steps + 1):
                     metrics = self.train_step(step)
                     self.global_step = step
+                    stopping = any_process(stop.requested)  # every process stops together
                     last = step == self.total_steps
                     if t.test_freq > 0 and (step % t.test_freq == 0 or last):
                         with timed(timing := {}, "testing"):
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
-                    if last or stop.requested or (t.save_freq > 0 and step % t.save_freq == 0):
+                    if last or stopping or (t.save_freq > 0 and step % t.save_freq == 0):
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
                     tracker.log(metrics, step)
-                    if stop.requested:
+                    if stopping:
                         break
         finally:
             self.checkpointer.wait()

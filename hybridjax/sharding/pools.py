@@ -12,6 +12,7 @@ its keys sorted), in flat device order (which under
 `jax.distributed` spans every process), so a pool can later span hosts. The default is one pool,
 `global_pool`, holding every device and every role: the hybrid engine co-located, as before.
 
+Pools live in one process for now (several pools under `jax.distributed` are refused).
 Between pools, data and weights move by `jax.device_put` into the destination's shardings; JAX
 dispatches asynchronously, so work on disjoint pools overlaps while the controller does not
 block. `sync_weights` re-lays the actor's weights from the training pool into the rollout pool's
@@ -207,13 +208,18 @@ def make_placement(cfg: Any, devices: Sequence[Any] | None = None) -> Placement:
 
     Raises:
       ValueError: listing `placement_problems` (the trainer checks them earlier, with the rest
-        of the config).
+        of the config); several pools in a multi-process run.
     """
     devices = tuple(jax.devices() if devices is None else devices)
     problems = placement_problems(cfg, len(devices))
     if problems:
         raise ValueError("invalid placement:\n  " + "\n  ".join(problems))
     sizes, _ = pool_sizes(cfg, len(devices))
+    if len(sizes) > 1 and jax.process_count() > 1:
+        raise ValueError(
+            f"resource_pool: {len(sizes)} pools under jax.distributed ({jax.process_count()} "
+            "processes) are not supported yet; use one pool (global_pool.n_devices=-1)"
+        )
     pools, start = [], 0
     for name, pool in dict(cfg.resource_pool).items():
         pools.append(Pool(name, devices[start : start + sizes[name]], _pool_mesh(cfg, pool)))

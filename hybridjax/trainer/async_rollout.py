@@ -22,7 +22,8 @@ corrected by the rollout importance weights π_old / π_rollout when
 decoupled preset, chosen because both passes already exist in the step and the clip then bounds
 the update against the current policy, not against a stale one.
 
-Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/gen` (the
+The trainer replaces the pipeline's `gen` stage by one that takes the batch from the thread.
+Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/rollout_gen` (the
 generation itself, on the rollout pool), `timing_s/wait_rollout` (the trainer blocked on the
 batch), `timing_s/wait_update` (the rollout pool idle, waiting for the next request's weights).
 """

@@ -4,6 +4,7 @@ the frozen `StageConfig` the jitted stages take."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,13 @@ from hybridjax.algorithms.config import (
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, read_hf_config
+from hybridjax.models.lora import (
+    LoRAConfig,
+    adapters_off,
+    apply_lora,
+    merge_trainable,
+    split_trainable,
+)
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards.manager import overlong_enabled
 from hybridjax.sharding import (
@@ -29,12 +37,17 @@ from hybridjax.sharding import (
     init_sharded,
     sharding_fn,
 )
-from hybridjax.trainer import stages
-from hybridjax.trainer.optim import OptimConfig
+from hybridjax.trainer.optim import OptimConfig, make_optimizer
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
-_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
+
+@functools.partial(jax.jit, static_argnums=1)
+def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """A fresh optimizer state, laid out as the params. With LoRA adapters in `params`, for the
+    adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+    trainable, _ = split_trainable(params)
+    return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
@@ -70,14 +83,18 @@ def critic_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
 
 
 def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> CausalLM:
-    """The actor (and, called again, the reference) in the training layout, never unsharded."""
+    """The actor in the training layout, never unsharded; with `model.lora_rank` > 0 wrapped
+    in fresh LoRA adapters (`hybridjax.models.lora.LoRAModel`)."""
     path = cfg.actor_rollout_ref.model.path
     if path:
         overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        return load_pretrained(
+        actor = load_pretrained(
             path, shardings=sharding_fn(mesh, ACTOR_TRAIN_RULES), config_overrides=overrides
         )
-    return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+    else:
+        actor = init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+    lora = LoRAConfig.from_config(cfg.actor_rollout_ref.model)
+    return apply_lora(actor, lora, seed) if lora.enabled else actor
 
 
 def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> SequenceClassifier:
@@ -231,6 +248,27 @@ class Models:
     critic_graphdef: nnx.GraphDef | None
     critic_state: TrainState | None
     reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
+    ref_is_base: bool = False  # LoRA: the reference is the actor with adapters off
+
+    def reference(self) -> Any | None:
+        """Parameters of the reference policy (None: no reference): the frozen copy, or with
+        LoRA the actor's current state with its adapters off (the same arrays, no copy)."""
+        if self.ref_is_base:
+            return adapters_off(self.actor_state.params)
+        return self.ref_params
+
+
+def checkpointed(state: TrainState) -> TrainState:
+    """What a checkpoint holds of a role: its state, or with LoRA only the adapters (and their
+    optimizer state): the base never changes and is read from `model.path` again."""
+    trainable, _ = split_trainable(state.params)
+    return dataclasses.replace(state, params=trainable)
+
+
+def restored(state: TrainState, saved: TrainState) -> TrainState:
+    """Inverse of `checkpointed`: `saved` with the frozen base of `state` put back."""
+    _, frozen = split_trainable(state.params)
+    return dataclasses.replace(saved, params=merge_trainable(saved.params, frozen))
 
 
 def build_models(
@@ -251,14 +289,16 @@ def build_models(
     if cfg.critic.enable:
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = _init_train_state(critic_params, stage.critic_optim)
+        critic_state = init_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
+    lora = cfg.actor_rollout_ref.model.lora_rank > 0
     return Models(
         actor_graphdef=actor_graphdef,
-        actor_state=_init_train_state(params, stage.actor_optim),
-        ref_params=jax.tree.map(jnp.copy, params) if use_ref else None,
+        actor_state=init_train_state(params, stage.actor_optim),
+        ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,
         reward_model=reward_model,
+        ref_is_base=use_ref and lora,
     )

@@ -53,6 +53,11 @@ def base_config() -> ConfigDict:
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
             dtype="float32",  # compute dtype of training matmuls
+            # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is
+            # "all-linear" (every attention and MLP projection) or names, e.g. "q_proj,v_proj"
+            lora_rank=0,
+            lora_alpha=16.0,
+            target_modules="all-linear",
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
@@ -147,6 +152,9 @@ def base_config() -> ConfigDict:
         rollout_is_level="token",  # token | sequence | geometric
         rollout_is_mode="truncate",  # truncate | mask
         rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
+        # DAPO dynamic sampling (hybridjax.trainer.dynamic_sampling): drop groups whose metric
+        # has no spread, generate more until data.train_batch_size groups; 0 = no cap
+        filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0),
     )
     # verl's default_local_dir is checkpoints/${project_name}/${experiment_name}: naming a run
     # also names its directory, unless a config sets default_local_dir itself
@@ -175,6 +183,9 @@ def base_config() -> ConfigDict:
         # Both need the rollout on its own pool (hybridjax.trainer.async_rollout)
         rollout_mode="sync",
         staleness_threshold=1,  # async only: policy versions a sample may lag
+        # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
+        # module>:<function>" (or before / replace), or "remove <stage>"
+        stages=(),
         # several processes under jax.distributed (hybridjax.sharding.hosts.DistributedConfig)
         distributed=dict(
             enable="auto",  # auto | on | off

@@ -164,7 +164,7 @@ def compute_advantage(
         rewards,
         batch.response_mask,
         config=cfg.algorithm,
-        group_size=cfg.group_size,
+        uid_B=batch.uid,
         values_BxT=batch.values,
         reward_baselines_B=batch.reward_baselines,
     )

@@ -28,6 +28,7 @@ from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import ModelConfig
+from hybridjax.models.lora import LoRAConfig
 from hybridjax.rewards.manager import (
     COMBINE,
     ON_ERROR_POLICIES,
@@ -36,6 +37,7 @@ from hybridjax.rewards.manager import (
 )
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
+from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
 
@@ -284,6 +286,11 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"trainer.staleness_threshold ({t.staleness_threshold}) is read only with "
         f"trainer.rollout_mode='async' (got {t.rollout_mode!r}; one_step_off lags by exactly 1)",
     )
+    need(
+        t.rollout_mode == "sync" or not algo.filter_groups.enable,
+        f"algorithm.filter_groups.enable draws more batches within a step; with "
+        f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
+    )
     offloads = [
         f"{section}.fsdp_config.{key}"
         for section, node in (
@@ -335,7 +342,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
             rewards_BxT,
             mask_BxT,
             config=algorithm,
-            group_size=n,
+            uid_B=jnp.arange(2 * n) // n,
             values_BxT=values_BxT,
             reward_baselines_B=baselines_B,
         )
@@ -347,6 +354,15 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     except ValueError as err:
         hint = "" if c.critic.enable else " (set critic.enable=True for a critic's values)"
         return [f"algorithm.adv_estimator: {c.algorithm.adv_estimator!r}: {err}{hint}"]
+    return []
+
+
+def _lora_problems(c: ConfigDict) -> list[str]:
+    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    try:
+        LoRAConfig.from_config(c.actor_rollout_ref.model)
+    except ValueError as err:
+        return str(err).split("; ")
     return []
 
 
@@ -401,8 +417,9 @@ def validate(
             value = _get(cfg, key)
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
-        problems += _structure_problems(cfg, n_devices)
+        problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += _pool_problems(cfg, n_devices, model_configs)
+        problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)

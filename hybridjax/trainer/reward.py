@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
+from hybridjax.models.packing import PackingConfig
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards import RewardConfig, RewardManager, RewardResult, place_scores
 from hybridjax.rewards.manager import check_outcomes, serves_model
@@ -35,6 +36,7 @@ from hybridjax.rewards.reward_model import score_responses
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
 from hybridjax.trainer.generation import HostColumns, collect_rewards, put_global, submit_rewards
+from hybridjax.trainer.packing import packing_configs
 
 
 def check_reward_servers(cfg) -> None:
@@ -71,6 +73,7 @@ class RewardStage:
       data_parallel: batch shards of the training mesh (data × fsdp).
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
+      packing: the reward model's packed forward (`trainer.packing`), or None (padded).
       model_sharding: the batch axes of the reward model's own pool when it is not the
         actor's (`placement.reward_model`): its inputs move there and its scores back; None
         when they share one.
@@ -86,6 +89,7 @@ class RewardStage:
         data_parallel: int,
         model_client: RemoteClient | None = None,
         combine: str = "replace",
+        packing: PackingConfig | None = None,
         model_sharding: NamedSharding | None = None,
     ):
         self.manager = manager
@@ -94,6 +98,7 @@ class RewardStage:
         self.micro_per_device = micro_batch_size_per_device
         self.sharding = sharding
         self.data_parallel = data_parallel
+        self.packing = packing
         self.model_client = model_client
         self.combine = combine
         self.model_sharding = model_sharding
@@ -123,6 +128,9 @@ class RewardStage:
             data_parallel,
             client,
             config.combine,
+            packing_configs(cfg, _model_data_parallel(model_sharding, data_parallel))[
+                "reward_model"
+            ],
             model_sharding,
         )
 
@@ -138,16 +146,15 @@ class RewardStage:
                 batch.responses,
                 batch.response_mask,
             )
-            dp = self.data_parallel
+            dp = _model_data_parallel(self.model_sharding, self.data_parallel)
             if self.model_sharding is not None:  # the model's own pool (async copy there)
                 inputs = jax.device_put(inputs, self.model_sharding)
-                mesh = self.model_sharding.mesh
-                dp = mesh.shape["data"] * mesh.shape["fsdp"]
             model, _ = score_responses(
                 graphdef,
                 params,
                 *inputs,
                 micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
+                packing=self.packing,
             )
         elif self.model_client is not None:
             # Host sync (small): every process gets the whole batch's prompt ids.
@@ -215,3 +222,11 @@ def _merge(rule: dict[str, float], model: dict[str, float]) -> dict[str, float]:
         else:
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _model_data_parallel(model_sharding: NamedSharding | None, data_parallel: int) -> int:
+    """Batch shards of the reward model's pool (data × fsdp), or `data_parallel` when it shares
+    the actor's."""
+    if model_sharding is None:
+        return data_parallel
+    return model_sharding.mesh.shape["data"] * model_sharding.mesh.shape["fsdp"]

@@ -40,6 +40,7 @@ from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, poo
 from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
+from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 WARMUP_STYLES = ("constant", "cosine")
@@ -418,6 +419,7 @@ def validate(
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
+        problems += packing_problems(cfg)
         problems += _pool_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)

@@ -192,6 +192,9 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
         )
     if algo.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
+    if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
+        reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
     if algo.rollout_is_threshold > 0:
         reasons.append(
             "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "
@@ -287,10 +290,16 @@ def restored(state: TrainState, saved: TrainState) -> TrainState:
 
 
 def build_models(
-    cfg: ConfigDict, actor_config: ModelConfig, mesh, stage: StageConfig, use_ref: bool
+    cfg: ConfigDict,
+    actor_config: ModelConfig,
+    mesh,
+    stage: StageConfig,
+    use_ref: bool,
+    reward_mesh=None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout."""
+    `reward_model.enable`) with fresh optimizer states, each in its training layout; the reward
+    model on `reward_mesh` (its pool's training mesh) when given, else on `mesh`."""
     seed = cfg.trainer.seed
     actor = build_actor(cfg, actor_config, mesh, seed)
     actor_graphdef, params = nnx.split(actor)
@@ -300,7 +309,7 @@ def build_models(
         critic_graphdef, critic_params = nnx.split(critic)
         critic_state = init_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
-        reward_model = nnx.split(build_reward_model(cfg, mesh))
+        reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     return Models(
         actor_graphdef=actor_graphdef,

@@ -4,7 +4,8 @@
 `hybridjax.trainer.validate` rejects any key that is not here. Key names follow verl's
 `ppo_trainer.yaml` (`data.*`, `actor_rollout_ref.{model,actor,ref,rollout}.*`, `critic.*`,
 `reward_model.*`, `custom_reward_function.*`, `algorithm.*`, `trainer.*`), plus `mesh.*` for the
-two device layouts of the hybrid engine. Empty strings mean "not set" (ConfigDict fields keep
+two device layouts of the hybrid engine and `resource_pool.*` / `placement.*` for the device
+pools of the roles. Empty strings mean "not set" (ConfigDict fields keep
 their type, so `None` defaults would break `--config.a.b=x` overrides).
 """
 
@@ -202,6 +203,11 @@ def base_config() -> ConfigDict:
         max_consecutive_nan_steps=3,
         peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
+        # sync: generate, then train; one_step_off: batch k+1 is generated (with the weights
+        # of step k-1) while step k trains; async: up to staleness_threshold batches ahead.
+        # Both need the rollout on its own pool (hybridjax.trainer.async_rollout)
+        rollout_mode="sync",
+        staleness_threshold=1,  # async only: policy versions a sample may lag
         # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),
@@ -218,5 +224,16 @@ def base_config() -> ConfigDict:
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),
         generate=dict(data=-1, tensor=1),
+    )
+    # verl's resource pools: name -> n_devices (-1 = the rest) and optional train / generate
+    # mesh shapes (default mesh.*); pools take consecutive devices in the order of their names
+    # (hybridjax.sharding.pools)
+    c.resource_pool = dict(global_pool=dict(n_devices=-1))
+    c.placement = dict(
+        actor="global_pool",
+        rollout="global_pool",
+        ref="global_pool",
+        critic="global_pool",
+        reward_model="global_pool",
     )
     return c

@@ -45,6 +45,7 @@ from hybridjax.rewards.registry import load_custom_reward_function
 from hybridjax.rewards.scoring import check_signature
 from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
 from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
@@ -55,7 +56,8 @@ ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang 
 RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
 WARMUP_STYLES = ("constant", "cosine")
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-FREE_FORM = ("override_config", "reward_kwargs")  # dict-valued keys, checked as a whole
+FREE_FORM = ("override_config", "reward_kwargs", "resource_pool")
+ROLLOUT_MODES = ("sync", "one_step_off", "async")  # dict-valued keys, checked as a whole
 
 
 def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -101,7 +103,7 @@ def _schema_problems(cfg: ConfigDict) -> list[str]:
         if key not in schema:
             problems.append(f"{key}: unknown key ({value!r})")
             continue
-        if key.endswith("reward_kwargs"):
+        if key.endswith("reward_kwargs") or key == "resource_pool":  # see sharding.pools
             continue
         if key.endswith("override_config"):
             unknown = sorted(set(dict(value)) - MODEL_FIELDS)
@@ -223,6 +225,8 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
         ("trainer.max_consecutive_nan_steps", positive, "must be > 0"),
         ("trainer.critic_warmup", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.rollout_mode", lambda v: v in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
+        ("trainer.staleness_threshold", lambda v: v >= 0, "must be >= 0"),
         ("trainer.peak_flops", lambda v: v >= 0, "must be >= 0"),
         ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
@@ -322,6 +326,31 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
             "not on-policy, so π_old must come from a separate pass ('auto' or 'true'): "
             + "; ".join(reasons),
         )
+    t = c.trainer
+    need(
+        t.rollout_mode == "async" or t.staleness_threshold == 1,
+        f"trainer.staleness_threshold ({t.staleness_threshold}) is read only with "
+        f"trainer.rollout_mode='async' (got {t.rollout_mode!r}; one_step_off lags by exactly 1)",
+    )
+    need(
+        t.rollout_mode == "sync" or not algo.filter_groups.enable,
+        f"algorithm.filter_groups.enable draws more batches within a step; with "
+        f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
+    )
+    offloads = [
+        f"{section}.fsdp_config.{key}"
+        for section, node in (
+            ("actor_rollout_ref.actor", a.actor),
+            ("critic.model", c.critic.model),
+        )
+        for key in ("param_offload", "optimizer_offload")
+        if node.fsdp_config[key]
+    ]
+    need(
+        t.rollout_mode == "sync" or not offloads,
+        f"{offloads} offload training states while the rollout runs on the same devices; with "
+        f"trainer.rollout_mode={t.rollout_mode!r} the rollout has its own pool: set them False",
+    )
     need(
         not algo.rollout_is or algo.rollout_is_threshold > 0,
         "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",
@@ -436,12 +465,38 @@ def _lora_problems(c: ConfigDict) -> list[str]:
 
 
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
-    """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
+    """Batch shards of the actor pool's training mesh (data × fsdp); 0 when it does not fit."""
+    pools, problems = pool_sizes(c, n_devices)
+    if problems:
+        return 0
+    size = pools[c.placement.actor]
     try:
-        sizes = MeshConfig.from_config(c).train_sizes(n_devices)
+        sizes = MeshConfig.from_config(pool_config(c, c.placement.actor, size)).train_sizes(size)
     except ValueError:
         return 0
     return sizes["data"] * sizes["fsdp"]
+
+
+def _pool_problems(
+    c: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig] | None
+) -> list[str]:
+    """Pools and placement (`hybridjax.sharding.pools`), then the mesh / batch / head-count
+    checks per pool in use, each line naming the pool and its roles (one pool holding every
+    device: the checks of `mesh.*` on every device, as without pools)."""
+    problems = placement_problems(c, n_devices)
+    if problems:
+        return problems
+    sizes, _ = pool_sizes(c, n_devices)
+    if len(sizes) == 1:
+        return parallelism_problems(c, n_devices, model_configs)
+    for name, size in sizes.items():
+        roles = [r for r in ROLES if c.placement[r] == name]
+        if roles:
+            found = parallelism_problems(pool_config(c, name, size), size, model_configs)
+            problems += [
+                f"resource_pool.{name} ({size} devices, roles {roles}): {p}" for p in found
+            ]
+    return problems
 
 
 def validate(
@@ -462,7 +517,7 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += packing_problems(cfg)
-        problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _pool_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section

@@ -21,7 +21,15 @@ import pathlib
 from absl import app
 from ml_collections import config_flags
 
-BENCHMARKS = ("throughput", "scalability", "algorithm", "peers", "generation", "reshard")
+BENCHMARKS = (
+    "throughput",
+    "scalability",
+    "algorithm",
+    "peers",
+    "generation",
+    "reshard",
+    "memory",
+)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "benchmark config file")
 log = logging.getLogger("experiments.benchmarks")
 

@@ -160,6 +160,9 @@ def base_config() -> ConfigDict:
         max_consecutive_nan_steps=3,
         peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
+        # plan per-device memory of every stage before building anything (hybridjax.plan);
+        # a config that does not fit is a config error
+        check_memory=False,
     )
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),

@@ -28,6 +28,7 @@ from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
+from hybridjax.plan import memory_problems
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
@@ -331,6 +332,8 @@ def validate(
         problems += parallelism_problems(cfg, n_devices, model_configs)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
+        if not problems and cfg.trainer.check_memory and model_configs:  # compiles each stage
+            problems += memory_problems(cfg, n_devices, model_configs["actor_rollout_ref.model"])
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "

@@ -146,6 +146,17 @@ def _median_seq_lens(timed: list[dict]) -> np.ndarray:
     return np.full(rows, mean, dtype=np.float64)
 
 
+def peak_memory_bytes() -> dict:
+    """Peak memory so far: `device` (the first device's `peak_bytes_in_use`, where the backend
+    keeps statistics: GPU, TPU) and `host` (the process's peak resident set, VmHWM)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    with open("/proc/self/status") as f:
+        hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    return {"device": stats.get("peak_bytes_in_use"), "host": hwm}
+
+
 def run(cfg, out_dir: pathlib.Path) -> dict:
     from hybridjax.metrics import measure_peak_flops
     from hybridjax.trainer.trainer import RLTrainer
@@ -168,6 +179,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     finally:
         trainer.close()
     summary = summarize(metrics, cfg.warmup, trainer, peak)
+    summary["peak_memory_bytes"] = peak_memory_bytes()
     if spec is not None:
         summary["workload"] = spec["name"]
     (out_dir / "steps.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))

@@ -114,14 +114,15 @@ def main() -> None:
     if plan_json.is_file():
         steps["plan"]["plan"] = json.loads(plan_json.read_text())
 
-    bench = [py, "-m", "experiments.benchmarks.run", f"--config.results_root={out}"]
-    thr = [*bench, "--config=configs/bench_throughput.py", "--config.throughput.steps=3"]
+    bench = [py, "-m", "experiments.benchmarks.run"]
+    thr = [*bench, "--config=configs/bench_throughput.py", f"--config.results_root={out}"]
+    thr += ["--config.throughput.steps=3"]
     if dry:
         thr += ["--config.throughput.workload=tiny", "--config.throughput.steps=1"]
     else:
         thr += ["--config.throughput.workload=", f"--config.throughput.trainer_config={trainer}"]
     steps["throughput"] = step("throughput", thr, env, 1800, out)
-    gen = [*bench, "--config=configs/bench_generation.py"]
+    gen = [*bench, "--config=configs/bench_generation.py", f"--config.results_root={out}"]
     if dry:
         gen += ["--config.generation.models=tiny", "--config.generation.batches=2"]
         gen += ["--config.generation.new_tokens=8", "--config.generation.repeats=1"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 
 import jax
@@ -39,14 +40,19 @@ _advantage = jax.jit(stages.compute_advantage, static_argnums=2)
 _update_actor = jax.jit(stages.update_actor, static_argnums=(0, 4), donate_argnums=1)
 _update_critic = jax.jit(stages.update_critic, static_argnums=(0, 4), donate_argnums=1)
 data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
 def timed(timing: dict[str, float], name: str):
-    """Adds the wall time of the block to `timing[name]` (seconds)."""
-    start = time.perf_counter()
-    yield
+    """Adds the wall time of the block to `timing[name]` (seconds). The block is a named range
+    in JAX profiler traces, and its start and end (`time.time()`) are logged at DEBUG level
+    on this module's logger (`stage <name> <start> <end>`; the benchmarks' per-step log)."""
+    start, wall = time.perf_counter(), time.time()
+    with jax.profiler.TraceAnnotation(name):
+        yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+    log.debug("stage %s %.6f %.6f", name, wall, time.time())
 
 
 def prepare(

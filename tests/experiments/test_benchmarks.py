@@ -178,11 +178,25 @@ def test_throughput_smoke(tmp_path):
             benchmark="throughput",
             results_root=str(tmp_path),
             throughput=dict(
-                workload="tiny", trainer_config="", overrides="", warmup=0, steps=1, devices=0
+                workload="tiny",
+                trainer_config="",
+                overrides="",
+                warmup=0,
+                steps=1,
+                devices=0,
+                profile=True,
             ),
         )
     )
-    s = _check_results(run.run_benchmark(cfg), ["stages.png", "steps.png"])
+    out = run.run_benchmark(cfg)
+    s = _check_results(out, ["stages.png", "steps.png", "host_profile.svg", "host_profile.pstats"])
+    assert any((out / "trace").rglob("*.xplane.pb"))  # the JAX profiler trace of the step
+    (step,) = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    names = [e["stage"] for e in step["bench/stages"]]
+    assert names[0] == "gen" and "update_actor" in names and names[-1] == "step"
+    assert all(0 <= e["start_s"] <= e["end_s"] for e in step["bench/stages"])
+    assert s["stability"]["steps"] == 1 and s["communication"]["reshard_bytes"] > 0
+    assert s["peak_memory_bytes"]["host"] > 0
     assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
     for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
         assert np.isfinite(s[key]) and s[key] > 0, key

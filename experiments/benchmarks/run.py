@@ -29,6 +29,8 @@ BENCHMARKS = (
     "generation",
     "reshard",
     "memory",
+    "integration",
+    "batch_sweep",
 )
 _CONFIG = config_flags.DEFINE_config_file("config", None, "benchmark config file")
 log = logging.getLogger("experiments.benchmarks")

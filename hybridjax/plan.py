@@ -140,11 +140,11 @@ def abstract_model(model_cls, config, mesh, rules, dtype=None):
 
 
 def abstract_train_state(params: Any, optim) -> Any:
-    """The TrainState `init_train_state` would build, with the shardings XLA gives it."""
-    from hybridjax.trainer import stages
+    """The TrainState the trainer builds (`build.train_state_shardings`), as abstract arrays."""
+    from hybridjax.trainer import build, stages
 
-    lowered = jax.jit(stages.init_train_state, static_argnums=1).lower(params, optim)
-    return _with_shardings(lowered.out_info, lowered.compile().output_shardings)
+    shapes = jax.eval_shape(lambda p: stages.init_train_state(p, optim), params)
+    return _with_shardings(shapes, build.train_state_shardings(params, optim))
 
 
 def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -> Any:

@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.config import (
@@ -29,11 +31,34 @@ from hybridjax.sharding import (
     sharding_fn,
 )
 from hybridjax.trainer import stages
-from hybridjax.trainer.optim import OptimConfig
+from hybridjax.trainer.optim import OptimConfig, make_optimizer
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
-_init_train_state = jax.jit(stages.init_train_state, static_argnums=1)
+
+def train_state_shardings(params: Any, optim: OptimConfig) -> TrainState:
+    """Shardings of the TrainState `init_train_state` builds for `params` (arrays or abstract
+    arrays with shardings): each optimizer leaf shaped like a parameter (AdamW's moments) takes
+    that parameter's sharding, the rest (step counts, the injected learning rate) is
+    replicated. Without them XLA replicates the moments (they are zeros, with no data
+    dependence on the sharded parameters): 2 × the parameters' bytes on every device."""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
+    abstract = jax.eval_shape(lambda p: stages.init_train_state(p, optim), params)
+    opt = optax.tree_map_params(
+        make_optimizer(optim),
+        lambda _, sharding: sharding,
+        abstract.opt_state,
+        shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(shardings, opt, replicated)
+
+
+def _init_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """`stages.init_train_state`, written straight into `train_state_shardings`."""
+    out = train_state_shardings(params, optim)
+    return jax.jit(stages.init_train_state, static_argnums=1, out_shardings=out)(params, optim)
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:

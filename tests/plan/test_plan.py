@@ -67,6 +67,9 @@ def test_fsdp_splits_the_states(tiny):
     # every weight has one dimension divisible by 2 except the norms (d = 64 floats each)
     norms = (2 * actor.num_hidden_layers + 1) * actor.hidden_size * F32
     assert get(split) == (get(replicated) - norms) // 2 + norms
+    # AdamW's moments are split as the weights are (XLA alone would replicate the zeros)
+    moments = {s.name: s for s in split.stages}["update_actor"].consumers["actor optimizer state"]
+    assert 2 * get(split) <= moments <= 2 * get(split) + 64
 
 
 def test_verdict_and_advice_follow_the_capacity(tiny):

@@ -290,3 +290,73 @@ def test_generation_smoke(tmp_path):
     assert c["tokens"] == c["lengths"]["mean"] * 8
     # static batches run every wave to its longest response: never fewer steps
     assert c["decode_steps_static"] >= c["decode_steps_continuous"] > 0
+
+
+@pytest.mark.slow
+def test_memory_planner_is_within_ten_percent_of_the_measured_cpu_peaks(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="memory",
+            results_root=str(tmp_path),
+            memory=dict(
+                models="128x2",
+                batch=4,
+                n=2,
+                prompt_length=32,
+                response_length=32,
+                micro_batch=4,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["memory.png"])
+    (point,) = s["points"]
+    for stage in ("old_log_prob", "update_actor"):
+        assert point[stage]["measured_bytes"] > 0
+        assert abs(point[stage]["error"]) < 0.1, (stage, point[stage])
+
+
+@pytest.mark.slow
+def test_integration_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="integration",
+            results_root=str(tmp_path),
+            integration=dict(model="tiny", repeats=1, loading_copies=1),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["integration.png"])
+    c = s["checkpoint"]
+    assert c["disk_bytes"] > 0 and 0 < c["save_s"] <= c["save_total_s"] and c["restore_s"] > 0
+    assert s["loading"]["rows"] == 7473
+    for fmt in ("parquet", "arrow_ipc"):
+        assert s["loading"][fmt]["file_bytes"] > 0 and s["loading"][fmt]["read_s"] > 0
+
+
+@pytest.mark.slow
+def test_batch_sweep_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="batch_sweep",
+            results_root=str(tmp_path),
+            batch_sweep=dict(
+                trainer_config="configs/quickstart.py",
+                plan_config="configs/quickstart.py",
+                plan_overrides="",
+                batches="4",
+                plan_batches="4,8",
+                devices=1,
+                device_memory_gb=0.05,
+                measure=True,
+                warmup=0,
+                steps=1,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["batch_sweep.png"])
+    assert set(s["planned"]) == {"4", "8"} and s["measured"]["4"]["steps_per_hour"] > 0
+    peaks = [s["planned"][b]["peak_bytes"] for b in ("4", "8")]
+    assert peaks[0] < peaks[1]  # a larger rollout batch needs more memory
+    # 50 MB: the quick-start model's states and pool fit, the update of 8 × 8 responses not
+    assert s["first_batch_out_of_memory"] in (4, 8, None)

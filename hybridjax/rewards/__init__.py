@@ -1,5 +1,6 @@
-"""Rewards: rule-based reward functions keyed by `data_source`, the reward manager, and
-reward-model scoring (`hybridjax.rewards.reward_model`)."""
+"""Rewards: rule-based reward functions keyed by `data_source`, verl's reward managers over
+isolated workers (`manager`, `scoring`), reward servers and their client (`serve`, `remote`),
+and reward-model scoring (`hybridjax.rewards.reward_model`)."""
 
 from hybridjax.rewards.manager import (
     RewardConfig,

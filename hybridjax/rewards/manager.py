@@ -1,14 +1,30 @@
-"""The reward stage's rule-based part: score decoded responses in a thread pool.
+"""The reward stage's rule-based part: verl's reward managers over isolated reward functions.
 
 `RewardManager.submit(...)` returns a `concurrent.futures.Future` at once, so the trainer can start
-scoring right after generation and collect the result when it needs `token_level_scores` (verl's
-"naive" reward manager, off the device's critical path: JAX releases the GIL while the device
-runs the reference/critic passes). Each row's score goes on its last valid response token;
-an empty response gets no reward anywhere (REFERENCE.md, "Rewards").
+scoring right after generation and collect the result when it needs `token_level_scores` (off
+the device's critical path: JAX releases the GIL while the device runs the reference/critic
+passes). Each row's score goes on its last valid response token; an empty response gets no
+reward anywhere (REFERENCE.md, "Rewards").
 
-A reward function that raises, or returns NaN/inf, never poisons the run silently: it is logged,
-counted (`reward/num_errors`, `reward/num_nonfinite`) and handled by `reward_model.on_error`:
-`zero` scores the row 0, `raise` stops with `RewardFunctionError` naming the row.
+`reward_model.reward_manager` (verl's names):
+  * `naive`: one call per row, `fn(data_source, solution_str, ground_truth, extra_info)`;
+  * `batch`: one call for the whole batch, `fn(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=, **reward_kwargs) -> list` (verl's `BatchRewardManager`; needs a custom function);
+  * `dapo`: per row as `naive`, plus DAPO's overlong shaping (`reward_model.overlong_buffer`,
+    applied in the `adv` stage; `dapo` turns it on);
+  * `prime`: per row in worker processes with timeouts, built-ins included (verl's
+    `PrimeRewardManager`).
+Where the function runs (`hybridjax.rewards.scoring`): a custom function
+(`custom_reward_function.path`) in worker processes with a per-call timeout
+`reward_model.timeout_s`; the built-in functions (pure Python, no I/O) and a callable passed to
+the constructor in threads; with `reward_model.remote.urls`, on reward servers.
+
+A reward function that raises, calls `sys.exit`, crashes its process, hangs past the timeout or
+returns NaN/inf never ends the run: the row is counted (`reward/num_errors`,
+`reward/num_timeouts`, `reward/num_nonfinite`) and handled by `reward_model.on_error`: `zero`
+scores it 0, `raise` stops with `RewardFunctionError` naming the row. A function that fails on
+every row of the first batch stops the run with its first error whatever the policy (a wrong
+signature or a missing dependency, not a reason to train on zeros).
 """
 
 from __future__ import annotations
@@ -16,25 +32,24 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from hybridjax.rewards.registry import (
-    default_compute_score,
-    load_custom_reward_function,
-    registered_data_sources,
-)
+from hybridjax.rewards.registry import default_compute_score, registered_data_sources
+from hybridjax.rewards.remote import RemoteClient, RemoteConfig
+from hybridjax.rewards.scoring import FunctionSpec, Outcome, RowScorer, check_signature
 
 log = logging.getLogger(__name__)
 ON_ERROR_POLICIES = ("zero", "raise")
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+COMBINE = ("replace", "sum")
 _MAX_LOGGED_ERRORS = 3  # per batch; the rest are only counted
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned a non-finite score (policy `raise`)."""
+    """A reward function failed on a row (policy `raise`) or on every row of the first batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,24 +58,56 @@ class RewardConfig:
 
     Attributes:
       on_error: `zero` or `raise` (`reward_model.on_error`).
-      num_workers: threads scoring rows (`reward_model.num_workers`).
+      num_workers: threads or worker processes scoring rows (`reward_model.num_workers`).
+      reward_manager: one of `REWARD_MANAGERS` (`reward_model.reward_manager`).
+      timeout_s: seconds per call of a function in a worker process (`reward_model.timeout_s`;
+        0 = no limit).
+      combine: rule score and reward-model score: `replace` (the model's only, verl's) or `sum`
+        (`reward_model.combine`).
+      remote: `reward_model.remote.*` (reward servers).
       custom_path / custom_name / custom_kwargs: `custom_reward_function.{path,name,reward_kwargs}`;
         an empty path means the built-in `default_compute_score`.
     """
 
     on_error: str = "zero"
     num_workers: int = 8
+    reward_manager: str = "naive"
+    timeout_s: float = 30.0
+    combine: str = "replace"
+    remote: RemoteConfig = RemoteConfig()
     custom_path: str = ""
     custom_name: str = "compute_score"
     custom_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
-        if self.on_error not in ON_ERROR_POLICIES:
-            raise ValueError(
-                f"reward_model.on_error={self.on_error!r}; expected one of {ON_ERROR_POLICIES}"
-            )
+        for key, valid in (
+            ("on_error", ON_ERROR_POLICIES),
+            ("reward_manager", REWARD_MANAGERS),
+            ("combine", COMBINE),
+        ):
+            if getattr(self, key) not in valid:
+                raise ValueError(
+                    f"reward_model.{key}={getattr(self, key)!r}; expected one of {valid}"
+                )
         if self.num_workers < 1:
             raise ValueError(f"reward_model.num_workers={self.num_workers}; must be >= 1")
+        if self.timeout_s < 0:
+            raise ValueError(f"reward_model.timeout_s={self.timeout_s}; must be >= 0")
+        if self.remote.urls and self.custom_path:
+            raise ValueError(
+                "custom_reward_function.path and reward_model.remote.urls are both set: the "
+                "servers score with their own function (python -m hybridjax.rewards.serve "
+                "--custom_path ...); set one"
+            )
+        if self.remote.urls and self.reward_manager in ("batch", "prime"):
+            raise ValueError(
+                f"reward_model.reward_manager={self.reward_manager!r} with remote.urls: the "
+                "servers choose it (serve --reward_manager); use naive or dapo here"
+            )
+
+    @property
+    def function_spec(self) -> FunctionSpec:
+        return FunctionSpec(self.custom_path, self.custom_name, self.custom_kwargs)
 
     @classmethod
     def from_config(cls, config: Any) -> RewardConfig:
@@ -68,13 +115,34 @@ class RewardConfig:
         rm = _get(config, "reward_model", {}) or {}
         custom = _get(config, "custom_reward_function", {}) or {}
         kwargs = _get(custom, "reward_kwargs", {}) or {}
+        remote = _get(rm, "remote", {}) or {}
         return cls(
             on_error=_get(rm, "on_error", cls.on_error),
             num_workers=int(_get(rm, "num_workers", cls.num_workers)),
+            reward_manager=_get(rm, "reward_manager", cls.reward_manager),
+            timeout_s=float(_get(rm, "timeout_s", cls.timeout_s)),
+            combine=_get(rm, "combine", cls.combine),
+            remote=RemoteConfig() if serves_model(rm) else RemoteConfig.from_dict(remote),
             custom_path=_get(custom, "path", "") or "",
             custom_name=_get(custom, "name", "") or cls.custom_name,
             custom_kwargs=tuple(sorted(dict(kwargs).items())),
         )
+
+
+def overlong_enabled(rm: Any) -> bool:
+    """Whether DAPO's overlong shaping applies: `reward_model.overlong_buffer.enable`, or
+    `reward_model.reward_manager=dapo` (verl applies it in its DAPO reward manager)."""
+    buffer = _get(rm, "overlong_buffer", {}) or {}
+    return bool(_get(buffer, "enable", False)) or _get(rm, "reward_manager", "") == "dapo"
+
+
+def serves_model(rm: Any) -> bool:
+    """Whether `reward_model.remote.urls` serve the reward model (`enable` with no local
+    `model.path`) rather than the rule function."""
+    remote, model = _get(rm, "remote", {}) or {}, _get(rm, "model", {}) or {}
+    return bool(
+        _get(rm, "enable", False) and _get(remote, "urls", "") and not _get(model, "path", "")
+    )
 
 
 def _get(mapping: Any, key: str, default: Any) -> Any:
@@ -92,7 +160,9 @@ class RewardResult:
       token_level_scores: B×R float32, the score at each row's last valid response token.
       scores: (B,) float32 sequence scores (0 where the function failed under `zero`).
       extra: per-row values of the extra keys returned in dicts, each (B,) (NaN where missing).
-      metrics: `reward/num_errors`, `reward/num_nonfinite`, `reward/<key>/mean` per extra key.
+      metrics: `reward/num_errors`, `reward/num_timeouts`, `reward/num_nonfinite`,
+        `reward/<key>/mean` per numeric extra key; with servers `reward/remote_latency_ms`
+        and `reward/num_retries`.
     """
 
     token_level_scores: np.ndarray
@@ -119,19 +189,31 @@ def decode_responses(tokenizer, responses_BxR: np.ndarray, response_mask_BxR: np
 
 
 class RewardManager:
-    """Scores batches of decoded responses with the configured reward function."""
+    """Scores batches of decoded responses with the configured reward function.
+
+    Args:
+      config: a `RewardConfig`.
+      compute_score: a per-row (or, for `batch`, whole-batch) function to use instead of the
+        configured one; it runs in threads of this process (no timeout: a thread cannot be
+        stopped), so code that may hang belongs in `custom_reward_function.path`.
+
+    Raises:
+      FileNotFoundError, AttributeError: `custom_reward_function.{path,name}` cannot be loaded.
+      TypeError: the function cannot take verl's arguments (its signature is shown).
+      ValueError: `batch` without a custom function.
+      RewardServerError: a reward server fails its health check.
+    """
 
     def __init__(self, config: RewardConfig, compute_score: Callable[..., Any] | None = None):
         self.config = config
-        if compute_score is None and config.custom_path:
-            compute_score = load_custom_reward_function(
-                config.custom_path, config.custom_name, dict(config.custom_kwargs)
-            )
-        self.compute_score = compute_score or default_compute_score
-        self._rows = concurrent.futures.ThreadPoolExecutor(
-            config.num_workers, thread_name_prefix="reward"
-        )
+        self.remote = self.scorer = None
+        self.builtin = False
+        if config.remote.urls:
+            self.remote = RemoteClient(config.remote, "rule")
+        else:
+            self.scorer, self.builtin = build_scorer(config, compute_score)
         self._gather = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-gather")
+        self._batches_done = 0
 
     def submit(
         self,
@@ -150,7 +232,9 @@ class RewardManager:
           response_lengths_B: valid tokens per response (ints in [0, response_width]).
           response_width: R, the padded response length of `token_level_scores`.
 
-        The future raises `RewardFunctionError` (policy `raise`) naming the first failing row.
+        The future raises `RewardFunctionError` (policy `raise`, or every row of the first
+        batch failed) naming the first failing row, and `RewardServerError` when a server
+        refuses a request (4xx).
 
         Raises:
           ValueError: the per-row lists differ in length, or (built-in dispatch) a row's
@@ -162,73 +246,43 @@ class RewardManager:
         for name, values in (("data_sources", data_sources), ("ground_truths", ground_truths)):
             if len(values) != n:
                 raise ValueError(f"{name} has {len(values)} rows, responses {n}")
-        if self.compute_score is default_compute_score:
+        if self.builtin:
             unknown = sorted(set(data_sources) - set(registered_data_sources()))
             if unknown:
                 raise ValueError(
                     f"no reward function for data_source {unknown}; known: "
                     f"{registered_data_sources()} (or set custom_reward_function.path)"
                 )
+        rows = list(zip(data_sources, responses, ground_truths, extra_infos, strict=True))
         lengths = np.asarray(response_lengths_B)
-        row_futures = [
-            self._rows.submit(self._score_row, data_sources[i], responses[i], ground_truths[i],
-                              extra_infos[i])
-            for i in range(n)
-        ]  # fmt: skip
-        return self._gather.submit(
-            self._collect, row_futures, list(data_sources), lengths, response_width
-        )
+        return self._gather.submit(self._score, rows, lengths, response_width)
 
     def __call__(self, *args, **kwargs) -> RewardResult:
         """`submit(...)` and wait for the result."""
         return self.submit(*args, **kwargs).result()
 
     def close(self) -> None:
-        self._rows.shutdown(wait=True)
-        self._gather.shutdown(wait=True)
+        """Stops scoring at once (hanging calls are killed, not waited for)."""
+        self._gather.shutdown(wait=False, cancel_futures=True)
+        for backend in (self.scorer, self.remote):
+            if backend is not None:
+                backend.close()
 
-    def _score_row(self, data_source, response, ground_truth, extra_info):
-        """(score, extras, error) for one row; never raises."""
-        try:
-            out = self.compute_score(data_source, response, ground_truth, extra_info)
-            extras = {}
-            if isinstance(out, dict):
-                if "score" not in out:
-                    raise KeyError(f"reward dict has no 'score' key (keys: {sorted(out)})")
-                extras = {k: v for k, v in out.items() if k != "score"}
-                out = out["score"]
-            score = float(out)
-        except Exception as e:  # any failure of user code is handled by the policy
-            return 0.0, {}, e
-        if not math.isfinite(score):
-            return 0.0, extras, FloatingPointError(f"reward function returned {score}")
-        return score, extras, None
-
-    def _collect(self, row_futures, data_sources, lengths, width) -> RewardResult:
-        rows = [f.result() for f in row_futures]
-        num_errors = num_nonfinite = 0
-        for i, (_, _, error) in enumerate(rows):
-            if error is None:
-                continue
-            nonfinite = isinstance(error, FloatingPointError)
-            num_nonfinite += nonfinite
-            num_errors += not nonfinite
-            message = f"reward function failed on row {i} (data_source={data_sources[i]!r}): "
-            if self.config.on_error == "raise":
-                raise RewardFunctionError(message + repr(error)) from error
-            if num_errors + num_nonfinite <= _MAX_LOGGED_ERRORS:
-                log.warning("%s%r; scored 0 (reward_model.on_error=zero)", message, error)
-        scores = np.array([s for s, _, _ in rows], np.float32)
-        extra_keys = sorted({k for _, extras, _ in rows for k in extras})
-        extra, metrics = (
-            {},
-            {
-                "reward/num_errors": float(num_errors),
-                "reward/num_nonfinite": float(num_nonfinite),
-            },
-        )
-        for key in extra_keys:
-            values = [extras.get(key, float("nan")) for _, extras, _ in rows]
+    def _score(self, rows, lengths, width) -> RewardResult:
+        if self.remote is not None:
+            self.remote.reset_counters()
+            outcomes = self.remote.score_rows(rows)
+        else:
+            outcomes = self.scorer.score(rows)
+        first = self._batches_done == 0
+        metrics = check_outcomes(outcomes, [r[0] for r in rows], self.config.on_error, first)
+        if self.remote is not None:
+            metrics |= self.remote.metrics()
+        self._batches_done += 1
+        scores = np.array([o.score for o in outcomes], np.float32)
+        extra = {}
+        for key in sorted({k for o in outcomes for k in o.extras}):
+            values = [o.extras.get(key, float("nan")) for o in outcomes]
             try:
                 extra[key] = np.array(values, np.float32)
             except (TypeError, ValueError):  # non-numeric extras (e.g. the parsed answer)
@@ -237,3 +291,66 @@ class RewardManager:
             if np.any(np.isfinite(extra[key])):
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(extra[key]))
         return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics)
+
+
+def build_scorer(
+    config: RewardConfig, compute_score: Callable[..., Any] | None = None
+) -> tuple[RowScorer, bool]:
+    """The `RowScorer` of a config (see the module docstring for where functions run), and
+    whether it runs the built-in dispatch (`default_compute_score`).
+
+    Raises:
+      FileNotFoundError, AttributeError: the custom function cannot be loaded.
+      TypeError: its signature does not take verl's arguments.
+      ValueError: `batch` without a custom function.
+    """
+    batched = config.reward_manager == "batch"
+    fn = compute_score or config.function_spec.load()  # here too, so that errors show at once
+    builtin = fn is default_compute_score
+    if batched and builtin:
+        raise ValueError(
+            "reward_model.reward_manager=batch calls one function with the whole batch: "
+            "set custom_reward_function.path/name to such a function"
+        )
+    check_signature(fn, batched, repr(config.custom_name) if compute_score is None else repr(fn))
+    in_threads = compute_score is not None or (builtin and config.reward_manager != "prime")
+    scorer = RowScorer(
+        fn if in_threads else None,
+        config.function_spec,
+        config.num_workers,
+        config.timeout_s,
+        batched,
+    )
+    return scorer, builtin
+
+
+def check_outcomes(
+    outcomes: Sequence[Outcome], data_sources: Sequence[str], on_error: str, first_batch: bool
+) -> dict[str, float]:
+    """Applies `reward_model.on_error` and the first-batch rule to a batch's outcomes; returns
+    `reward/num_errors` (raised, exited, crashed, or a server error), `reward/num_timeouts`,
+    `reward/num_nonfinite`.
+
+    Raises:
+      RewardFunctionError: every row failed and `first_batch`, or a row failed under `raise`.
+    """
+    failed = [i for i, o in enumerate(outcomes) if o.kind != "ok"]
+    describe = lambda i: (
+        f"reward function failed on row {i} (data_source={data_sources[i]!r}): "
+        f"{outcomes[i].kind}: {outcomes[i].error}"
+    )
+    if failed and first_batch and len(failed) == len(outcomes):
+        raise RewardFunctionError(
+            f"every row of the first batch failed ({len(failed)} rows); the first: "
+            f"{describe(failed[0])}"
+        )
+    if failed and on_error == "raise":
+        raise RewardFunctionError(describe(failed[0]))
+    for i in failed[:_MAX_LOGGED_ERRORS]:
+        log.warning("%s; scored 0 (reward_model.on_error=zero)", describe(i))
+    kinds = [o.kind for o in outcomes]
+    return {
+        "reward/num_errors": float(kinds.count("error") + kinds.count("crash")),
+        "reward/num_timeouts": float(kinds.count("timeout")),
+        "reward/num_nonfinite": float(kinds.count("nonfinite")),
+    }

@@ -23,6 +23,7 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, read_hf_config
 from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.rewards.manager import overlong_enabled
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
     CRITIC_RULES,
@@ -225,7 +226,9 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
         group_size=a.rollout.n,
         log_prob_micro_batch_size=sizes["log_prob_micro"],
         algorithm=algorithm_config(cfg),
-        overlong=OverlongBufferConfig.from_dict(cfg.reward_model.overlong_buffer),
+        overlong=OverlongBufferConfig.from_dict(
+            dict(cfg.reward_model.overlong_buffer) | {"enable": overlong_enabled(cfg.reward_model)}
+        ),
         actor_loss=ActorLossConfig.from_dict(actor_loss),
         critic_loss=CriticLossConfig.from_dict(critic_loss),
         actor_update=UpdateConfig(
@@ -265,7 +268,7 @@ def build_models(
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
         critic_state = _init_train_state(critic_params, stage.critic_optim)
-    if cfg.reward_model.enable:
+    if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, mesh))
     return Models(
         actor_graphdef=actor_graphdef,

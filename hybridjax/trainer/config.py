@@ -120,9 +120,13 @@ def base_config() -> ConfigDict:
         enable=False,
         model=dict(path=""),
         micro_batch_size_per_gpu=16,
-        reward_manager="naive",
-        on_error="zero",  # a reward function that raises or returns NaN: zero | raise
-        num_workers=8,
+        reward_manager="naive",  # naive | batch | dapo | prime (hybridjax.rewards.manager)
+        on_error="zero",  # a reward function that fails on a row: zero | raise
+        num_workers=8,  # threads (built-ins) or worker processes (custom functions)
+        timeout_s=30.0,  # per call of a custom reward function in a worker process; 0 = none
+        combine="replace",  # rule score with a reward model's: replace (model only) | sum
+        # reward servers (python -m hybridjax.rewards.serve); urls comma-separated, "" = local
+        remote=dict(urls="", timeout_s=60.0, max_retries=2, concurrency=4, batch_size=32),
         # DAPO soft overlong punishment on token_level_rewards (hybridjax.algorithms.overlong)
         overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0),
     )

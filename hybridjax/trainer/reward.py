@@ -1,11 +1,18 @@
-"""The `reward` stage: rule-based scores in threads and/or a co-located reward model, and the
-greedy-rollout baselines of estimators that ask for them (ReMax).
+"""The `reward` stage: rule-based scores (`hybridjax.rewards.RewardManager`) and/or a reward
+model, co-located or served, and the greedy-rollout baselines of estimators that ask for them
+(ReMax).
 
-`submit` starts the work and returns at once (rule functions run in the reward manager's thread
-pool, the reward-model forward is queued on the device), so the trainer can run the log-prob and
-value passes meanwhile; `collect` waits for it. With `reward_model.enable` the model's score
-replaces the rule's in `token_level_scores`, as verl's; the rule's result (and its metrics) is
-still computed.
+`submit` starts the work and returns at once (rule functions run in the reward manager's workers
+or on reward servers, the co-located reward-model forward is queued on the device, a served one
+is posted from a thread), so the trainer can run the log-prob and value passes meanwhile;
+`collect` waits for it. With a reward model, `reward_model.combine` says what goes into
+`token_level_scores`: `replace` (verl's) the model's score alone, `sum` rule + model; the rule's
+result (and its metrics) is computed either way.
+
+Where the reward model runs: `reward_model.enable` with `model.path` loads it here; `enable`
+with an empty `model.path` and `remote.urls` scores on model servers
+(`python -m hybridjax.rewards.serve --model_path ...`), sending the token ids of prompt and
+response (the server's model must share the actor's tokenizer, as a co-located one does).
 """
 
 from __future__ import annotations
@@ -16,23 +23,40 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rewards import RewardManager, RewardResult
+from hybridjax.rewards import RewardConfig, RewardManager, RewardResult, place_scores
+from hybridjax.rewards.manager import check_outcomes, serves_model
+from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
 from hybridjax.trainer.generation import HostColumns, put_global, submit_rewards
 
 
+def check_reward_servers(cfg) -> None:
+    """Health-checks every `reward_model.remote.urls` for the kind the config needs (the model
+    when `serves_model`, else the rule), before anything slow is loaded.
+
+    Raises:
+      RewardServerError: a URL is unreachable or serves the other kind (named in the message).
+    """
+    remote = RemoteConfig.from_dict(cfg.reward_model.remote)
+    if remote.urls:
+        RemoteClient(remote, "model" if serves_model(cfg.reward_model) else "rule").close()
+
+
 @dataclasses.dataclass(frozen=True)
 class PendingScores:
     """Scores of one batch being computed: the rule's future and the reward model's B×R token
-    scores (queued on the device; None without a reward model)."""
+    scores (queued on the device, or a future of (host B×R scores, metrics) from model servers;
+    None without a reward model)."""
 
     rule: concurrent.futures.Future[RewardResult]
-    model: jax.Array | None
+    model: jax.Array | concurrent.futures.Future | None
 
 
 class RewardStage:
@@ -45,6 +69,8 @@ class RewardStage:
       micro_batch_size_per_device: `reward_model.micro_batch_size_per_gpu`.
       sharding: where per-row arrays go (the training mesh's batch axes).
       data_parallel: batch shards of the training mesh (data × fsdp).
+      model_client: a `RemoteClient` of kind `model` (served reward model) or None.
+      combine: `reward_model.combine`, `replace` or `sum`.
     """
 
     def __init__(
@@ -55,6 +81,8 @@ class RewardStage:
         micro_batch_size_per_device: int,
         sharding: NamedSharding,
         data_parallel: int,
+        model_client: RemoteClient | None = None,
+        combine: str = "replace",
     ):
         self.manager = manager
         self.tokenizer = tokenizer
@@ -62,6 +90,33 @@ class RewardStage:
         self.micro_per_device = micro_batch_size_per_device
         self.sharding = sharding
         self.data_parallel = data_parallel
+        self.model_client = model_client
+        self.combine = combine
+        self._model_batches = 0
+        self._posts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, reward_model, sharding, data_parallel) -> RewardStage:
+        """The stage of a trainer config (`reward_model.*`, `custom_reward_function.*`).
+
+        Raises:
+          RewardServerError: a reward server fails its health check (names the URL).
+        """
+        rm = cfg.reward_model
+        config = RewardConfig.from_config(cfg)
+        client = None
+        if serves_model(rm):
+            client = RemoteClient(RemoteConfig.from_dict(rm.remote), "model")
+        return cls(
+            RewardManager(config),
+            tokenizer,
+            reward_model,
+            rm.micro_batch_size_per_gpu,
+            sharding,
+            data_parallel,
+            client,
+            config.combine,
+        )
 
     def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
         """Starts scoring `batch` (returns at once; no host sync)."""
@@ -80,14 +135,46 @@ class RewardStage:
                     self.micro_per_device, batch.batch_size, self.data_parallel
                 ),
             )
+        elif self.model_client is not None:
+            # Host sync (small): every process gets the whole batch's prompt ids.
+            prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
+            prompt_mask = np.asarray(mask)[:, : prompts.shape[1]].astype(bool)
+            model = self._posts.submit(self._score_served, prompts, prompt_mask, host)
         return PendingScores(rule, model)
 
+    def _score_served(self, prompts, prompt_mask, host: HostColumns):
+        """(B×R float32 token scores, metrics) from the model servers; failures follow
+        `reward_model.on_error` like a rule's."""
+        self.model_client.reset_counters()
+        mask = host.response_mask.astype(bool)
+        outcomes = self.model_client.score_tokens(
+            [p[m].tolist() for p, m in zip(np.asarray(prompts), prompt_mask, strict=True)],
+            [r[m].tolist() for r, m in zip(host.responses, mask, strict=True)],
+        )
+        first = self._model_batches == 0
+        self._model_batches += 1
+        metrics = check_outcomes(outcomes, host.data_source, self.manager.config.on_error, first)
+        scores = np.array([o.score for o in outcomes], np.float32)
+        width = host.responses.shape[1]
+        return place_scores(scores, host.response_lengths, width), metrics | (
+            self.model_client.metrics()
+        )
+
     def collect(self, pending: PendingScores) -> tuple[jax.Array, RewardResult]:
-        """(token_level_scores B×R float32 in `sharding`, the rule's result). Waits for both."""
+        """(token_level_scores B×R float32 in `sharding`, the rule's result, whose metrics
+        include the served model's). Waits for both."""
         result = pending.rule.result()
-        if pending.model is not None:
-            return jax.block_until_ready(pending.model), result
-        return put_global(result.token_level_scores, self.sharding), result
+        rule_scores = lambda: put_global(result.token_level_scores, self.sharding)
+        if pending.model is None:
+            return rule_scores(), result
+        if isinstance(pending.model, concurrent.futures.Future):
+            host_scores, metrics = pending.model.result()
+            model = put_global(host_scores, self.sharding)
+            result = dataclasses.replace(result, metrics=_merge(result.metrics, metrics))
+        else:
+            model = pending.model
+        scores = model + rule_scores() if self.combine == "sum" else model
+        return jax.block_until_ready(scores), result
 
     def baselines(self, pending: PendingScores, n: int) -> jax.Array:
         """ReMax's `reward_baselines` (B·n,) float32: the score of each prompt's greedy response
@@ -98,3 +185,17 @@ class RewardStage:
 
     def close(self) -> None:
         self.manager.close()
+        self._posts.shutdown(wait=False, cancel_futures=True)
+        if self.model_client is not None:
+            self.model_client.close()
+
+
+def _merge(rule: dict[str, float], model: dict[str, float]) -> dict[str, float]:
+    """Counts add up; the latency is the slower of the two (the one the stage waits for)."""
+    out = dict(rule)
+    for key, value in model.items():
+        if key == "reward/remote_latency_ms":
+            out[key] = max(out.get(key, 0.0), value)
+        else:
+            out[key] = out.get(key, 0.0) + value
+    return out

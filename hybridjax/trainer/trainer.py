@@ -28,7 +28,6 @@ from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
 from hybridjax.models.config import to_dtype
-from hybridjax.rewards import RewardConfig, RewardManager
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -43,7 +42,7 @@ from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
-from hybridjax.trainer.reward import RewardStage
+from hybridjax.trainer.reward import RewardStage, check_reward_servers
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import validate
@@ -66,6 +65,7 @@ class RLTrainer:
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
+        check_reward_servers(cfg)  # fails fast, before any model is loaded
         self.meshes = make_meshes(MeshConfig.from_config(cfg))
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
@@ -96,13 +96,8 @@ class RLTrainer:
         actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
         self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
         self._update_weights()
-        self.reward = RewardStage(
-            RewardManager(RewardConfig.from_config(cfg)),
-            self.tokenizer,
-            self.models.reward_model,
-            cfg.reward_model.micro_batch_size_per_gpu,
-            self.batch_sharding,
-            dp,
+        self.reward = RewardStage.from_config(
+            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
         self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)

@@ -29,6 +29,12 @@ from hybridjax.data.dataset import as_file_list
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import ModelConfig
 from hybridjax.plan import memory_problems
+from hybridjax.rewards.manager import (
+    COMBINE,
+    ON_ERROR_POLICIES,
+    REWARD_MANAGERS,
+    overlong_enabled,
+)
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
@@ -156,6 +162,19 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v in ROLLOUT_IS_MODES,
             f"one of {ROLLOUT_IS_MODES}",
         ),
+        (
+            "reward_model.reward_manager",
+            lambda v: v in REWARD_MANAGERS,
+            f"one of {REWARD_MANAGERS}",
+        ),
+        ("reward_model.on_error", lambda v: v in ON_ERROR_POLICIES, f"one of {ON_ERROR_POLICIES}"),
+        ("reward_model.combine", lambda v: v in COMBINE, f"one of {COMBINE}"),
+        ("reward_model.num_workers", positive, "must be > 0"),
+        ("reward_model.timeout_s", lambda v: v >= 0, "must be >= 0 (0: no limit)"),
+        ("reward_model.remote.timeout_s", positive, "must be > 0"),
+        ("reward_model.remote.max_retries", lambda v: v >= 0, "must be >= 0"),
+        ("reward_model.remote.concurrency", positive, "must be > 0"),
+        ("reward_model.remote.batch_size", positive, "must be > 0"),
         ("reward_model.overlong_buffer.len", lambda v: v >= 0, "must be >= 0"),
         ("reward_model.overlong_buffer.penalty_factor", lambda v: v >= 0, "must be >= 0"),
         ("trainer.total_epochs", positive, "must be > 0"),
@@ -258,13 +277,15 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",
     )
     need(
-        not overlong.enable or 0 < overlong.len < d.max_response_length,
+        not overlong_enabled(c.reward_model) or 0 < overlong.len < d.max_response_length,
         f"reward_model.overlong_buffer.len ({overlong.len}) must be in "
-        f"(0, data.max_response_length = {d.max_response_length}) when enabled",
+        f"(0, data.max_response_length = {d.max_response_length}) when enabled "
+        "(reward_model.reward_manager=dapo enables it)",
     )
     need(
-        not c.reward_model.enable or bool(c.reward_model.model.path),
-        "reward_model.enable is true but reward_model.model.path is empty",
+        not c.reward_model.enable or bool(c.reward_model.model.path or c.reward_model.remote.urls),
+        "reward_model.enable is true but reward_model.model.path and reward_model.remote.urls "
+        "are empty",
     )
     need(
         bool(a.model.path) or bool(override),

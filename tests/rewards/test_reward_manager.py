@@ -46,7 +46,11 @@ def test_gsm8k_batch():
     assert result.token_level_scores.shape == (4, 8)
     assert result.token_level_scores[0, 2] == 1.0 and result.token_level_scores[2, 5] == 1.0
     assert result.token_level_scores.sum() == 2.0
-    assert result.metrics == {"reward/num_errors": 0.0, "reward/num_nonfinite": 0.0}
+    assert result.metrics == {
+        "reward/num_errors": 0.0,
+        "reward/num_timeouts": 0.0,
+        "reward/num_nonfinite": 0.0,
+    }
     manager.close()
 
 

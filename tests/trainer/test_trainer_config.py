@@ -157,3 +157,25 @@ def test_remax_is_accepted_and_new_keys_are_checked(tmp_path):
         "reward_model.overlong_buffer.len (32) must be in (0, data.max_response_length = 32)",
     ):
         assert key in message, (key, message)
+
+
+def test_reward_keys_are_checked(tmp_path):
+    config = _load("tiny", tmp_path)
+    config.reward_model.reward_manager = "dapo"  # turns the overlong shaping on: len is 0
+    config.reward_model.combine = "mean"
+    config.reward_model.remote.batch_size = 0
+    config.reward_model.enable = True  # neither a model.path nor remote.urls
+    with pytest.raises(ConfigError) as err:
+        validate(config, 8, ACTOR)
+    message = str(err.value)
+    for key in (
+        "reward_model.overlong_buffer.len (0) must be in (0, data.max_response_length = 32) "
+        "when enabled (reward_model.reward_manager=dapo enables it)",
+        "reward_model.combine: one of ('replace', 'sum') (got 'mean')",
+        "reward_model.remote.batch_size: must be > 0 (got 0)",
+        "reward_model.enable is true but reward_model.model.path and reward_model.remote.urls",
+    ):
+        assert key in message, (key, message)
+    config.reward_model.reward_manager = "verl"
+    with pytest.raises(ConfigError, match=r"reward_model.reward_manager: one of \('naive'"):
+        validate(config, 8, ACTOR)

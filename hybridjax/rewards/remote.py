@@ -1,0 +1,185 @@
+"""Client of reward servers (`python -m hybridjax.rewards.serve`): `reward_model.remote.*`.
+
+Rows are cut into requests of `batch_size`, spread round-robin over `urls`, and at most
+`concurrency` requests are in flight (threads sharing one `httpx.Client`; the trainer's device
+stages run meanwhile). A request that times out (`timeout_s`), cannot connect or gets a 5xx is
+retried up to `max_retries` times, each retry on the next URL; after that its rows fail
+(`timeout` or `error`) and follow `reward_model.on_error`. A 4xx is not retried (the request
+itself is wrong). The bearer token, when the servers want one, is read from the environment
+variable `HYBRIDJAX_REWARD_TOKEN` (never from the config, which is logged).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from hybridjax.rewards.scoring import Outcome, Row
+
+TOKEN_ENV = "HYBRIDJAX_REWARD_TOKEN"
+
+
+class RewardServerError(RuntimeError):
+    """A reward server is unreachable, refused the request, or serves the wrong kind."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteConfig:
+    """`reward_model.remote.*`: `urls` comma-separated (empty = score locally); `timeout_s`
+    per request; `max_retries` per request; `concurrency` requests in flight; `batch_size`
+    rows (or token sequences) per request."""
+
+    urls: tuple[str, ...] = ()
+    timeout_s: float = 60.0
+    max_retries: int = 2
+    concurrency: int = 4
+    batch_size: int = 32
+
+    def __post_init__(self):
+        for key in ("concurrency", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"reward_model.remote.{key}={getattr(self, key)}; must be >= 1")
+        if self.max_retries < 0 or self.timeout_s <= 0:
+            raise ValueError("reward_model.remote.max_retries must be >= 0 and timeout_s > 0")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"reward_model.remote.urls: {url!r} is not an http(s) URL")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RemoteConfig:
+        urls = d.get("urls", "") or ""
+        urls = urls.split(",") if isinstance(urls, str) else list(urls)
+        return cls(
+            urls=tuple(u.strip().rstrip("/") for u in urls if u.strip()),
+            timeout_s=float(d.get("timeout_s", cls.timeout_s)),
+            max_retries=int(d.get("max_retries", cls.max_retries)),
+            concurrency=int(d.get("concurrency", cls.concurrency)),
+            batch_size=int(d.get("batch_size", cls.batch_size)),
+        )
+
+
+class RemoteClient:
+    """Posts batches to reward servers; counts latency, timeouts and retries.
+
+    Args:
+      config: `RemoteConfig` with at least one URL.
+      kind: what the servers must serve, `rule` (rows of text) or `model` (token ids).
+
+    Raises:
+      RewardServerError: a URL fails its health check or serves another kind (names the URL).
+    """
+
+    def __init__(self, config: RemoteConfig, kind: str):
+        self.config, self.kind = config, kind
+        token = os.environ.get(TOKEN_ENV, "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(timeout=config.timeout_s, headers=headers)
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, "reward-http")
+        self._lock = threading.Lock()
+        self._next = 0
+        self.reset_counters()
+        for url in config.urls:
+            self._health(url)
+
+    def _health(self, url: str) -> None:
+        try:
+            response = self._http.get(f"{url}/health")
+            response.raise_for_status()
+            served = response.json().get("kind")
+        except (httpx.HTTPError, ValueError) as e:
+            raise RewardServerError(f"reward server {url} failed its health check: {e!r}") from e
+        if served != self.kind:
+            raise RewardServerError(
+                f"reward server {url} serves kind {served!r}, expected {self.kind!r} "
+                "(a rule server takes rows of text, a model server token ids)"
+            )
+
+    def reset_counters(self) -> None:
+        self.latencies_ms: list[float] = []
+        self.num_retries = 0
+
+    def metrics(self) -> dict[str, float]:
+        """`reward/remote_latency_ms` (mean per request), `reward/num_retries`; since the last
+        `reset_counters()`. Timeouts are counted per row by the caller."""
+        lat = self.latencies_ms
+        return {
+            "reward/remote_latency_ms": sum(lat) / len(lat) if lat else 0.0,
+            "reward/num_retries": float(self.num_retries),
+        }
+
+    def post_all(self, path: str, items: Sequence[Any], body) -> list[Any]:
+        """POSTs `items` in requests of `batch_size` (`body(chunk)` is the JSON of one);
+        returns per item the server's result, or an `Outcome` failure (timeout / error)."""
+        size = self.config.batch_size
+        chunks = [list(items[i : i + size]) for i in range(0, len(items), size)]
+        futures = [self._pool.submit(self._post, path, body(c), len(c)) for c in chunks]
+        return [r for f in futures for r in f.result()]
+
+    def _post(self, path: str, payload: dict, n: int) -> list[Any]:
+        with self._lock:
+            first = self._next
+            self._next += 1
+        urls = self.config.urls
+        failure = None
+        for attempt in range(self.config.max_retries + 1):
+            url = urls[(first + attempt) % len(urls)]
+            if attempt:
+                with self._lock:
+                    self.num_retries += 1
+            start = time.perf_counter()
+            try:
+                response = self._http.post(f"{url}{path}", json=payload)
+            except httpx.TimeoutException as e:
+                failure = Outcome(kind="timeout", error=f"reward server {url}: {e!r}")
+                continue
+            except httpx.TransportError as e:
+                failure = Outcome(kind="error", error=f"reward server {url}: {e!r}")
+                continue
+            if response.status_code >= 500:
+                failure = Outcome(kind="error", error=f"reward server {url}: {response.text}")
+                continue
+            if response.status_code >= 400:
+                raise RewardServerError(
+                    f"reward server {url} refused the request ({response.status_code}): "
+                    f"{response.text}"
+                )
+            with self._lock:
+                self.latencies_ms.append(1e3 * (time.perf_counter() - start))
+            results = response.json()["results"]
+            if len(results) != n:
+                raise RewardServerError(f"reward server {url} returned {len(results)} results "
+                                        f"for {n} rows")  # fmt: skip
+            return results
+        return [failure] * n
+
+    def score_rows(self, rows: Sequence[Row]) -> list[Outcome]:
+        """Rule scores of `rows` from `rule` servers (`POST /score`)."""
+        keys = ("data_source", "solution_str", "ground_truth", "extra_info")
+        body = lambda chunk: {"rows": [dict(zip(keys, r, strict=True)) for r in chunk]}
+        return [
+            r if isinstance(r, Outcome) else Outcome.from_json(r)
+            for r in self.post_all("/score", rows, body)
+        ]
+
+    def score_tokens(
+        self, prompts: Sequence[list[int]], responses: Sequence[list[int]]
+    ) -> list[Outcome]:
+        """Reward-model scores from `model` servers (`POST /score_tokens`), one per
+        (prompt ids, response ids) pair."""
+        pairs = list(zip(prompts, responses, strict=True))
+        body = lambda chunk: {"prompts": [p for p, _ in chunk], "responses": [r for _, r in chunk]}
+        return [
+            r if isinstance(r, Outcome) else Outcome.from_json(r)
+            for r in self.post_all("/score_tokens", pairs, body)
+        ]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()

@@ -1,0 +1,268 @@
+"""`python -m hybridjax.rewards.serve`: reward functions or a reward model over HTTP.
+
+    python -m hybridjax.rewards.serve --port 8000               # built-ins by data_source
+    python -m hybridjax.rewards.serve --custom_path my.py --custom_name fn --timeout_s 10
+    python -m hybridjax.rewards.serve --model_path ckpt/rm      # *ForSequenceClassification
+
+JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`):
+  * `GET /health` → `{"status": "ok", "kind": "rule" | "model", ...}`.
+  * `POST /score` (rule servers) `{"rows": [{"data_source", "solution_str", "ground_truth",
+    "extra_info"}]}` → `{"results": [...]}`, one per row in order: `{"kind": "ok", "score": float,
+    "extras": {...}}` or `{"kind": "error" | "crash" | "timeout" | "nonfinite", "error": str}`.
+  * `POST /score_tokens` (model servers) `{"prompts": [[int]], "responses": [[int]]}` (token ids
+    without padding) → `{"results": [{"kind": "ok", "score": float, "extras": {}}]}`.
+A malformed body gets 422 with the reason, a wrong or missing bearer token 401 (when the
+environment variable `HYBRIDJAX_REWARD_TOKEN` is set for the server), a body over
+`--max_request_bytes` 413, a body without Content-Length 411. The server binds 127.0.0.1 unless
+`--host` says otherwise. Rule functions run as in the trainer (`hybridjax.rewards.scoring`:
+custom ones isolated in worker processes with `--timeout_s`); a reward model runs on the devices
+of this process (`CUDA_VISIBLE_DEVICES`, or `--xla_force_host_platform_device_count` on CPU),
+its batch sharded over all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import fastapi
+import numpy as np
+import pydantic
+from fastapi.responses import JSONResponse
+
+from hybridjax.rewards.manager import RewardConfig, build_scorer
+from hybridjax.rewards.remote import TOKEN_ENV
+from hybridjax.rewards.scoring import normalize
+
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+
+
+class Row(pydantic.BaseModel):
+    data_source: str
+    solution_str: str
+    ground_truth: Any = None
+    extra_info: Any = None
+
+
+class ScoreRequest(pydantic.BaseModel):
+    rows: list[Row]
+
+
+class TokenRequest(pydantic.BaseModel):
+    prompts: list[list[pydantic.NonNegativeInt]]
+    responses: list[list[pydantic.NonNegativeInt]]
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length), 411 without one."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            length = dict(scope["headers"]).get(b"content-length")
+            status, reason = None, ""
+            if length is None or not length.isdigit():
+                status, reason = 411, "a Content-Length header is required"
+            elif int(length) > self.max_bytes:
+                status, reason = 413, f"body of {int(length)} bytes > {self.max_bytes}"
+            if status:
+                return await JSONResponse({"detail": reason}, status)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class ServedModel:
+    """A `*ForSequenceClassification` checkpoint on this process's devices, scoring unpadded
+    (prompt, response) id lists. Shapes are padded to powers of two (rows also to a multiple of
+    the device count), so a server compiles once per bucket; one forward at a time."""
+
+    def __init__(self, path: str, micro_batch_size_per_device: int):
+        from flax import nnx
+
+        from hybridjax.models.hf_io import load_pretrained
+        from hybridjax.sharding import REWARD_MODEL_RULES, MeshConfig, make_meshes, sharding_fn
+
+        self.mesh = make_meshes(MeshConfig()).train
+        model = load_pretrained(
+            path, kind="classifier", shardings=sharding_fn(self.mesh, REWARD_MODEL_RULES)
+        )
+        self.graphdef, self.state = nnx.split(model)
+        self.micro = micro_batch_size_per_device
+        self.devices = self.mesh.devices.size
+        self._lock = threading.Lock()
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from hybridjax.rewards.reward_model import score_responses
+
+        n, d = len(prompts), self.devices
+        if n == 0:
+            return []
+        bucket = lambda k: 1 << max(0, int(k) - 1).bit_length()
+        b = -(-bucket(n) // d) * d  # rows: a power of two, rounded up to a multiple of d
+        p = bucket(max(len(x) for x in prompts) or 1)
+        r = bucket(max(max(len(x) for x in responses), 1))
+        ids_p, mask_p = np.zeros((b, p), np.int32), np.zeros((b, p), np.int32)
+        ids_r, mask_r = np.zeros((b, r), np.int32), np.zeros((b, r), np.int32)
+        mask_r[n:, 0] = 1  # padding rows read one token, so no row is empty
+        for i, (pi, ri) in enumerate(zip(prompts, responses, strict=True)):
+            if pi:
+                ids_p[i, p - len(pi) :], mask_p[i, p - len(pi) :] = pi, 1
+            ids_r[i, : len(ri)], mask_r[i, : len(ri)] = ri, 1
+        rows = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp")))
+        batch = [jax.device_put(x, rows) for x in (ids_p, mask_p, ids_r, mask_r)]
+        per_device = b // d
+        micro = d * max(k for k in range(1, min(self.micro, per_device) + 1) if per_device % k == 0)
+        with self._lock:
+            _, scores = score_responses(self.graphdef, self.state, *batch, micro_batch_size=micro)
+            scores = np.asarray(jax.device_get(scores))  # host sync
+        return [float(s) for s in scores[:n]]
+
+
+def create_app(
+    reward_config: RewardConfig | None = None,
+    model: ServedModel | None = None,
+    token: str = "",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> fastapi.FastAPI:
+    """The ASGI app: a rule server (`reward_config`) or a model server (`model`).
+
+    Raises:
+      ValueError: both or neither of `reward_config` and `model`.
+    """
+    if (reward_config is None) == (model is None):
+        raise ValueError("a reward server serves either a rule function or a reward model")
+
+    def authorize(authorization: str = fastapi.Header(default="")) -> None:
+        if token and not secrets.compare_digest(authorization, f"Bearer {token}"):
+            raise fastapi.HTTPException(401, "missing or wrong bearer token")
+
+    scorer = None if reward_config is None else build_scorer(reward_config)[0]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if scorer is not None:
+            scorer.close()  # stops the worker processes
+
+    app = fastapi.FastAPI(title="hybridjax reward server", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    guarded = [fastapi.Depends(authorize)]
+
+    if model is not None:
+        health = {"status": "ok", "kind": "model", "devices": model.devices}
+
+        @app.post("/score_tokens", dependencies=guarded)
+        def score_tokens(request: TokenRequest) -> dict:
+            if len(request.prompts) != len(request.responses):
+                raise fastapi.HTTPException(422, "prompts and responses differ in length")
+            scores = model.score(request.prompts, request.responses)
+            return {"results": [normalize(s).to_json() for s in scores]}
+
+    else:
+        health = {"status": "ok", "kind": "rule", "reward_manager": reward_config.reward_manager}
+
+        @app.post("/score", dependencies=guarded)
+        def score(request: ScoreRequest) -> dict:
+            rows = [(r.data_source, r.solution_str, r.ground_truth, r.extra_info)
+                    for r in request.rows]  # fmt: skip
+            return {"results": [o.to_json() for o in scorer.score(rows)]}
+
+    @app.get("/health")
+    def health_check() -> dict:
+        return health
+
+    return app
+
+
+def start_local(
+    args: list[str] = (), env: dict[str, str] | None = None, wait_s: float = 120.0
+) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m hybridjax.rewards.serve *args` on a free port of 127.0.0.1 and waits
+    until `/health` answers (for notebooks, tests and benchmarks). Returns (the process, its
+    URL); stop it with `process.terminate()`.
+
+    Raises:
+      RuntimeError: the server exited or did not answer within `wait_s` (its output attached).
+    """
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hybridjax.rewards.serve", "--port", str(port), *args]
+    output = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block it
+    process = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    process.wait()
+    output.seek(0)
+    raise RuntimeError(f"reward server {' '.join(cmd)} did not start:\n{output.read()}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridjax.rewards.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--custom_path", default="", help="file or module of the reward function")
+    parser.add_argument("--custom_name", default="compute_score")
+    parser.add_argument("--reward_kwargs", default="{}", help="JSON keyword arguments")
+    parser.add_argument("--reward_manager", default="naive", choices=("naive", "batch", "prime"))
+    parser.add_argument("--num_workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout_s", type=float, default=30.0)
+    parser.add_argument("--model_path", default="", help="an HF *ForSequenceClassification dir")
+    parser.add_argument("--micro_batch_size_per_device", type=int, default=16)
+    parser.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    args = parser.parse_args(argv)
+    if args.model_path:
+        app = create_app(
+            model=ServedModel(args.model_path, args.micro_batch_size_per_device),
+            token=os.environ.get(TOKEN_ENV, ""),
+            max_request_bytes=args.max_request_bytes,
+        )
+    else:
+        try:
+            kwargs = json.loads(args.reward_kwargs)
+        except json.JSONDecodeError as e:
+            parser.error(f"--reward_kwargs is not JSON: {e}")
+        config = RewardConfig(
+            num_workers=args.num_workers,
+            reward_manager=args.reward_manager,
+            timeout_s=args.timeout_s,
+            custom_path=args.custom_path,
+            custom_name=args.custom_name,
+            custom_kwargs=tuple(sorted(kwargs.items())),
+        )
+        app = create_app(config, token=os.environ.get(TOKEN_ENV, ""),
+                         max_request_bytes=args.max_request_bytes)  # fmt: skip
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

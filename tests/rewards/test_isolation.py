@@ -1,0 +1,130 @@
+"""Custom reward functions in worker processes: hangs, raises, sys.exit, aborts and wrong
+signatures cost a row (counted), never the run; verl's batch / prime managers."""
+
+import time
+
+import numpy as np
+import pytest
+
+from hybridjax.rewards import RewardConfig, RewardFunctionError, RewardManager
+from hybridjax.rewards.manager import overlong_enabled
+
+USER_CODE = """
+import os, sys, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        time.sleep(3600)
+    if solution_str == "raise":
+        raise ZeroDivisionError("boom")
+    if solution_str == "exit":
+        sys.exit(0)
+    if solution_str == "abort":
+        os.abort()
+    return {"score": float(solution_str == ground_truth), "acc": 1.0}
+
+def wrong_signature(solution_str):
+    return 1.0
+
+def always_fails(data_source, solution_str, ground_truth, extra_info=None):
+    return undefined_name
+
+def whole_batch(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+    return [float(s == g) + bonus for s, g in zip(solution_strs, ground_truths)]
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(USER_CODE)
+    return str(path)
+
+
+def _score(manager, responses, truths=None):
+    n = len(responses)
+    truths = truths or ["a"] * n
+    return manager(responses, ["s"] * n, truths, None, np.ones(n, int), 1)
+
+
+def test_hang_raise_exit_abort_cost_only_their_rows(user_file):
+    config = RewardConfig(custom_path=user_file, num_workers=4, timeout_s=1.0)
+    manager = RewardManager(config)
+    assert manager.scorer.isolated
+    start = time.perf_counter()
+    result = _score(manager, ["a", "hang", "raise", "exit", "abort", "b", "a"])
+    elapsed = time.perf_counter() - start
+    np.testing.assert_array_equal(result.scores, [1, 0, 0, 0, 0, 0, 1])
+    assert result.metrics["reward/num_timeouts"] == 1.0
+    assert result.metrics["reward/num_errors"] == 3.0  # raise, sys.exit, os.abort
+    assert elapsed < 10, elapsed  # the hanging call was stopped after timeout_s
+    # The dead and the killed workers were replaced: the next batch scores normally.
+    np.testing.assert_array_equal(_score(manager, ["a", "a", "b"]).scores, [1, 1, 0])
+    manager.close()
+
+
+def test_error_policy_raise_names_the_failure(user_file):
+    manager = RewardManager(RewardConfig(custom_path=user_file, on_error="raise", timeout_s=1.0))
+    with pytest.raises(RewardFunctionError, match=r"row 1 .*crash: worker process died"):
+        _score(manager, ["a", "abort"])
+    manager.close()
+
+
+def test_wrong_signature_fails_at_once(user_file):
+    with pytest.raises(TypeError, match=r"'wrong_signature' has signature \(solution_str\)"):
+        RewardManager(RewardConfig(custom_path=user_file, custom_name="wrong_signature"))
+
+
+def test_failing_on_every_row_of_the_first_batch_stops(user_file):
+    manager = RewardManager(RewardConfig(custom_path=user_file, custom_name="always_fails"))
+    with pytest.raises(RewardFunctionError, match=r"every row of the first batch.*NameError"):
+        _score(manager, ["a", "b"])
+    manager.close()
+    # Later batches that fail on every row follow on_error (a bad step is not a bad function).
+    manager = RewardManager(RewardConfig(custom_path=user_file))
+    _score(manager, ["a"])
+    assert _score(manager, ["raise", "raise"]).metrics["reward/num_errors"] == 2.0
+    manager.close()
+
+
+def test_batch_manager_calls_the_function_once_per_batch(user_file):
+    config = RewardConfig(
+        custom_path=user_file,
+        custom_name="whole_batch",
+        custom_kwargs=(("bonus", 0.5),),
+        reward_manager="batch",
+    )
+    manager = RewardManager(config)
+    np.testing.assert_array_equal(_score(manager, ["a", "b"]).scores, [1.5, 0.5])
+    manager.close()
+    with pytest.raises(ValueError, match="batch calls one function with the whole batch"):
+        RewardManager(RewardConfig(reward_manager="batch"))
+    with pytest.raises(TypeError, match="expected fn\\(data_sources"):
+        RewardManager(RewardConfig(custom_path=user_file, reward_manager="batch"))
+
+
+def test_prime_scores_builtins_in_processes_like_naive():
+    rows = (
+        ["#### 18", "18", "#### 7"],
+        ["openai/gsm8k"] * 3,
+        ["18", "18", "8"],
+        None,
+        [2, 1, 2],
+        2,
+    )
+    naive, prime = (
+        RewardManager(RewardConfig()),
+        RewardManager(RewardConfig(reward_manager="prime")),
+    )
+    assert not naive.scorer.isolated and prime.scorer.isolated
+    np.testing.assert_array_equal(naive(*rows).scores, prime(*rows).scores)
+    np.testing.assert_array_equal(prime(*rows).scores, [1, 0, 0])
+    naive.close(), prime.close()
+
+
+def test_dapo_turns_on_the_overlong_shaping():
+    assert overlong_enabled({"reward_manager": "dapo", "overlong_buffer": {"enable": False}})
+    assert not overlong_enabled({"reward_manager": "naive", "overlong_buffer": {"enable": False}})
+    assert overlong_enabled({"reward_manager": "naive", "overlong_buffer": {"enable": True}})
+    with pytest.raises(ValueError, match=r"reward_model.reward_manager='verl'; expected one of"):
+        RewardConfig(reward_manager="verl")

@@ -3,7 +3,8 @@
 For each model size, a fresh process with one CPU device builds a GRPO config's models for
 real, plans it, then runs the `old_log_prob` and `update_actor` stages and measures what each
 call adds to the process's memory at its peak: the larger of the growth of its address space
-(VmSize sampled every 0.5 ms: XLA maps a program's scratch whole, touched or not) and of its
+(VmSize sampled every 0.2 ms by a second process: XLA maps a program's scratch whole,
+touched or not) and of its
 resident memory (VmHWM, reset through /proc/self/clear_refs just before the call, minus VmRSS
 before it: memory the heap already held is reused without growing VmSize). The planner
 predicts that as the stage's outputs − donated bytes + XLA scratch (the resident states, the
@@ -24,8 +25,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
-import time
 
 log = logging.getLogger(__name__)
 STAGES = ("old_log_prob", "update_actor")
@@ -40,25 +39,35 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+_SAMPLER = """
+import sys, time
+path = f"/proc/{sys.argv[1]}/status"
+def size():
+    with open(path) as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+peak = size()
+print("ready", flush=True)
+import select
+while not select.select([sys.stdin], [], [], 0.0002)[0]:
+    peak = max(peak, size())
+print(max(peak, size()), flush=True)
+"""
+
+
 class _PeakSize:
-    """Samples VmSize (allocated address space) every 0.5 ms on a thread while in the block:
-    XLA allocates a program's scratch whole, but pages it never touches stay out of RSS."""
+    """Samples this process's VmSize (allocated address space) every 0.2 ms from another
+    process while in the block (a thread would wait for the GIL while a jitted call holds it):
+    XLA maps a program's scratch whole, but pages it never touches stay out of RSS."""
 
     def __enter__(self):
-        self.max, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        cmd = [sys.executable, "-c", _SAMPLER, str(os.getpid())]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout.readline().strip() == "ready"
         return self
 
-    def _sample(self):
-        while not self._stop.is_set():
-            self.max = max(self.max, _status("VmSize"))
-            time.sleep(0.0005)
-
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.max = max(self.max, _status("VmSize"))
+        out, _ = self._proc.communicate("stop\n", timeout=60)
+        self.max = int(out.split()[-1])
 
 
 def point_config(hidden: int, layers: int, cfg) -> object:

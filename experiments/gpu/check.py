@@ -50,9 +50,14 @@ def step(name: str, cmd: list[str], env: dict, timeout: int, log_dir: pathlib.Pa
 def _last_results_dir(text: str) -> pathlib.Path | None:
     """The `results/<stamp>` folder a benchmark run printed last."""
     for line in reversed(text.splitlines()):
-        path = ROOT / line.strip()
-        if line.strip() and (path / "summary.json").is_file():
-            return path
+        line = line.strip()
+        if (
+            line
+            and len(line) < 1024
+            and " " not in line
+            and (ROOT / line / "summary.json").is_file()
+        ):
+            return ROOT / line
     return None
 
 

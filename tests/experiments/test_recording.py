@@ -67,3 +67,4 @@ def test_check_reads_junit_counts_and_the_printed_results_folder(tmp_path):
     (folder / "summary.json").write_text("{}")
     assert check._last_results_dir(f"INFO noise\n{folder}\n") == folder
     assert check._last_results_dir("no folder here") is None
+    assert check._last_results_dir("I1201 a log line " + "x" * 5000) is None  # never a path

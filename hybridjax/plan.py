@@ -198,8 +198,9 @@ def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats:
 
 
 def _decode_scratch(actor, r, data: int, tp: int, impl: str) -> int:
-    """Decode-loop scratch per device: logits of the slots (float32, a few copies for
-    sampling) and, on the jnp path, the K/V of every slot gathered out of the pool."""
+    """Decode-loop scratch per device (an estimate; the engine is not compiled here): logits of
+    the slots (float32, three copies for sampling) and, on the jnp path, the K/V of every slot
+    gathered out of the pool at full width (`PagedKVCache.gathered`)."""
     from hybridjax.models.config import to_dtype
 
     slots = -(-r.max_num_seqs // data)
@@ -306,8 +307,8 @@ def plan_memory(
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
     fields += ["values"] * cfg.critic.enable + ["rollout_is_weights"] * sc.algorithm.rollout_is
     update_batch = abstract_batch(rows, prompt, response, sharding, fields)
-    rng = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype)
-    rng = jax.ShapeDtypeStruct((), rng.dtype, sharding=NamedSharding(train, PartitionSpec()))
+    key_dtype = jax.eval_shape(jax.random.key, 0).dtype
+    rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))
     updater = lambda f: jax.jit(f, static_argnums=(0, 4), donate_argnums=1)
 

@@ -127,28 +127,35 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
         attention_mask=jnp.ones_like(batch.attention_mask),
         response_mask=jnp.ones_like(batch.response_mask),
     )
+    # Compiled ahead of time, so each program's first execution is the one measured: a later
+    # execution may reuse address space its predecessor left mapped.
+    key_, graphdef, state = jax.random.key(1), models.actor_graphdef, models.actor_state
     old = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
+    old = old.lower(graphdef, state.params, batch, sc).compile()
+    update_batch = plan.abstract_batch(
+        rows,
+        c.data.max_prompt_length,
+        c.data.max_response_length,
+        sharding,
+        ["advantages", "old_log_probs"],
+    )
     update = jax.jit(stages.update_actor, static_argnums=(0, 4), donate_argnums=1)
+    update = update.lower(graphdef, state, update_batch, key_, sc).compile()
     calls = {
-        "old_log_prob": lambda s: old(models.actor_graphdef, s.params, batch, sc)[0],
-        "update_actor": lambda s: update(models.actor_graphdef, s, batch_old, key_, sc)[0],
+        "old_log_prob": lambda: old(state.params, batch)[0],
+        "update_actor": lambda: update(state, batch_old, key_)[0],
     }
-    key_ = jax.random.key(1)
-    state = models.actor_state
-    batch_old = jax.block_until_ready(calls["old_log_prob"](state))  # compile + warm-up
     out = {"hidden": hidden, "layers": layers, "num_params": actor_config.num_params()}
     for name in STAGES:
-        if name == "update_actor":
-            state = jax.block_until_ready(calls[name](state))  # compile + warm-up (donates)
         before, size_before = _status("VmRSS"), _status("VmSize")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         with _PeakSize() as peak:
-            result = jax.block_until_ready(calls[name](state))
+            result = jax.block_until_ready(calls[name]())
         resident = _status("VmHWM") - before
         measured = max(peak.max - size_before, resident)
-        if name == "update_actor":
-            state = result
+        if name == "old_log_prob":
+            batch_old = result
         consumers = next(s for s in p.stages if s.name == name).consumers
         predicted = consumers[f"{name} outputs"] + consumers[f"{name} scratch"]
         out[name] = {

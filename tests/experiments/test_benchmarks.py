@@ -293,7 +293,7 @@ def test_generation_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_planner_is_within_ten_percent_of_the_measured_cpu_peaks(tmp_path):
+def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
     cfg = ConfigDict(
         dict(
             benchmark="memory",
@@ -313,7 +313,7 @@ def test_memory_planner_is_within_ten_percent_of_the_measured_cpu_peaks(tmp_path
     (point,) = s["points"]
     for stage in ("old_log_prob", "update_actor"):
         assert point[stage]["measured_bytes"] > 0
-        assert abs(point[stage]["error"]) < 0.1, (stage, point[stage])
+        assert abs(point[stage]["error"]) < 0.25, (stage, point[stage])
 
 
 @pytest.mark.slow

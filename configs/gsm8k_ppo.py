@@ -49,7 +49,6 @@ def get_config():
     c.algorithm.kl_ctrl.kl_coef = 0.001
 
     c.trainer.experiment_name = "gsm8k_ppo"
-    c.trainer.default_local_dir = "checkpoints/hybridjax/gsm8k_ppo"
     c.trainer.total_epochs = 15
     c.trainer.save_freq = 10
     c.trainer.test_freq = 10

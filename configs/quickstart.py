@@ -70,7 +70,6 @@ def get_config():
 
     t = c.trainer
     t.experiment_name = "quickstart"
-    t.default_local_dir = "checkpoints/hybridjax/quickstart"
     t.total_training_steps = 30
     t.test_freq = 5
     t.val_before_train = True

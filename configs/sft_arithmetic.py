@@ -57,7 +57,6 @@ def get_config():
     c.optim.warmup_style = "cosine"
     c.optim.min_lr_ratio = 0.1
     c.trainer.experiment_name = "sft_arithmetic"
-    c.trainer.default_local_dir = "checkpoints/hybridjax/sft_arithmetic"
     c.trainer.total_training_steps = 600
     c.trainer.save_freq = 100
     return c

@@ -61,7 +61,6 @@ def get_config():
     c.algorithm.adv_estimator = "gae"
 
     c.trainer.experiment_name = "tiny"
-    c.trainer.default_local_dir = "checkpoints/hybridjax/tiny"
     c.trainer.total_training_steps = 4
     c.trainer.save_freq = 2
     c.trainer.test_freq = 2

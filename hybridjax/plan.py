@@ -141,9 +141,9 @@ def abstract_model(model_cls, config, mesh, rules, dtype=None):
 
 def abstract_train_state(params: Any, optim) -> Any:
     """The TrainState the trainer builds (`build.train_state_shardings`), as abstract arrays."""
-    from hybridjax.trainer import build, stages
+    from hybridjax.trainer import build
 
-    shapes = jax.eval_shape(lambda p: stages.init_train_state(p, optim), params)
+    shapes = jax.eval_shape(build.init_train_state, params, optim)
     return _with_shardings(shapes, build.train_state_shardings(params, optim))
 
 

@@ -17,38 +17,33 @@ plain string taken as one user message) and a response column (a string).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pyarrow.parquet as pq
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
-from hybridjax.checkpointing import Checkpointer
-from hybridjax.metrics import Tracking
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.models.hf_io import load_pretrained, read_hf_config, save_pretrained
+from hybridjax.models.hf_io import load_pretrained
+from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
-    TRAIN_AXES,
-    MeshConfig,
     init_sharded,
-    make_meshes,
 )
 from hybridjax.sharding.rules import sharding_fn
-from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
-from hybridjax.trainer.update import TrainState
+from hybridjax.trainer import offline
+from hybridjax.trainer.build import init_train_state
+from hybridjax.trainer.optim import OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +61,14 @@ def sft_config() -> ConfigDict:
         truncation="error",  # error | right
         train_batch_size=64,
     )
-    c.model = dict(path="", override_config=ConfigDict(), dtype="float32")
+    c.model = dict(
+        path="",
+        override_config=ConfigDict(),
+        dtype="float32",
+        lora_rank=0,  # > 0: train LoRA adapters only (hybridjax.models.lora)
+        lora_alpha=16.0,
+        target_modules="all-linear",  # or projection names, e.g. "q_proj,v_proj"
+    )
     c.optim = dict(
         lr=1e-3,
         lr_warmup_steps=-1,
@@ -78,16 +80,19 @@ def sft_config() -> ConfigDict:
         total_training_steps=-1,
         grad_clip=1.0,
     )
+    project_name, experiment_name = FieldReference("hybridjax"), FieldReference("sft")
     c.trainer = dict(
-        project_name="hybridjax",
-        experiment_name="sft",
-        default_local_dir="checkpoints/hybridjax/sft",
+        project_name=project_name,  # wandb project; TensorBoard run name (as the RL trainer)
+        experiment_name=experiment_name,
+        # checkpoints/<project_name>/<experiment_name> unless set (verl's default)
+        default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         output_dir="",  # HF checkpoint written at the end; "" = <default_local_dir>/hf
         total_epochs=1,
         total_training_steps=-1,  # -1: total_epochs × batches per epoch
         seed=0,
         save_freq=-1,  # -1: only at the end
         test_freq=-1,  # -1: validate only at the end (when val_files is set)
+        val_before_train=False,  # also validate the starting model (logged as step 0)
         logger=("console", "jsonl"),
         resume_mode="auto",  # auto | disable
         max_ckpt_to_keep=1,
@@ -97,8 +102,10 @@ def sft_config() -> ConfigDict:
     return c
 
 
-def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "") -> None:
-    """Raises ValueError naming every key of `cfg` that `sft_config()` does not have."""
+def check_keys(
+    cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = "", name: str = "SFT"
+) -> None:
+    """Raises ValueError naming every key of `cfg` that `schema` (`sft_config()`) lacks."""
     schema = sft_config() if schema is None else schema
     unknown = []
     for key, value in cfg.items():
@@ -106,11 +113,11 @@ def check_keys(cfg: ConfigDict, schema: ConfigDict | None = None, prefix: str = 
             unknown.append(prefix + key)
         elif isinstance(value, ConfigDict) and key != "override_config":
             try:
-                check_keys(value, schema[key], f"{prefix}{key}.")
+                check_keys(value, schema[key], f"{prefix}{key}.", name)
             except ValueError as e:
-                unknown.extend(str(e).removeprefix("unknown SFT config keys: ").split(", "))
+                unknown.extend(str(e).removeprefix(f"unknown {name} config keys: ").split(", "))
     if unknown:
-        raise ValueError(f"unknown SFT config keys: {', '.join(unknown)}")
+        raise ValueError(f"unknown {name} config keys: {', '.join(unknown)}")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -132,9 +139,16 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
         for key in (prompt_key, response_key):
             if key not in record:
                 raise ValueError(f"{path}, row {i}: no column {key!r}; has {sorted(record)}")
-        if not isinstance(record[response_key], str):
-            raise ValueError(f"{path}, row {i}, column {response_key!r}: expected a string")
-        rows.append((record[prompt_key], record[response_key]))
+        response = record[response_key]
+        if isinstance(response, list):  # TRL's conversational form: the assistant's turn(s)
+            turns = [m for m in response if isinstance(m, dict) and m.get("role") == "assistant"]
+            response = "".join(str(m.get("content", "")) for m in turns) if turns else None
+        if not isinstance(response, str):
+            raise ValueError(
+                f"{path}, row {i}, column {response_key!r}: expected a string or a list of "
+                "messages with an assistant turn"
+            )
+        rows.append((record[prompt_key], response))
     return rows
 
 
@@ -205,48 +219,37 @@ def sft_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, 
     return (nll_BxT * mask_BxT).sum(), mask_BxT.sum()
 
 
-def train_step(graphdef, optim: OptimConfig, state: TrainState, batch: dict[str, jax.Array]):
-    """One AdamW step on the token-mean loss; returns (state, metrics)."""
-
-    def loss_fn(params):
-        total, count = sft_loss(graphdef, params, batch)
-        return total / jnp.maximum(count, 1.0)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    lr = learning_rate(optim, state.step)
-    tx = make_optimizer(optim)
-    updates, opt_state = tx.update(grads, set_learning_rate(state.opt_state, lr), state.params)
-    params = jax.tree.map(lambda p, u: p + u, state.params, updates)
-    metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": optax.tree.norm(grads)}
-    return TrainState(params, opt_state, state.step + 1), metrics
+def sft_objective(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+    """Token-mean response NLL (the loss of `offline.train_step`), no extra metrics."""
+    total, count = sft_loss(graphdef, params, batch)
+    return total / jnp.maximum(count, 1.0), {}
 
 
-def eval_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    return sft_loss(graphdef, params, batch)
-
-
-_train_step = jax.jit(train_step, static_argnums=(0, 1), donate_argnums=2)
-_eval_loss = jax.jit(eval_loss, static_argnums=0)
+SFT_METRIC_NAMES = ("train/loss", "train/lr", "train/grad_norm")  # verl's SFT names
+_eval_loss = jax.jit(sft_loss, static_argnums=0)
 
 
 # ---------------------------------------------------------------------------------- the run
 
 
-def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM:
-    """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`."""
+def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM | LoRAModel:
+    """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`;
+    wrapped in fresh LoRA adapters when `model.lora_rank` > 0."""
+    lora = LoRAConfig.from_config(cfg.model, "model")
     overrides = {"dtype": cfg.model.dtype} | dict(cfg.model.override_config)
     if cfg.model.path:
-        config = ModelConfig.from_hf_dict(read_hf_config(cfg.model.path), **overrides)
         shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
-        return load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        **overrides,
-    )
-    return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, cfg.trainer.seed)
+        model = load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
+    else:
+        config = ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            **overrides,
+        )
+        model = init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, cfg.trainer.seed)
+    return apply_lora(model, lora, cfg.trainer.seed) if lora.enabled else model
 
 
 def run_sft(cfg: ConfigDict) -> dict[str, Any]:
@@ -259,53 +262,27 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     check_keys(cfg)
     t = cfg.trainer
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
-    sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
-    mesh = make_meshes(MeshConfig(train=sizes)).train
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    mesh, rows = offline.train_mesh(cfg)
     train = load_split(cfg.data.train_files, tokenizer, cfg.data)
     val = load_split(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
     bs = cfg.data.train_batch_size
-    if bs % mesh.shape["data"] or len(train["input_ids"]) < bs:
-        raise ValueError(
-            f"data.train_batch_size={bs} must divide over {mesh.shape['data']} data-parallel "
-            f"devices and be at most the {len(train['input_ids'])} training rows"
-        )
-    total = t.total_training_steps
-    if total <= 0:
-        total = t.total_epochs * (len(train["input_ids"]) // bs)
+    total = offline.total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
     optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
-    model = build_model(cfg, tokenizer, mesh)
-    graphdef, params = nnx.split(model)
-    state = jax.jit(lambda p: TrainState(p, make_optimizer(optim).init(p), jnp.int32(0)))(params)
-    checkpointer = Checkpointer(t.default_local_dir, t.max_ckpt_to_keep)
-    start = 0
-    if t.resume_mode == "auto" and (restored := checkpointer.restore(state)) is not None:
-        start, state, _ = restored
-        log.info("resumed SFT from step %d", start)
-    tracker = Tracking(t.logger, os.path.join(t.default_local_dir, "logs"), total, start,
-                       t.progress_bar)  # fmt: skip
-    metrics: dict[str, Any] = {}
-    try:
-        for step in range(start, total):
-            tic = time.perf_counter()
-            idx = batch_indices(len(train["input_ids"]), bs, step, t.seed)
-            batch = {k: jax.device_put(v[idx], rows) for k, v in train.items()}
-            state, device_metrics = _train_step(graphdef, optim, state, batch)
-            metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # sync
-            metrics["timing_s/step"] = time.perf_counter() - tic
-            last = step + 1 == total
-            if val is not None and (last or (t.test_freq > 0 and (step + 1) % t.test_freq == 0)):
-                metrics["val/loss"] = validation_loss(graphdef, state.params, val, bs, rows)
-            if last or (t.save_freq > 0 and (step + 1) % t.save_freq == 0):
-                checkpointer.save(step + 1, state, {"global_step": step + 1})
-            tracker.log(metrics, step + 1)
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
-        tracker.close()
+    graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
+    step_fn = functools.partial(
+        offline.train_step, graphdef, optim, sft_objective, SFT_METRIC_NAMES
+    )
+    num_rows = len(train["input_ids"])
+    batch_fn = lambda step: offline.place(  # noqa: E731
+        {k: v[batch_indices(num_rows, bs, step, t.seed)] for k, v in train.items()}, rows
+    )
+    validate = None
+    if val is not None:
+        validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows)}  # noqa: E731
+    state = init_train_state(params, optim)
+    state, metrics = offline.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    save_pretrained(nnx.merge(graphdef, state.params), out)
-    tokenizer.save(out)
+    offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path)
     print(f"SFT model written to {out}", flush=True)
     return metrics
 
@@ -327,10 +304,10 @@ def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows)
 
 def main(argv: list[str]) -> None:
     del argv
-    from absl import logging as absl_logging
+    from hybridjax.metrics.console import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
+    configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
     try:
         run_sft(_CONFIG.value)
     except ValueError as err:

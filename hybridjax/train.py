@@ -7,13 +7,13 @@ Without `--config`, `DEFAULT_CONFIG` runs.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from hybridjax.metrics.console import configure_logging
 
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "configs", "quickstart.py"
@@ -27,14 +27,19 @@ _EXPORT_HF = flags.DEFINE_string(
 
 def main(argv: list[str]) -> None:
     del argv
-    # hybridjax's own INFO lines (compiles, resume); orbax and absl only from WARNING up.
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("hybridjax").setLevel(logging.INFO)
     from hybridjax.checkpointing.export import export_actor
+    from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
     from hybridjax.trainer.trainer import RLTrainer
     from hybridjax.trainer.validate import ConfigError
 
+    try:
+        initialize(DistributedConfig.from_config(_CONFIG.value))  # before any other JAX call
+    except ValueError as err:
+        sys.exit(str(err))
+    # console: progress bar, step lines, warnings; INFO (compiles, resume) to the log file
+    # unless --verbosity=0 (one file per process: train.log, train.process1.log, ...)
+    logs = os.path.join(_CONFIG.value.trainer.default_local_dir, "logs")
+    configure_logging(os.path.join(logs, f"train{process_suffix()}.log"))
     try:
         trainer = RLTrainer(_CONFIG.value)
     except ConfigError as err:
@@ -46,7 +51,8 @@ def main(argv: list[str]) -> None:
             trainer.fit()
             from hybridjax.metrics.plots import write_plots
 
-            write_plots(os.path.join(_CONFIG.value.trainer.default_local_dir, "logs"))
+            if is_main():
+                write_plots(logs)
     finally:
         trainer.close()
 

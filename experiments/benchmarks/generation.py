@@ -20,7 +20,13 @@ In one process, on the default (single) CPU device:
    `*_mfu` counts the prompt tokens too (each processed once, in the prefill);
 3. continuous vs static batching (4M model): `requests` prompts with stop ids chosen so that
    response lengths spread over 8 .. new_tokens, on `max_num_seqs` slots; the same engine with
-   refills as slots free (continuous) and refilling only when every slot finished (static).
+   refills as slots free (continuous) and refilling only when every slot finished (static);
+4. small batch, long responses (`small_*` settings; 4M model): `small_prompts` prompts ×
+   `small_n` samples, each of `small_new_tokens` lengths (EOS ignored), on engines whose
+   `max_num_seqs` is each of `small_max_num_seqs` (the default 256 against the batch itself, a
+   hand-tuned pool): the decode loop should cost the same whatever the pool's size. Reports
+   median wall and CPU seconds per `generate`, their ratio to the smallest pool, the decode
+   rows run and whether every pool gave the same tokens.
 
 Each batch also times the model's weight matrices multiplied by a batch-row input (one decode
 step's dots and nothing else): `matmul_only_roofline`, the fraction of the peak that XLA's CPU
@@ -29,8 +35,12 @@ dots reach with that few rows, the practical ceiling of any decoder on this mach
 Summary keys: `peak_flops`, `models.<name>.{params, batches.<B>.{hybridjax_tok_s, hf_tok_s,
 ratio, hybridjax_roofline, hf_roofline, hybridjax_mfu, hf_mfu, matmul_only_roofline}}`,
 `continuous.{continuous_s, static_s, speedup, lengths, step_ratio}` (step_ratio: decode steps
-static ÷ continuous, the speed-up if prefill were free and every step cost the same). The
-machine may be shared with other work: read ratios.
+static ÷ continuous, the speed-up if prefill were free and every step cost the same),
+`small_batch.<new_tokens>.{<max_num_seqs>_s, <max_num_seqs>_cpu_s, ratio_<max_num_seqs>,
+ratio_<max_num_seqs>_cpu, decode_rows, same_tokens, compiles}` (ratio: seconds on that pool ÷
+seconds on the smallest; decode_rows: rows × steps the decode loop ran, padding included).
+`sections` picks the parts to run (`models`, `continuous`, `small_batch`). The machine may be
+shared with other work: read ratios.
 """
 
 from __future__ import annotations
@@ -67,12 +77,15 @@ def default_config(quick: bool = False) -> ConfigDict:
         return ConfigDict(
             dict(models="tiny", batches="1,4", prompt_len=16, new_tokens=16, repeats=1,
                  hf_threads=1, continuous_model="tiny", requests=16, max_num_seqs=4,
-                 page_size=8, decode_steps_per_call=8)
+                 page_size=8, decode_steps_per_call=8, sections="models,continuous,small_batch",
+                 small_model="tiny", small_prompts=2, small_n=4, small_new_tokens="16",
+                 small_max_num_seqs="64,8")
         )  # fmt: skip
     return ConfigDict(
         dict(models="4M,100M", batches="1,8,32", prompt_len=64, new_tokens=128, repeats=3,
              hf_threads=1, continuous_model="4M", requests=128, max_num_seqs=32, page_size=16,
-             decode_steps_per_call=32)
+             decode_steps_per_call=32, sections="models,continuous,small_batch", small_model="4M",
+             small_prompts=2, small_n=4, small_new_tokens="64,512", small_max_num_seqs="256,8")
     )  # fmt: skip
 
 
@@ -91,6 +104,13 @@ def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _wall_and_cpu(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def hybridjax_runner(model, prompts: np.ndarray, cfg: ConfigDict):
@@ -257,16 +277,72 @@ def bench_continuous(cfg: ConfigDict) -> dict:
     return result
 
 
+def bench_small_batch(cfg: ConfigDict) -> dict:
+    """`small_prompts` × `small_n` responses of each `small_new_tokens` length on engines of
+    every `small_max_num_seqs` (same model, prompts and seed; one engine per pool size, warmed
+    up once). A pool larger than the batch should cost nothing: `max_num_seqs` is a cap."""
+    from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+
+    model = make_model(cfg.small_model)
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(1, model.config.vocab_size, (cfg.small_prompts, cfg.prompt_len))
+    pools = [int(x) for x in cfg.small_max_num_seqs.split(",")]
+    result = {}
+    for new_tokens in (int(x) for x in cfg.small_new_tokens.split(",")):
+        sp = SamplingParams(n=cfg.small_n, max_tokens=new_tokens, ignore_eos=True, seed=5)
+        runs, tokens, compiles, rows = {}, {}, {}, {}
+        for pool in pools:
+            engine = Engine(
+                model,
+                RolloutConfig(page_size=cfg.page_size, max_num_seqs=pool,
+                              prompt_length=cfg.prompt_len, response_length=new_tokens,
+                              decode_steps_per_call=cfg.decode_steps_per_call),
+            )  # fmt: skip
+            before = engine.num_decode_rows
+            tokens[pool] = generate(engine, prompts, sp).responses  # warm-up: compiles
+            rows[pool] = engine.num_decode_rows - before
+            runs[pool] = lambda engine=engine: generate(engine, prompts, sp)
+            compiles[pool] = engine.num_compiles
+        # Alternate the pools within each repeat, so both see the same machine load; CPU
+        # seconds (all threads) move less than wall seconds when the machine is shared.
+        times = [[_wall_and_cpu(runs[pool]) for pool in pools] for _ in range(cfg.repeats)]
+        smallest = pools.index(min(pools))
+        row = dict(rows=cfg.small_prompts * cfg.small_n, new_tokens=new_tokens,
+                   same_tokens=all(np.array_equal(tokens[p], tokens[pools[0]]) for p in pools),
+                   compiles={str(p): compiles[p] for p in pools},
+                   decode_rows={str(p): rows[p] for p in pools}, all_times=times)  # fmt: skip
+        for kind, k in (("s", 0), ("cpu_s", 1)):
+            seconds = [
+                statistics.median(t[k] for t in column) for column in zip(*times, strict=True)
+            ]
+            for pool, value in zip(pools, seconds, strict=True):
+                row[f"{pool}_{kind}"] = value
+                row[f"ratio_{pool}" + ("_cpu" if k else "")] = value / seconds[smallest]
+        log.info("small batch, %d new tokens: %s", new_tokens, row)
+        result[str(new_tokens)] = row
+    return result
+
+
 def run(cfg: ConfigDict, out_dir: pathlib.Path) -> dict:
     import jax
 
     from hybridjax.metrics.flops import measure_peak_flops
 
+    sections = set(cfg.sections.split(","))
+    unknown = sections - {"models", "continuous", "small_batch"}
+    if unknown:
+        raise ValueError(
+            f"unknown sections {sorted(unknown)}; known: models, continuous, small_batch"
+        )
     peak = measure_peak_flops(1024)
     log.info("peak %.1f GFLOP/s on %s", peak / 1e9, jax.devices()[0])
     summary = dict(peak_flops=peak, devices=str(jax.devices()), hf_threads=cfg.hf_threads)
-    summary["models"] = {name: bench_model(name, cfg) for name in cfg.models.split(",")}
-    summary["continuous"] = bench_continuous(cfg)
+    if "models" in sections:
+        summary["models"] = {name: bench_model(name, cfg) for name in cfg.models.split(",")}
+    if "continuous" in sections:
+        summary["continuous"] = bench_continuous(cfg)
+    if "small_batch" in sections:
+        summary["small_batch"] = bench_small_batch(cfg)
     summary["peak_flops_after"] = measure_peak_flops(1024)  # the machine is shared: drift
     return summary
 
@@ -277,7 +353,9 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = summary["models"]
+    models = summary.get("models")
+    if not models:
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, (name, m) in zip(axes[0], models.items(), strict=True):
         batches = list(m["batches"])

@@ -17,9 +17,12 @@ import importlib
 import json
 import logging
 import pathlib
+import sys
 
 from absl import app
 from ml_collections import config_flags
+
+from experiments.benchmarks.requirements import MissingRequirement, require
 
 BENCHMARKS = (
     "throughput",
@@ -53,9 +56,14 @@ def run_benchmark(cfg) -> pathlib.Path:
 
     Raises:
       ValueError: `cfg.benchmark` is not a known benchmark (the message lists them).
+      MissingRequirement: a library or peer environment it needs is missing (with the
+        command that installs it).
     """
     if cfg.benchmark not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {cfg.benchmark!r}; known: {', '.join(BENCHMARKS)}")
+    settings = cfg.get(cfg.benchmark, {})
+    systems = tuple(s for s in settings.get("systems", "").split(",") if s)
+    require(cfg.benchmark, systems)
     module = importlib.import_module(f"experiments.benchmarks.{cfg.benchmark}")
     out = results_dir(cfg.get("results_root", "results"))
     handler = logging.FileHandler(out / "log.txt")
@@ -84,7 +92,10 @@ def main(argv: list[str]) -> None:
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices)
-    print(run_benchmark(cfg))
+    try:
+        print(run_benchmark(cfg))
+    except MissingRequirement as err:
+        sys.exit(str(err))
 
 
 if __name__ == "__main__":

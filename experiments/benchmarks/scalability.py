@@ -44,7 +44,6 @@ def point_overrides(batch: int, response_length: int, devices: int, n: int) -> d
         "data.max_response_length": response_length,
         "actor_rollout_ref.rollout.response_length": response_length,
         "actor_rollout_ref.rollout.ignore_eos": True,
-        "actor_rollout_ref.rollout.max_num_seqs": rows,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": rows // devices,
         "actor_rollout_ref.actor.ppo_mini_batch_size": batch,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": rows // devices,

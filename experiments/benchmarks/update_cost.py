@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from experiments.benchmarks.requirements import MissingRequirement, require
 from experiments.peers.workload import WORKLOADS as PEER_WORKLOADS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -280,6 +281,10 @@ def main(argv=None) -> None:
     parser.add_argument("--work", default="", help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        require("update_cost")
+    except MissingRequirement as err:
+        sys.exit(str(err))
     if args.child:
         return _child(args)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M%S")

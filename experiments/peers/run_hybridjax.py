@@ -50,7 +50,6 @@ def trainer_config(spec: dict, out_dir: str, devices: int = 1):
     rollout.prompt_length = spec["max_prompt_length"]
     rollout.response_length = spec["response_length"]
     rollout.ignore_eos = spec["fixed_response_length"]
-    rollout.max_num_seqs = batch
     rollout.log_prob_micro_batch_size_per_gpu = batch // devices
     c.critic.enable = False
     c.critic.ppo_mini_batch_size = spec["num_prompts"]  # validated even when disabled

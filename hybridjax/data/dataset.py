@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -238,20 +238,21 @@ def collate(examples: Sequence[dict], max_prompt_length: int, pad_token_id: int)
     return batch
 
 
-def pad_batch(batch: dict, batch_size: int) -> dict:
-    """Pads a short batch to `batch_size` rows with copies of its first row, `row_mask` False."""
-    b = len(batch["row_mask"])
-    if b == batch_size:
-        return batch
-    fill = [0] * (batch_size - b)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, np.ndarray):
-            out[key] = np.concatenate([value, value[fill]])
-        else:
-            out[key] = list(value) + [value[0]] * len(fill)
-    out["row_mask"][b:] = False
-    return out
+def collate_rows(
+    examples: Sequence[dict],
+    batch_size: int,
+    rows: slice,
+    max_prompt_length: int,
+    pad_token_id: int,
+) -> dict:
+    """Collates `rows` of a global batch: a short batch is first padded to `batch_size` rows
+    with copies of its first example (`row_mask` False), then only `rows` are stacked (this
+    process's share under `jax.distributed`; every row with one process)."""
+    real = len(examples)
+    padded = list(examples) + [examples[0]] * (batch_size - real)
+    batch = collate(padded[rows], max_prompt_length, pad_token_id)
+    batch["row_mask"] = (np.arange(batch_size) < real)[rows]
+    return batch
 
 
 class PromptLoader:
@@ -261,6 +262,8 @@ class PromptLoader:
       epoch, batch_index: where the NEXT batch comes from (the epoch advances as soon as its last
         batch is taken, so a saved state never points at an empty epoch).
       batches_per_epoch: ⌊N/B⌋ with `drop_last`, else ⌈N/B⌉ (the last one padded).
+      rows: the rows of each global batch of B this loader collates: `share(B)` when given
+        (`sharding.hosts.share`: this process's share), else all of them.
 
     Raises:
       ValueError: `drop_last` and fewer rows than `batch_size` (every epoch would be empty).
@@ -274,6 +277,7 @@ class PromptLoader:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        share: Callable[[int], slice] | None = None,
     ):
         n = len(dataset)
         if drop_last and n < batch_size:
@@ -283,6 +287,7 @@ class PromptLoader:
             )
         self.dataset, self.batch_size, self.pad_token_id = dataset, batch_size, pad_token_id
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.rows = share(batch_size) if share is not None else slice(None)
         self.batches_per_epoch = n // batch_size if drop_last else math.ceil(n / batch_size)
         self.epoch, self.batch_index = 0, 0
         self._epoch_batches: tuple[int, grain.MapDataset] | None = None
@@ -296,11 +301,7 @@ class PromptLoader:
             ds = grain.MapDataset.source(self.dataset)
             if self.shuffle:
                 ds = ds.shuffle(seed=(self.seed + epoch) % 2**32)
-            ds = ds.batch(
-                self.batch_size,
-                drop_remainder=self.drop_last,
-                batch_fn=lambda ex: collate(ex, self.dataset.max_prompt_length, self.pad_token_id),
-            )
+            ds = ds.batch(self.batch_size, drop_remainder=self.drop_last, batch_fn=list)
             self._epoch_batches = (epoch, ds)
         return self._epoch_batches[1]
 
@@ -308,7 +309,10 @@ class PromptLoader:
         return self
 
     def __next__(self) -> dict:
-        batch = pad_batch(self._batches(self.epoch)[self.batch_index], self.batch_size)
+        examples = self._batches(self.epoch)[self.batch_index]
+        batch = collate_rows(
+            examples, self.batch_size, self.rows, self.dataset.max_prompt_length, self.pad_token_id
+        )
         self.batch_index += 1
         if self.batch_index == self.batches_per_epoch:
             self.epoch, self.batch_index = self.epoch + 1, 0
@@ -349,7 +353,9 @@ class PromptLoader:
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 
-def train_loader(config: DataConfig, tokenizer: Tokenizer) -> PromptLoader:
+def train_loader(
+    config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
+) -> PromptLoader:
     """The training loader of verl's `data.*` config: shuffled, `drop_last`."""
     dataset = PromptDataset(
         config.train_files,
@@ -366,10 +372,13 @@ def train_loader(config: DataConfig, tokenizer: Tokenizer) -> PromptLoader:
         shuffle=config.shuffle,
         seed=config.seed,
         drop_last=True,
+        share=share,
     )
 
 
-def val_loader(config: DataConfig, tokenizer: Tokenizer) -> PromptLoader:
+def val_loader(
+    config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
+) -> PromptLoader:
     """The validation loader: in file order, every row, the last batch padded (`row_mask`)."""
     dataset = PromptDataset(
         config.val_files,
@@ -386,4 +395,5 @@ def val_loader(config: DataConfig, tokenizer: Tokenizer) -> PromptLoader:
         tokenizer.pad_token_id,
         shuffle=False,
         drop_last=False,
+        share=share,
     )

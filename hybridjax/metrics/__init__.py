@@ -1,4 +1,5 @@
-"""Step metrics with verl's names, FLOP counting for MFU, console/JSONL/TensorBoard sinks."""
+"""Step metrics with verl's names, validation metrics at N samples, FLOP counting for MFU,
+console/JSONL/TensorBoard/wandb sinks."""
 
 from hybridjax.metrics.batch import compute_data_metrics
 from hybridjax.metrics.flops import matmul_params, measure_peak_flops, training_flops

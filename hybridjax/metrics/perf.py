@@ -15,7 +15,7 @@ from hybridjax.models.config import ModelConfig
 def max_memory_allocated_gb() -> float:
     """Peak device memory in use on device 0 (GB); on backends without memory statistics (CPU),
     the process's peak resident set size instead."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS

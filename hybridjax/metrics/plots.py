@@ -3,7 +3,8 @@
     plot_run("checkpoints/hybridjax/quickstart/logs")  # → {"reward": ".../reward.png", ...}
 
 Four figures, one point per training step: reward (`critic/score/mean`), validation accuracy
-(every `val-core/*` key), response length (`response_length/mean`, with min and max), and the
+(every `val-core/*` key but the bootstrap `/std`s: `mean@N`, and with N > 1 samples per prompt
+`best@N` and `maj@N`), response length (`response_length/mean`, with min and max), and the
 per-stage timing (every `timing_s/<stage>` but the total `timing_s/step`, stacked). A figure
 whose metrics are absent from the file is skipped. matplotlib's non-interactive Agg backend is
 used, so this works on a machine without a display.
@@ -84,12 +85,15 @@ def plot_run(log_dir: str, metrics_file: str = "metrics.jsonl") -> dict[str, str
         ax.grid(alpha=0.3)
         save("reward", fig)
 
-    val_keys = sorted({k for r in records for k in r if k.startswith("val-core/")})
+    val_keys = sorted(
+        {k for r in records for k in r if k.startswith("val-core/") and not k.endswith("/std")}
+    )
     if val_keys:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key in val_keys:
             s, v = series(records, key)
-            ax.plot(s, v, marker="o", label=key.removeprefix("val-core/"))
+            label = key.removeprefix("val-core/").removesuffix("/mean")
+            ax.plot(s, v, marker="o", label=label)
         ax.set(xlabel="step", ylabel="accuracy", title="Validation accuracy", ylim=(0, 1))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -7,6 +7,7 @@ from hybridjax.rewards.manager import (
     RewardFunctionError,
     RewardManager,
     RewardResult,
+    concat_results,
     decode_responses,
     place_scores,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardManager",
     "RewardResult",
+    "concat_results",
     "decode_responses",
     "default_compute_score",
     "load_custom_reward_function",

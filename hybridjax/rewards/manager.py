@@ -171,6 +171,39 @@ class RewardResult:
     metrics: dict[str, float]
 
 
+def concat_results(results: Sequence[RewardResult]) -> RewardResult:
+    """The results of consecutive row blocks as one (per-process shares, in process order).
+
+    Counts (`reward/num_*`) add up and `reward/<key>/mean` is recomputed over every row, so
+    those equal the metrics of scoring all rows at once; other scalars (latencies) are averaged.
+    A single result is returned as it is.
+    """
+    if len(results) == 1:
+        return results[0]
+    keys = sorted({k for r in results for k in r.extra})
+    extra = {}
+    for key in keys:
+        parts = [r.extra.get(key, np.full(len(r.scores), np.nan, np.float32)) for r in results]
+        extra[key] = np.concatenate(parts)
+    names = {name for r in results for name in r.metrics}
+    metrics = {  # counts add up; other scalars (e.g. latencies) are averaged over the parts
+        name: float(sum(r.metrics.get(name, 0.0) for r in results))
+        if name.startswith("reward/num_")
+        else float(np.mean([r.metrics[name] for r in results if name in r.metrics]))
+        for name in sorted(names)
+        if not name.endswith("/mean")
+    }
+    for key, values in extra.items():
+        if values.dtype != object and np.any(np.isfinite(values)):
+            metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
+    return RewardResult(
+        np.concatenate([r.token_level_scores for r in results]),
+        np.concatenate([r.scores for r in results]),
+        extra,
+        metrics,
+    )
+
+
 def place_scores(scores_B: np.ndarray, response_lengths_B: np.ndarray, width: int) -> np.ndarray:
     """B×width float32 with `scores[i]` at column `lengths[i] - 1`; rows of length 0 stay 0."""
     lengths = np.asarray(response_lengths_B, dtype=np.int64)

@@ -4,6 +4,7 @@ for the trainer's `generate`."""
 
 from hybridjax.rollout.batching import RolloutOutput, generate
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.engine import Engine, Request
+from hybridjax.rollout.engine import Engine
+from hybridjax.rollout.pages import Request
 
 __all__ = ["Engine", "Request", "RolloutConfig", "RolloutOutput", "SamplingParams", "generate"]

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridjax.rollout.config import SamplingParams
-from hybridjax.rollout.engine import Engine, Prefix, Request
+from hybridjax.rollout.engine import Engine
+from hybridjax.rollout.pages import Prefix, Request
 
 # The decode loop returns to the host (to refill slots) once max_num_seqs / REFILL_DIVISOR slots
 # have finished (at least one). Each refill costs a round trip, a decode loop's page gather and
@@ -60,6 +61,7 @@ def generate(
     attention_mask: np.ndarray | None = None,
     pad_token_id: int = 0,
     continuous: bool = True,
+    first_index: int = 0,
 ) -> RolloutOutput:
     """Samples `n` responses per prompt with continuous batching.
 
@@ -70,6 +72,8 @@ def generate(
       sampling_params: one for all prompts or one per prompt (prompt j uses request index j).
       pad_token_id: fills responses past their end.
       continuous: False refills only when every slot finished (static batching).
+      first_index: request index of the first prompt (prompt j draws its noise as request
+        `first_index + j`: a share of a larger batch samples as it would within the batch).
     Raises:
       ValueError: a prompt can never be served (too long, or its group needs more pages than
         the pool has), before any work is done.
@@ -80,7 +84,8 @@ def generate(
     if len(sampling_params) != len(prompts):
         raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
     requests = [
-        Request(p, sp, j) for j, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
+        Request(p, sp, first_index + j)
+        for j, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True))
     ]
     for r in requests:
         engine.check_request(r)
@@ -111,7 +116,7 @@ def generate(
                 if not waiting:
                     break
                 prefix = waiting[0]
-                owner[slot] = first_row[prefix.request.index] + prefix.next_sample
+                owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
                 engine.insert(prefix, slot)
                 if prefix.samples_left == 0:
                     waiting.popleft()

@@ -29,11 +29,11 @@ def host_memory_kind() -> str:
     Raises:
       ValueError: the device has no host memory space at all (the message lists what it has).
     """
-    kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+    kinds = [m.kind for m in jax.local_devices()[0].addressable_memories()]
     for kind in ("pinned_host", "unpinned_host"):
         if kind in kinds:
             return kind
-    raise ValueError(f"device {jax.devices()[0]} has no host memory space; it has {kinds}")
+    raise ValueError(f"device {jax.local_devices()[0]} has no host memory space; it has {kinds}")
 
 
 def _to_memory(tree: Any, kind: str) -> Any:

@@ -17,6 +17,11 @@ model), and several collective programs in flight at once can deadlock XLA's CPU
 (their rendezvous waits for device threads held by another program). With `donate=True` each
 source leaf is deleted as soon as its move lands: peak ≈ max(source, destination) + one leaf,
 for a move whose source is no longer needed.
+
+LoRA (`hybridjax.models.lora`): when `params` holds adapters, each adapted weight is merged as it
+moves (W + scale·A·B, computed in the jitted move, written straight into the destination
+layout), and the destination's `LoRAScale` is 0: the generation copy is the merged model, with
+no extra full copy beyond it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from hybridjax.models.lora import has_adapters, merge_plan, merged_weight
+
 # The trainer logs the wall time of the move as `timing_s/reshard` and the return value as this.
 RESHARD_BYTES_METRIC = "perf/reshard_bytes"
 
@@ -40,6 +47,29 @@ def _mover(sharding: Sharding, dtype: Any):
     only when shard shapes agree, which a re-layout rarely has; sources are deleted instead.)"""
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
     return jax.jit(cast, out_shardings=sharding)
+
+
+@functools.cache
+def _merging_mover(sharding: Sharding, dtype: Any):
+    """A jitted `(w, a, b, scale) -> merged_weight(...).astype(dtype)` laid out as `sharding`."""
+    cast = lambda x: x if dtype is None else x.astype(dtype)
+    return jax.jit(lambda w, a, b, s: cast(merged_weight(w, a, b, s)), out_shardings=sharding)
+
+
+def _lora_moves(params: Any, leaves: list) -> dict[int, Any]:
+    """Leaf index -> what replaces it in the move of a LoRA state: (a, b, scale) for an adapted
+    weight, a zero for the scale."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(params)
+    index = {
+        tuple(k.key for k in kp if isinstance(k, jax.tree_util.DictKey)): i
+        for i, (kp, _) in enumerate(paths)
+    }
+    plan, scale_path = merge_plan(params)
+    scale = leaves[index[scale_path]]
+    moves: dict[int, Any] = {index[scale_path]: jnp.zeros_like(scale)}
+    for target, (a, b) in plan.items():
+        moves[index[target]] = (leaves[index[a]], leaves[index[b]], scale)
+    return moves
 
 
 def _bytes_on_all_devices(array: jax.Array) -> int:
@@ -80,13 +110,21 @@ def update_weights(
         )
     except (ValueError, TypeError) as err:
         raise ValueError(f"shardings do not match the parameter tree: {err}") from err
+    lora = _lora_moves(params, leaves) if has_adapters(params) else {}
     out, total = [], 0
-    for leaf, target in zip(leaves, targets, strict=True):
+    for i, (leaf, target) in enumerate(zip(leaves, targets, strict=True)):
         floating = jnp.issubdtype(leaf.dtype, np.floating)
-        moved = _mover(target, dtype if dtype is not None and floating else None)(leaf)
+        cast = dtype if dtype is not None and floating else None
+        if isinstance(lora.get(i), tuple):
+            moved = _merging_mover(target, cast)(leaf, *lora[i])
+        else:
+            moved = _mover(target, cast)(lora.get(i, leaf))
         out.append(jax.block_until_ready(moved))  # host sync: one leaf in flight at a time
         total += _bytes_on_all_devices(moved)
-        if donate:
+        if donate and not lora:
+            leaf.delete()
+    if donate and lora:  # adapters are read by several merges: delete once all have landed
+        for leaf in leaves:
             leaf.delete()
     return jax.tree.unflatten(treedef, out), total
 

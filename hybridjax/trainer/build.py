@@ -22,6 +22,13 @@ from hybridjax.algorithms.config import (
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, read_hf_config
+from hybridjax.models.lora import (
+    LoRAConfig,
+    adapters_off,
+    apply_lora,
+    merge_trainable,
+    split_trainable,
+)
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards.manager import overlong_enabled
 from hybridjax.sharding import (
@@ -31,35 +38,46 @@ from hybridjax.sharding import (
     init_sharded,
     sharding_fn,
 )
-from hybridjax.trainer import stages
 from hybridjax.trainer.optim import OptimConfig, make_optimizer
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
 
+def _fresh_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    trainable, _ = split_trainable(params)
+    return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
+
+
+init_train_state = jax.jit(_fresh_train_state, static_argnums=1)
+init_train_state.__doc__ = """A fresh optimizer state for `params` (jitted; XLA picks the
+optimizer state's layout: see `init_sharded_train_state`). With LoRA adapters in `params`, for
+the adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+
+
 def train_state_shardings(params: Any, optim: OptimConfig) -> TrainState:
     """Shardings of the TrainState `init_train_state` builds for `params` (arrays or abstract
-    arrays with shardings): each optimizer leaf shaped like a parameter (AdamW's moments) takes
-    that parameter's sharding, the rest (step counts, the injected learning rate) is
-    replicated. Without them XLA replicates the moments (they are zeros, with no data
-    dependence on the sharded parameters): 2 × the parameters' bytes on every device."""
+    arrays with shardings): each optimizer leaf shaped like a trainable parameter (AdamW's
+    moments) takes that parameter's sharding, the rest (step counts, the injected learning
+    rate) is replicated. Left to XLA, the moments are replicated (they are zeros, with no data
+    dependence on the sharded parameters): 2 × the trainable bytes on every device."""
     shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
-    abstract = jax.eval_shape(lambda p: stages.init_train_state(p, optim), params)
+    abstract = jax.eval_shape(init_train_state, params, optim)
+    trainable, _ = split_trainable(shardings)
     opt = optax.tree_map_params(
         make_optimizer(optim),
         lambda _, sharding: sharding,
         abstract.opt_state,
-        shardings,
+        trainable,
         transform_non_params=lambda _: replicated,
     )
     return TrainState(shardings, opt, replicated)
 
 
-def _init_train_state(params: Any, optim: OptimConfig) -> TrainState:
-    """`stages.init_train_state`, written straight into `train_state_shardings`."""
+def init_sharded_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """`init_train_state`, written straight into `train_state_shardings` (the trainer's)."""
     out = train_state_shardings(params, optim)
-    return jax.jit(stages.init_train_state, static_argnums=1, out_shardings=out)(params, optim)
+    return jax.jit(_fresh_train_state, static_argnums=1, out_shardings=out)(params, optim)
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
@@ -95,14 +113,18 @@ def critic_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
 
 
 def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> CausalLM:
-    """The actor (and, called again, the reference) in the training layout, never unsharded."""
+    """The actor in the training layout, never unsharded; with `model.lora_rank` > 0 wrapped
+    in fresh LoRA adapters (`hybridjax.models.lora.LoRAModel`)."""
     path = cfg.actor_rollout_ref.model.path
     if path:
         overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        return load_pretrained(
+        actor = load_pretrained(
             path, shardings=sharding_fn(mesh, ACTOR_TRAIN_RULES), config_overrides=overrides
         )
-    return init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+    else:
+        actor = init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+    lora = LoRAConfig.from_config(cfg.actor_rollout_ref.model)
+    return apply_lora(actor, lora, seed) if lora.enabled else actor
 
 
 def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> SequenceClassifier:
@@ -253,6 +275,27 @@ class Models:
     critic_graphdef: nnx.GraphDef | None
     critic_state: TrainState | None
     reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
+    ref_is_base: bool = False  # LoRA: the reference is the actor with adapters off
+
+    def reference(self) -> Any | None:
+        """Parameters of the reference policy (None: no reference): the frozen copy, or with
+        LoRA the actor's current state with its adapters off (the same arrays, no copy)."""
+        if self.ref_is_base:
+            return adapters_off(self.actor_state.params)
+        return self.ref_params
+
+
+def checkpointed(state: TrainState) -> TrainState:
+    """What a checkpoint holds of a role: its state, or with LoRA only the adapters (and their
+    optimizer state): the base never changes and is read from `model.path` again."""
+    trainable, _ = split_trainable(state.params)
+    return dataclasses.replace(state, params=trainable)
+
+
+def restored(state: TrainState, saved: TrainState) -> TrainState:
+    """Inverse of `checkpointed`: `saved` with the frozen base of `state` put back."""
+    _, frozen = split_trainable(state.params)
+    return dataclasses.replace(saved, params=merge_trainable(saved.params, frozen))
 
 
 def build_models(
@@ -267,14 +310,16 @@ def build_models(
     if cfg.critic.enable:
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = _init_train_state(critic_params, stage.critic_optim)
+        critic_state = init_sharded_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, mesh))
+    lora = cfg.actor_rollout_ref.model.lora_rank > 0
     return Models(
         actor_graphdef=actor_graphdef,
-        actor_state=_init_train_state(params, stage.actor_optim),
-        ref_params=jax.tree.map(jnp.copy, params) if use_ref else None,
+        actor_state=init_sharded_train_state(params, stage.actor_optim),
+        ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,
         reward_model=reward_model,
+        ref_is_base=use_ref and lora,
     )

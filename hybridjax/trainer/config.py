@@ -10,7 +10,7 @@ their type, so `None` defaults would break `--config.a.b=x` overrides).
 
 from __future__ import annotations
 
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 
 def _optim(lr: float) -> ConfigDict:
@@ -52,6 +52,11 @@ def base_config() -> ConfigDict:
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
             dtype="float32",  # compute dtype of training matmuls
+            # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is
+            # "all-linear" (every attention and MLP projection) or names, e.g. "q_proj,v_proj"
+            lora_rank=0,
+            lora_alpha=16.0,
+            target_modules="all-linear",
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
@@ -147,10 +152,15 @@ def base_config() -> ConfigDict:
         rollout_is_mode="truncate",  # truncate | mask
         rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
     )
+    # verl's default_local_dir is checkpoints/${project_name}/${experiment_name}: naming a run
+    # also names its directory, unless a config sets default_local_dir itself
+    project_name, experiment_name = FieldReference("hybridjax"), FieldReference("run")
     c.trainer = dict(
-        project_name="hybridjax",
-        experiment_name="run",
-        logger=("console", "jsonl", "tensorboard"),
+        project_name=project_name,  # wandb project; names the run directory (below)
+        experiment_name=experiment_name,  # wandb run, TensorBoard run, run directory
+        logger=("console", "jsonl", "tensorboard"),  # also "wandb" (pip install -e '.[wandb]')
+        log_val_generations=0,  # K (prompt, response, score) samples per validation
+        log_train_generations=0,  # K samples of the training rollout, every step
         total_epochs=1,
         total_training_steps=-1,  # -1: total_epochs × batches per epoch
         seed=0,
@@ -158,7 +168,7 @@ def base_config() -> ConfigDict:
         test_freq=-1,  # -1: no periodic validation
         val_before_train=False,
         critic_warmup=0,
-        default_local_dir="checkpoints/hybridjax/run",
+        default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         resume_mode="auto",  # auto | disable | a checkpoint path
         max_actor_ckpt_to_keep=2,
         max_consecutive_nan_steps=3,
@@ -167,6 +177,15 @@ def base_config() -> ConfigDict:
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,
+        # several processes under jax.distributed (hybridjax.sharding.hosts.DistributedConfig)
+        distributed=dict(
+            enable="auto",  # auto | on | off
+            coordinator_address="",  # host:port of process 0; "" = auto-detect
+            num_processes=0,  # 0 = auto-detect
+            process_id=-1,  # -1 = auto-detect
+            heartbeat_timeout_s=30,  # a silent peer ends the others' runs after this long
+            initialization_timeout_s=300,
+        ),
     )
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),

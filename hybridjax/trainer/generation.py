@@ -5,6 +5,11 @@
 columns the reward function needs (data source, ground truth, extra info, repeated n times).
 `submit_rewards` decodes the responses and starts scoring them in the reward manager's thread
 pool; the trainer collects the future after the device stages that do not need scores.
+
+Under `jax.distributed` each process generates and scores only its share of the prompts
+(`sharding.hosts`): `generate_batch` gathers the generated rows so every process holds the
+whole batch's host columns, `submit_rewards` scores only this process's rows and
+`collect_rewards` gathers the results.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rewards import RewardManager, RewardResult, decode_responses
+from hybridjax.rewards import RewardManager, RewardResult, concat_results, decode_responses
 from hybridjax.rollout import Engine, SamplingParams, generate
+from hybridjax.sharding.hosts import allgather
 from hybridjax.trainer.batch import RLBatch, make_batch
 
 
@@ -35,6 +41,16 @@ class HostColumns:
     response_lengths: np.ndarray  # int (B·n,)
     responses: np.ndarray  # (B·n)×R int32, for decoding
     response_mask: np.ndarray  # (B·n)×R
+    mine: slice = dataclasses.field(
+        default_factory=lambda: slice(None)
+    )  # rows this process scores (its share of the prompts)
+
+    def share(self) -> HostColumns:
+        """The columns of the rows this process scores."""
+        rows = self.mine
+        return HostColumns(
+            *(getattr(self, f.name)[rows] for f in dataclasses.fields(self) if f.name != "mine")
+        )
 
 
 def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -54,6 +70,7 @@ def generate_batch(
     sampling: SamplingParams,
     pad_token_id: int,
     sharding: NamedSharding,
+    first_index: int = 0,
 ) -> tuple[RLBatch, HostColumns]:
     """Samples `sampling.n` responses per prompt and assembles the step's batch.
 
@@ -64,24 +81,25 @@ def generate_batch(
       sampling: sampling parameters (n, temperature, ..., seed).
       pad_token_id: fills responses past their end.
       sharding: where the batch rows go (the training mesh's batch axes).
+      first_index: the global index of the first prompt (this process's share starts there).
     Returns:
-      (RLBatch with `rollout_log_probs`, HostColumns), rows ordered prompt-major (n contiguous).
-    Host sync: the whole rollout (the engine returns numpy arrays).
+      (RLBatch with `rollout_log_probs`, HostColumns), rows ordered prompt-major (n contiguous);
+      both hold every process's rows, `HostColumns.mine` marks this process's.
+    Host sync: the whole rollout (the engine returns numpy arrays), and a gather across
+    processes under `jax.distributed`.
     """
-    out = generate(engine, prompts["input_ids"], sampling, prompts["attention_mask"], pad_token_id)
-    n = sampling.n
-    prompt_ids = np.repeat(prompts["input_ids"], n, axis=0)
-    prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
-    put = lambda x: put_global(np.asarray(x), sharding)
-    batch = make_batch(
-        put(prompt_ids),
-        put(prompt_mask),
-        put(out.responses),
-        put(out.response_mask.astype(np.float32)),
-        put(out.rollout_log_probs),
+    out = generate(
+        engine,
+        prompts["input_ids"],
+        sampling,
+        prompts["attention_mask"],
+        pad_token_id,
+        first_index=first_index,
     )
+    n = sampling.n
     repeat = lambda values: [v for v in values for _ in range(n)]
-    host = HostColumns(
+    prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
+    local = HostColumns(
         data_source=repeat(prompts["data_source"]),
         ground_truth=repeat(prompts["ground_truth"]),
         extra_info=repeat(prompts["extra_info"]),
@@ -91,13 +109,36 @@ def generate_batch(
         responses=out.responses,
         response_mask=out.response_mask,
     )
+    parts = allgather(
+        (prompts["input_ids"], prompts["attention_mask"], out.rollout_log_probs, local)
+    )
+    host = HostColumns(
+        *(_concat([getattr(p[3], f.name) for p in parts]) for f in dataclasses.fields(local)[:-1])
+    )
+    start = sum(len(p[3].row_mask) for p in parts[: jax.process_index()])
+    host = dataclasses.replace(host, mine=slice(start, start + len(local.row_mask)))
+    put = lambda x: put_global(np.asarray(x), sharding)
+    batch = make_batch(
+        put(np.repeat(np.concatenate([p[0] for p in parts]), n, axis=0)),
+        put(np.repeat(np.concatenate([p[1] for p in parts]), n, axis=0)),
+        put(host.responses),
+        put(host.response_mask.astype(np.float32)),
+        put(np.concatenate([p[2] for p in parts])),
+    )
     return batch, host
+
+
+def _concat(values: list) -> np.ndarray | list:
+    if isinstance(values[0], np.ndarray):
+        return np.concatenate(values)
+    return [v for part in values for v in part]
 
 
 def submit_rewards(
     manager: RewardManager, tokenizer: Tokenizer, host: HostColumns
 ) -> concurrent.futures.Future[RewardResult]:
-    """Decodes the responses and starts scoring them (returns at once)."""
+    """Decodes this process's responses and starts scoring them (returns at once)."""
+    host = host.share()
     texts = decode_responses(tokenizer, host.responses, host.response_mask)
     return manager.submit(
         texts,
@@ -107,3 +148,8 @@ def submit_rewards(
         host.response_lengths,
         host.responses.shape[1],
     )
+
+
+def collect_rewards(pending: concurrent.futures.Future[RewardResult]) -> RewardResult:
+    """Waits for this process's scores and gathers every process's, in row order."""
+    return concat_results(allgather(pending.result()))

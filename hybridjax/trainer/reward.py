@@ -34,7 +34,7 @@ from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
-from hybridjax.trainer.generation import HostColumns, put_global, submit_rewards
+from hybridjax.trainer.generation import HostColumns, collect_rewards, put_global, submit_rewards
 
 
 def check_reward_servers(cfg) -> None:
@@ -163,7 +163,7 @@ class RewardStage:
     def collect(self, pending: PendingScores) -> tuple[jax.Array, RewardResult]:
         """(token_level_scores B×R float32 in `sharding`, the rule's result, whose metrics
         include the served model's). Waits for both."""
-        result = pending.rule.result()
+        result = collect_rewards(pending.rule)
         rule_scores = lambda: put_global(result.token_level_scores, self.sharding)
         if pending.model is None:
             return rule_scores(), result

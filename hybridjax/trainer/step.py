@@ -80,9 +80,9 @@ def prepare(
         with timed(timing, "old_log_prob"):
             batch, m = _old_log_prob(models.actor_graphdef, models.actor_state.params, batch, cfg)
             device |= jax.block_until_ready(m)
-    if models.ref_params is not None:
+    if (ref_params := models.reference()) is not None:
         with timed(timing, "ref"):
-            batch = _ref_log_prob(models.actor_graphdef, models.ref_params, batch, cfg)
+            batch = _ref_log_prob(models.actor_graphdef, ref_params, batch, cfg)
             jax.block_until_ready(batch.ref_log_prob)
     if models.critic_state is not None:
         with timed(timing, "values"):

@@ -38,6 +38,7 @@ from hybridjax.sharding import (
     state_shardings,
     update_weights,
 )
+from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 from hybridjax.trainer import build, step
 from hybridjax.trainer.generation import generate_batch, step_seed
 from hybridjax.trainer.nan_guard import NanGuard
@@ -45,7 +46,7 @@ from hybridjax.trainer.offload import any_offload, move_idle_states, offload_con
 from hybridjax.trainer.reward import RewardStage, check_reward_servers
 from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
-from hybridjax.trainer.validation import validate
+from hybridjax.trainer.validation import generation_samples, validate
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ class RLTrainer:
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
 
         data = DataConfig.from_config(cfg.data)
-        self.train_loader = train_loader(data, self.tokenizer)
-        self.val_loader = val_loader(data, self.tokenizer) if data.val_files else None
+        # each process collates, generates and scores only its share of every batch
+        self.train_loader = train_loader(data, self.tokenizer, share)
+        self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
         t = cfg.trainer
         self.total_steps = (
             t.total_training_steps
@@ -93,9 +95,10 @@ class RLTrainer:
             self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
         )
         engine_config = RolloutConfig.from_config(rollout)
-        actor = nnx.merge(self.actor_graphdef, self.actor_state.params)
-        self.engine = Engine(actor, engine_config, mesh=self.meshes.generate)
-        self._update_weights()
+        # one generation replica per host: the engine's host loop sees only local arrays
+        self.engine_mesh = local_mesh(self.meshes.generate)
+        actor = nnx.merge(self.actor_graphdef, self._generation_params()[0])
+        self.engine = Engine(actor, engine_config, mesh=self.engine_mesh)
         self.reward = RewardStage.from_config(
             cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
@@ -119,9 +122,15 @@ class RLTrainer:
     def critic_state(self):
         return self.models.critic_state
 
-    def _update_weights(self) -> int:
-        """Re-lays the actor's weights into the generation layout; returns bytes moved."""
+    def _generation_params(self) -> tuple[Any, int]:
+        """The actor's weights re-laid into the generation layout, as this host's replica's
+        arrays, and the bytes moved."""
         params, nbytes = update_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
+        return to_local(params, self.engine_mesh), nbytes
+
+    def _update_weights(self) -> int:
+        """Re-lays the actor's weights into the engine; returns bytes moved."""
+        params, nbytes = self._generation_params()
         self.engine.update_weights(params)
         return nbytes
 
@@ -138,7 +147,8 @@ class RLTrainer:
         sc = self.stage_cfg
         with timed(timing, "step"):
             epoch = self.train_loader.epoch
-            batch, host, greedy = self._generate(next(self.train_loader), n, timing)
+            prompts = next(self.train_loader)
+            batch, host, greedy = self._generate(prompts, n, timing)
             batch, self.kl_coef, device, result = step.prepare(
                 self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
             )
@@ -170,6 +180,10 @@ class RLTrainer:
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
+        if k := self.cfg.trainer.log_train_generations:
+            samples = generation_samples(self.tokenizer, prompts, host, result.scores, k)
+            metrics["train/generations"] = samples
+        self.global_step = n
         return metrics
 
     def _generate(self, prompts, n: int, timing):
@@ -182,18 +196,24 @@ class RLTrainer:
         with timed(timing, "gen"):
             sampling = self._sampling(n)
             pad = self.tokenizer.pad_token_id
-            batch, host = generate_batch(self.engine, prompts, sampling, pad, self.batch_sharding)
+            first = self.train_loader.rows.start or 0
+            batch, host = generate_batch(
+                self.engine, prompts, sampling, pad, self.batch_sharding, first
+            )
             greedy = None
             if self.greedy_baseline:
                 argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-                greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding)
+                greedy = generate_batch(
+                    self.engine, prompts, argmax, pad, self.batch_sharding, first
+                )
         if self.offload_any:
             with timed(timing, "onload"):
                 self.models = move_idle_states(self.models, self.offload, load_to_device)
         return batch, host, greedy
 
-    def validate(self) -> dict[str, float]:
-        """`val-core/<data_source>/acc/mean@n` on the validation files (empty if none)."""
+    def validate(self) -> dict[str, Any]:
+        """`val-core/<data_source>/acc/mean@N` etc. on the validation files (empty if none),
+        plus `val/generations` with `trainer.log_val_generations`."""
         if self.val_loader is None:
             return {}
         sampling = self._sampling(self.global_step, validate=True)
@@ -204,12 +224,14 @@ class RLTrainer:
             self.tokenizer,
             self.reward.manager,
             self.batch_sharding,
+            self.cfg.trainer.log_val_generations,
+            self.val_loader.rows.start or 0,
         )
 
     # ------------------------------------------------------------------------------ checkpoints
 
     def _state_tree(self) -> dict[str, Any]:
-        tree = {"actor": self.actor_state, "kl_coef": self.kl_coef}
+        tree = {"actor": build.checkpointed(self.actor_state), "kl_coef": self.kl_coef}
         if self.critic_state is not None:
             tree["critic"] = self.critic_state
         return tree
@@ -240,7 +262,9 @@ class RLTrainer:
             return 0
         step, tree, meta = restored
         self.models = dataclasses.replace(
-            self.models, actor_state=tree["actor"], critic_state=tree.get("critic")
+            self.models,
+            actor_state=build.restored(self.actor_state, tree["actor"]),
+            critic_state=tree.get("critic"),
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
@@ -256,14 +280,23 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
-        """Trains from the restored (or first) step to `total_steps`; saves every
-        `trainer.save_freq` steps, at the end, and on SIGTERM/SIGINT (then returns early).
-        Returns the last step's metrics."""
+        """Trains to `total_steps`, continuing after the last step this trainer ran (a
+        notebook's `train_step(1)`), else from the checkpoint `trainer.resume_mode` restores (or
+        the first step); saves every `trainer.save_freq` steps, at the end, and on
+        SIGTERM/SIGINT (then returns early). Returns the last step's metrics."""
         t = self.cfg.trainer
-        start = self.restore()
+        start = self.global_step or self.restore()
         self.global_step = start
         log_dir = os.path.join(t.default_local_dir, "logs")
-        tracker = Tracking(t.logger, log_dir, self.total_steps, start, t.progress_bar)
+        tracker = Tracking(
+            t.logger if is_main() else (),  # one process writes the logs
+            log_dir,
+            self.total_steps,
+            start,
+            t.progress_bar,
+            run_name=(t.project_name, t.experiment_name),
+            config=self.cfg.to_dict(),
+        )
         metrics: dict[str, Any] = {}
         try:
             with StopRequest() as stop:
@@ -272,17 +305,18 @@ class RLTrainer:
                 for step in range(start + 1, self.total_steps + 1):
                     metrics = self.train_step(step)
                     self.global_step = step
+                    stopping = any_process(stop.requested)  # every process stops together
                     last = step == self.total_steps
                     if t.test_freq > 0 and (step % t.test_freq == 0 or last):
                         with timed(timing := {}, "testing"):
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
-                    if last or stop.requested or (t.save_freq > 0 and step % t.save_freq == 0):
+                    if last or stopping or (t.save_freq > 0 and step % t.save_freq == 0):
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
                     tracker.log(metrics, step)
-                    if stop.requested:
+                    if stopping:
                         break
         finally:
             self.checkpointer.wait()

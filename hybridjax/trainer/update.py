@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridjax.algorithms.loss_agg import LossCounts, loss_counts
+from hybridjax.models.lora import merge_trainable, split_trainable
 
 # loss_fn(params, micro_batch: dict of B_micro×... arrays, counts)
 #     -> (loss, (metrics: dict of scalar shares, rows: dict of B_micro×... arrays, may be empty))
@@ -100,11 +101,14 @@ def ppo_update(
       the first epoch, B×... in the order of `fields`).
     """
     b = fields["response_mask"].shape[0]
+    # LoRA: gradients and optimizer steps for the adapters only; the frozen base is closed over
+    trainable, frozen = split_trainable(state.params)
     num_mini = b // config.mini_batch_size
     num_micro = config.mini_batch_size // config.micro_batch_size
 
     def micro_step(params, micro, counts):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        full_loss = lambda p, m, c: loss_fn(merge_trainable(p, frozen), m, c)
+        grad_fn = jax.value_and_grad(full_loss, has_aux=True)
         (loss, (metrics, rows)), grads = grad_fn(params, micro, counts)
         return (grads, dict(metrics, loss=loss)), rows
 
@@ -145,9 +149,10 @@ def ppo_update(
         return carry, (metrics, rows)
 
     keys = jax.random.split(rng, config.ppo_epochs)
-    init = (state.params, state.opt_state, jnp.zeros((), jnp.int32))
+    init = (trainable, state.opt_state, jnp.zeros((), jnp.int32))
     (params, opt_state, nan_steps), (metrics, rows) = jax.lax.scan(epoch, init, keys)
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["nan_steps"] = nan_steps
     rows = jax.tree.map(lambda x: x[0], rows)
+    params = merge_trainable(params, frozen)
     return TrainState(params, opt_state, state.step + 1), metrics, rows

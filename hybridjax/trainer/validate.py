@@ -26,8 +26,9 @@ from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.data.dataset import as_file_list
-from hybridjax.metrics.tracking import LOGGERS
+from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import ModelConfig
+from hybridjax.models.lora import LoRAConfig
 from hybridjax.plan import memory_problems
 from hybridjax.rewards.manager import (
     COMBINE,
@@ -186,6 +187,9 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.test_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+        ("trainer.log_val_generations", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.log_train_generations", lambda v: v >= 0, "must be >= 0"),
+        ("actor_rollout_ref.rollout.val_kwargs.n", positive, "must be > 0"),
     ]
     for role in ("actor_rollout_ref.actor", "critic"):
         rules += [
@@ -324,6 +328,15 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     return []
 
 
+def _lora_problems(c: ConfigDict) -> list[str]:
+    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    try:
+        LoRAConfig.from_config(c.actor_rollout_ref.model)
+    except ValueError as err:
+        return str(err).split("; ")
+    return []
+
+
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
     """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
     try:
@@ -351,6 +364,8 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices)
         problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _lora_problems(cfg)
+        problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
         if not problems and cfg.trainer.check_memory and model_configs:  # compiles each stage

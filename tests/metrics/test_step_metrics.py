@@ -80,10 +80,10 @@ def test_tracking_writes_jsonl_tensorboard_and_console(tmp_path, capsys):
         "timing_s/step": 1.25,
         "actor/pg_loss": 2.0,
     }
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tensorboard" / "run").glob("events.out.tfevents.*"))
     assert "step 1 | score 0.5 | pg_loss 2 | step_s 1.25" in capsys.readouterr().out
     assert console_line(3, {"val-core/openai/gsm8k/acc/mean@1": 0.25}).endswith(
         "openai/gsm8k/acc/mean@1 0.25"
     )
-    with pytest.raises(ValueError, match="unknown loggers \\['wandb'\\]"):
-        Tracking(("wandb",), str(tmp_path), 1)
+    with pytest.raises(ValueError, match="unknown loggers \\['mlflow'\\]"):
+        Tracking(("mlflow",), str(tmp_path), 1)

@@ -13,7 +13,17 @@ def _write(path, records):
             f.write(json.dumps(r) + "\n")
 
 
-def test_four_figures_from_a_run(tmp_path, capsys):
+def test_four_figures_from_a_run(tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    labels, savefig = {}, matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, path, **kwargs):
+        ax = fig.axes[0]
+        labels[ax.get_title()] = ax.get_legend_handles_labels()[1]
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
     records = [{"step": 0, "val-core/arithmetic/acc/mean@1": 0.3}]
     for s in range(1, 5):
         records.append(
@@ -30,8 +40,16 @@ def test_four_figures_from_a_run(tmp_path, capsys):
             }
         )
     records[-1]["val-core/arithmetic/acc/mean@1"] = 0.6
+    records[-1]["val-core/arithmetic/acc/best@4/mean"] = 0.8
+    records[-1]["val-core/arithmetic/acc/best@4/std"] = 0.3
+    records[-1]["val-core/arithmetic/acc/maj@4/mean"] = 0.7
     _write(tmp_path / "metrics.jsonl", records)
     written = write_plots(str(tmp_path))
+    assert labels["Validation accuracy"] == [  # with N > 1: best@N and maj@N, no bootstrap std
+        "arithmetic/acc/best@4",
+        "arithmetic/acc/maj@4",
+        "arithmetic/acc/mean@1",
+    ]
     assert sorted(written) == ["response_length", "reward", "timing", "val_accuracy"]
     for path in written.values():
         with open(path, "rb") as f:

@@ -11,6 +11,7 @@ from flax import nnx
 
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
+from hybridjax.rollout.sampling import sample_tokens
 
 TINY = ModelConfig(
     vocab_size=97,
@@ -75,3 +76,28 @@ def trainer_log_probs(model: CausalLM, prompt, response, temperature: float) -> 
     logits = full_logits(model, list(prompt) + list(response))[len(prompt) - 1 : -1]
     lp = jax.nn.log_softmax(logits / temperature, axis=-1)
     return np.asarray(jnp.take_along_axis(lp, jnp.asarray(response)[:, None], axis=-1)[:, 0])
+
+
+_sample = jax.jit(sample_tokens, static_argnames="use_filter")
+
+
+def naive_sample(model: CausalLM, prompt, params, index: int, sample: int):
+    """(tokens, log-probs) of sample `sample` of prompt `index` without slots or pages: the full
+    forward's last logits at each step, token k drawn with the uniform of
+    fold_in(fold_in(fold_in(key(seed), index), sample), k) (the engine's documented stream)."""
+    key = jax.random.fold_in(jax.random.PRNGKey(params.seed & 0x7FFFFFFF), index)
+    key = jax.random.fold_in(key, sample)
+    seq, log_probs = list(prompt), []
+    for k in range(params.max_tokens):
+        u = jax.random.uniform(jax.random.fold_in(key, k), dtype=jnp.float32)
+        token, lp = _sample(
+            full_logits(model, seq)[-1:],
+            u[None],
+            jnp.array([params.temperature], jnp.float32),
+            jnp.array([params.top_k]),
+            jnp.array([params.top_p], jnp.float32),
+            params.uses_filter,
+        )
+        seq.append(int(token[0]))
+        log_probs.append(float(lp[0]))
+    return seq[len(prompt) :], log_probs

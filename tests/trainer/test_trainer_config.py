@@ -123,7 +123,7 @@ def test_command_line_overrides_reach_validation():
 def test_estimator_inputs_are_checked_at_start(tmp_path):
     config = _load("tiny", tmp_path)
     config.critic.enable = False  # GAE without a critic has no values
-    config.trainer.logger = ("console", "wandb")
+    config.trainer.logger = ("console", "mlflow")  # not a logger
     with pytest.raises(ConfigError, match="trainer.logger") as err:
         validate(config, 8, ACTOR)
     config.trainer.logger = ("console",)

@@ -1,0 +1,132 @@
+"""Which KV pages each prompt and sequence holds (host bookkeeping, no device work).
+
+A prompt of length L with n samples:
+  * when admitted (`PageBook.admit`), its prefill pages (positions 0 .. L-2) are allocated and
+    the pages its samples will add are reserved, so a running sequence never runs out of pages
+    (no preemption, unlike vLLM);
+  * each sample (`PageBook.sample_pages`) shares the prompt's full pages, gets its own copy of
+    the partly filled last page (the last sample takes the original: no copy) and fresh pages
+    for its response; the copies are queued for the next decode call (`pop_copies`);
+  * a finished sequence's pages go back with `release`; shared pages are reference-counted
+    (`PageAllocator`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybridjax.rollout.allocator import PageAllocator
+from hybridjax.rollout.config import RolloutConfig, SamplingParams
+
+
+def num_pages(positions: int, page_size: int) -> int:
+    """Pages that hold `positions` positions."""
+    return -(-positions // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to sample: token ids, sampling parameters and its index (folded into the
+    PRNG key, so different prompts draw independent noise under one seed)."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    index: int = 0
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt, waiting for its samples to be inserted into slots (host object)."""
+
+    request: Request
+    shared_pages: list[int]  # full pages of positions 0 .. L-2, shared by every sample
+    partial_page: int | None  # the partly filled last prompt page, if any
+    next_sample: int = 0
+
+    @property
+    def samples_left(self) -> int:
+        return self.request.params.n - self.next_sample
+
+    @property
+    def pages(self) -> list[int]:
+        """Every page of the prefilled prompt, in position order."""
+        return self.shared_pages + ([] if self.partial_page is None else [self.partial_page])
+
+
+class PageBook:
+    """The pool's pages: free list, reservations of admitted groups, pending page copies.
+
+    Args:
+      config: the engine's sizes (`page_size`).
+      total: pages in the pool (per layer).
+    """
+
+    def __init__(self, config: RolloutConfig, total: int):
+        self.page_size = config.page_size
+        self.total = total
+        self.allocator = PageAllocator(total)
+        self.reserved = 0  # pages promised to samples of admitted prompts not yet inserted
+        self.copies: list[tuple[int, int]] = []  # (src, dst) page copies due before decoding
+
+    def pages_for(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
+        """(pages of the prefilled prompt, pages each sample adds): the prompt holds positions
+        0 .. L-2; a sample holds positions up to L - 2 + max_tokens."""
+        ps = self.page_size
+        prefix = num_pages(prompt_len - 1, ps)
+        per_sample = num_pages(prompt_len - 1 + params.max_tokens, ps) - (prompt_len - 1) // ps
+        return prefix, per_sample
+
+    def group_pages(self, prompt_len: int, params: SamplingParams) -> int:
+        """Pages a prompt's whole group holds at most (the last sample takes over the partial
+        prompt page, so it is counted once)."""
+        prefix, per_sample = self.pages_for(prompt_len, params)
+        return prefix + params.n * per_sample - int(self._has_partial(prompt_len))
+
+    def _has_partial(self, prompt_len: int) -> bool:
+        return (prompt_len - 1) % self.page_size != 0
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether the free pages (less those promised to waiting samples) hold the group."""
+        need = self.group_pages(len(request.prompt), request.params)
+        return self.allocator.num_free - self.reserved >= need
+
+    def admit(self, request: Request) -> Prefix:
+        """Allocates the prompt's prefill pages and reserves its samples' pages. Raises
+        RuntimeError when the group does not fit now (check `can_admit` first)."""
+        if not self.can_admit(request):
+            raise RuntimeError(f"request {request.index}: not enough free pages now")
+        prefix_pages, per_sample = self.pages_for(len(request.prompt), request.params)
+        pages = self.allocator.allocate(prefix_pages)
+        partial = self._has_partial(len(request.prompt))
+        self.reserved += request.params.n * per_sample - int(partial)
+        shared, last = (pages[:-1], pages[-1]) if partial else (pages, None)
+        return Prefix(request, shared, last)
+
+    def sample_pages(self, prefix: Prefix) -> list[int]:
+        """The page table of the prefix's next sample (and counts it as inserted): the shared
+        pages, then its own. Queues the copy of the partial prompt page it needs."""
+        if prefix.samples_left <= 0:
+            raise ValueError(f"request {prefix.request.index}: every sample is already inserted")
+        prefix.next_sample += 1
+        _, per_sample = self.pages_for(len(prefix.request.prompt), prefix.request.params)
+        self.allocator.share(prefix.shared_pages)
+        if prefix.partial_page is None:
+            own = self.allocator.allocate(per_sample)
+        elif prefix.samples_left == 0:  # last sample: takes over the original partial page
+            own = [prefix.partial_page] + self.allocator.allocate(per_sample - 1)
+        else:
+            own = self.allocator.allocate(per_sample)
+            self.copies.append((prefix.partial_page, own[0]))
+        self.reserved -= len(own) - int(own[:1] == [prefix.partial_page])
+        if prefix.samples_left == 0:
+            self.allocator.release(prefix.shared_pages)  # the prefix's own references
+        return prefix.shared_pages + own
+
+    def release(self, pages: list[int]) -> None:
+        """Returns a sequence's pages (shared ones when their last holder lets go)."""
+        self.allocator.release(pages)
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) page copies queued since the last call."""
+        copies, self.copies = self.copies, []
+        return copies

@@ -1,0 +1,115 @@
+"""The engine's device work as pure functions (the engine jits them, pools donated): prefill of
+prompts into fresh pages, and a decode loop over one batch of rows.
+
+Neither knows about slots: a call runs on the rows it is given (the decode batch holds the
+active slots only, see `hybridjax.rollout.slots`) and reads and writes the KV cache through
+their page tables, so a sequence's cache does not depend on where it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridjax.rollout.paged_cache import PagedKVCache
+from hybridjax.rollout.sampling import sample_tokens, step_uniforms
+from hybridjax.rollout.slots import Slots
+
+Pools = tuple[jax.Array, ...]
+
+
+def prefill(
+    graphdef: Any,
+    state: Any,
+    k_pools: Pools,
+    v_pools: Pools,
+    ids_NxT: jax.Array,
+    mask_NxT: jax.Array,
+    page_table_NxP: jax.Array,
+    sliding_window: int | None,
+) -> tuple[Pools, Pools]:
+    """Runs N prompts (right-padded int32 ids, bool mask, positions from 0) through the model
+    and writes their keys/values to the pages of `page_table_NxP` (masked tokens write
+    nowhere). Returns the updated pools (per layer K×pages×page_size×D)."""
+    model = nnx.merge(graphdef, state)
+    positions_NxT = jnp.broadcast_to(jnp.arange(ids_NxT.shape[1]), ids_NxT.shape)
+    cache = PagedKVCache(k_pools, v_pools, page_table_NxP, "prefill", sliding_window=sliding_window)
+    _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
+    return cache.k, cache.v
+
+
+def decode_loop(
+    graphdef: Any,
+    state: Any,
+    k_pools: Pools,
+    v_pools: Pools,
+    batch: Slots,
+    exit_when_done: jax.Array,
+    *,
+    num_steps: int,
+    use_filter: bool,
+    impl: str,
+    sliding_window: int | None,
+    constrain_pools: Callable[[Pools], Pools] = lambda pools: pools,
+):
+    """Up to `num_steps` decode steps for the B rows of `batch` in one `lax.while_loop`.
+
+    Each step feeds every active row its `token` at `position`, writes the key/value there,
+    samples the next token (row i's k-th token draws `step_uniforms` number num_generated + k
+    of its seed, so tokens do not depend on the batch a row runs in) and retires rows that
+    emit a stop id or reach `max_tokens`. Inactive rows (finished or padding) run but write
+    nothing. The loop stops after `num_steps`, when no row is active, or once
+    `exit_when_done` rows finished.
+
+    On the jnp path the rows' pages are gathered once into a K×B×L×D copy per call
+    (`PagedKVCache.gathered`); `constrain_pools` keeps the pools' sharding inside the loop.
+
+    Returns:
+      (k_pools, v_pools, (token, position, active, num_generated) each B, steps run (int32),
+      tokens B×K int32 (-1 where a row was inactive), log_probs B×K float32 (0 there)).
+    """
+    b = batch.token.shape[0]
+    base_keys = jax.vmap(
+        lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s[0]), s[1]), s[2])
+    )(batch.seed)
+    # Active rows generate one token per step: step i draws token num_generated + i.
+    uniform_BxK = step_uniforms(base_keys, batch.num_generated, num_steps)
+
+    def cond(carry):
+        i, _, _, _, active, _, _, _, done = carry
+        return (i < num_steps) & jnp.any(active) & (done < exit_when_done)
+
+    def body(carry):
+        i, cache, token, position, active, n_gen, out_tok, out_lp, done = carry
+        model = nnx.merge(graphdef, state)
+        logits, cache = model.decode(token[:, None], position[:, None], active[:, None], cache)
+        new_tok, lp = sample_tokens(
+            logits[:, 0], uniform_BxK[:, i], batch.temperature, batch.top_k, batch.top_p, use_filter
+        )
+        out_tok = out_tok.at[:, i].set(jnp.where(active, new_tok, -1))
+        out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
+        n_gen = n_gen + active
+        stop = jnp.any(new_tok[:, None] == batch.stop_ids, axis=-1)
+        finish = active & (stop | (n_gen >= batch.max_tokens))
+        position = position + active
+        token = jnp.where(active, new_tok, token)
+        active = active & ~finish
+        cache = dataclasses.replace(cache, k=constrain_pools(cache.k), v=constrain_pools(cache.v))
+        return (i + 1, cache, token, position, active, n_gen, out_tok, out_lp, done + finish.sum())
+
+    cache = PagedKVCache(k_pools, v_pools, batch.page_table, "decode", impl, sliding_window)
+    if impl == "jnp":
+        cache = cache.gathered()  # once per call; the steps keep the copy up to date
+    out_tok = jnp.full((b, num_steps), -1, jnp.int32)
+    out_lp = jnp.zeros((b, num_steps), jnp.float32)
+    dynamic = (batch.token, batch.position, batch.active, batch.num_generated)
+    carry = (0, cache, *dynamic, out_tok, out_lp, jnp.int32(0))
+    steps, cache, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
+        cond, body, carry
+    )
+    return cache.k, cache.v, (token, position, active, n_gen), steps, out_tok, out_lp

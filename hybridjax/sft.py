@@ -3,13 +3,15 @@
 Supervised fine-tuning on prompt/response pairs (verl's `fsdp_sft_trainer`): the prompt is
 rendered with the tokenizer's chat template (generation prompt added), the response and the EOS
 token follow, and the loss is the token-mean negative log-likelihood of the **response tokens
-only**. Same machinery as the RL trainer: an ml_collections config (`sft_config()` is the
-schema; unknown keys are rejected), the training mesh and rule table of the actor, optax AdamW
-with verl's warmup/cosine schedule (`hybridjax.trainer.optim`), orbax checkpoints with automatic
-resume (`hybridjax.checkpointing`), and metrics to the console / JSONL / TensorBoard
-(`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`, `val/loss`). At the end
-the model is written as an HF checkpoint (with the tokenizer) that `actor_rollout_ref.model.path`
-loads.
+only**. With `model.use_remove_padding` (default) the pairs of a batch are packed end to end
+in rows of `data.max_length` tokens (`hybridjax.models.packing`, no padding computed; the
+gradient equals the padded one). Same machinery as the RL trainer: an ml_collections config
+(`sft_config()` is the schema; unknown keys are rejected), the training mesh and rule table of
+the actor, optax AdamW with verl's warmup/cosine schedule (`hybridjax.trainer.optim`), orbax
+checkpoints with automatic resume (`hybridjax.checkpointing`), and metrics to the console /
+JSONL / TensorBoard (`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`,
+`val/loss`). At the end the model is written as an HF checkpoint (with the tokenizer) that
+`actor_rollout_ref.model.path` loads.
 
 Input: parquet or jsonl files with a prompt column (a list of `{role, content}` messages, or a
 plain string taken as one user message) and a response column (a string).
@@ -31,10 +33,11 @@ import pyarrow.parquet as pq
 from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
+from hybridjax.models import packing
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
-from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora
+from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora, merge_trainable
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
@@ -43,6 +46,7 @@ from hybridjax.sharding import (
 from hybridjax.sharding.rules import sharding_fn
 from hybridjax.trainer import offline
 from hybridjax.trainer.build import init_train_state
+from hybridjax.trainer.forward import response_log_probs
 from hybridjax.trainer.optim import OptimConfig
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ def sft_config() -> ConfigDict:
         lora_rank=0,  # > 0: train LoRA adapters only (hybridjax.models.lora)
         lora_alpha=16.0,
         target_modules="all-linear",  # or projection names, e.g. "q_proj,v_proj"
+        use_remove_padding=True,  # pack the pairs of a batch end to end (no padding computed)
     )
     c.optim = dict(
         lr=1e-3,
@@ -229,6 +234,30 @@ SFT_METRIC_NAMES = ("train/loss", "train/lr", "train/grad_norm")  # verl's SFT n
 _eval_loss = jax.jit(sft_loss, static_argnums=0)
 
 
+def packed_sft_gradients(graphdef, trainable, frozen, batch, config: packing.PackingConfig):
+    """((token-mean response NLL, {}), its gradient w.r.t. `trainable`) over packed buffers of
+    the batch: each pair is one sequence (no shared prompt), buffers summed in a
+    `lax.while_loop`; equal to `value_and_grad` of the padded `sft_objective`."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    b, length = ids.shape
+    target_mask = batch["loss_mask"].at[:, 0].set(0.0)  # token 0 has no prediction
+    count = jnp.maximum(target_mask.sum(), 1.0)
+    fields = {"input_ids": ids, "attention_mask": mask, "responses": ids}
+    pl = packing.plan(ids, mask, length, jnp.arange(b), config)
+
+    def loss_k(t, k):
+        f = dict(fields, pack_plan=pl, pack_buffer=k)
+        log_probs, _ = response_log_probs(graphdef, merge_trainable(t, frozen), f, 1.0)
+        return -(log_probs * target_mask).sum() / count
+
+    def body(k, acc):
+        return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_k)(trainable, k))
+
+    zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), trainable))
+    loss, grads = packing.over_buffers(pl, body, zeros)
+    return (loss, {}), grads
+
+
 # ---------------------------------------------------------------------------------- the run
 
 
@@ -269,9 +298,12 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
     total = offline.total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
     optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
     graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
-    step_fn = functools.partial(
-        offline.train_step, graphdef, optim, sft_objective, SFT_METRIC_NAMES
-    )
+    objective = sft_objective
+    if cfg.model.use_remove_padding:  # rows of max_length; budget = the padded batch's tokens
+        pieces = mesh.shape["data"] * mesh.shape["fsdp"]
+        packed = packing.PackingConfig(cfg.data.max_length, max(bs // pieces, 1), pieces, False)
+        objective = offline.WithGradients(packed_sft_gradients, packed)
+    step_fn = functools.partial(offline.train_step, graphdef, optim, objective, SFT_METRIC_NAMES)
     num_rows = len(train["input_ids"])
     batch_fn = lambda step: offline.place(  # noqa: E731
         {k: v[batch_indices(num_rows, bs, step, t.seed)] for k, v in train.items()}, rows

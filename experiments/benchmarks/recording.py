@@ -1,6 +1,6 @@
 """What every trainer benchmark records beside its summary: per-stage timestamps, a profile.
 
-* `StageClock` collects the `stage <name> <start> <end>` lines `hybridjax.trainer.step.timed`
+* `StageClock` collects the `stage <name> <start> <end>` lines `hybridjax.trainer.pipeline.timed`
   logs at DEBUG level, so each step's log entry can carry when each stage ran.
 * `profile_step` runs one step under the JAX profiler (`trace/`, open it with TensorBoard's
   profile plugin or Perfetto) and under cProfile, and draws the host time of that step as a
@@ -19,7 +19,7 @@ import statistics
 
 import numpy as np
 
-STEP_LOGGER = "hybridjax.trainer.step"
+STEP_LOGGER = "hybridjax.trainer.pipeline"
 
 
 class StageClock(logging.Handler):

@@ -3,10 +3,10 @@
 Pure `jnp` functions with static shapes and no host syncs; all are jittable. The trainer uses:
 
 * `compute_advantage(token_level_rewards_BxT, response_mask_BxT, config=AlgorithmConfig,
-  group_size=n, values_BxT=..., reward_baselines_B=...) -> (advantages_BxT, returns_BxT)`,
+  uid_B=..., values_BxT=..., reward_baselines_B=...) -> (advantages_BxT, returns_BxT)`,
   dispatching on `algorithm.adv_estimator` through the `ADV_ESTIMATORS` registry
   (`gae`, `grpo`, `rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, `remax`).
-  The n responses of a prompt are contiguous rows. See `advantages` for the signature.
+  Groups are the rows sharing a uid (any size, any order). See `advantages` for the signature.
 * `loss_counts(mini_batch_mask)` once per mini-batch, then per micro-batch
   `compute_actor_loss(...)` / `compute_value_loss(...)` with those counts: losses and metrics
   are additive shares, so summing over micro-batches reproduces the mini-batch exactly

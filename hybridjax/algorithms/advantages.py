@@ -4,7 +4,7 @@ Every estimator is called as::
 
     advantages_BxT, returns_BxT = estimator(
         token_level_rewards_BxT, response_mask_BxT,
-        values_BxT=..., reward_baselines_B=..., group_size=n, config=algorithm_config)
+        values_BxT=..., reward_baselines_B=..., uid_B=..., config=algorithm_config)
 
 * `token_level_rewards_BxT` float32: the reward of each response token (KL penalty already
   applied when `algorithm.use_kl_in_reward`); outcome estimators use the per-row sum over valid
@@ -13,12 +13,14 @@ Every estimator is called as::
 * `values_BxT` (critic values, `gae` only) and `reward_baselines_B` (greedy-rollout scores,
   `remax` only) are None when the stage that fills them did not run; an estimator that needs one
   raises ValueError naming it (at trace time: no host sync).
-* `group_size` (static int, `rollout.n`): the n responses to one prompt are contiguous rows, so
-  group statistics are a reshape to (B/n, n). B must be a multiple of n.
+* `uid_B` int (B,): the group of each row (verl's `index`, the prompt's uid). Rows with equal
+  uid form a group, of any size and in any row order; group statistics are segmented sums
+  (`group_sums`: static shapes however many rows a stage dropped, bitwise reproducible).
+  Estimators without groups ignore it.
 * `config`: the frozen `AlgorithmConfig` (`gamma`, `lam`, `norm_adv_by_std_in_grpo`, ...).
 
 Both outputs are 0 outside the response mask. Shapes are static; every estimator is jittable
-(pass `group_size` and `config` as static / closed-over values).
+(pass `config` as a static / closed-over value).
 
 Adding an estimator: write one function with this signature in any module, decorate it with
 `@register_adv_est("name")`, add a test, select it with `algorithm.adv_estimator=name`. An
@@ -28,21 +30,17 @@ estimator that reads `reward_baselines_B` says so with `fn.needs_reward_baseline
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from hybridjax.algorithms.config import AlgorithmConfig
 from hybridjax.algorithms.masked import masked_sum, masked_whiten
-from hybridjax.algorithms.registry import Registry
-
-if TYPE_CHECKING:
-    from hybridjax.algorithms.config import AlgorithmConfig
+from hybridjax.algorithms.registry import ADV_ESTIMATORS
 
 GRPO_EPS = 1e-6  # added to the group std, as verl
 
 AdvantageEstimator = Callable[..., tuple[jax.Array, jax.Array]]
-ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 register_adv_est = ADV_ESTIMATORS.register
 get_adv_estimator_fn = ADV_ESTIMATORS.get
 
@@ -52,7 +50,7 @@ def compute_advantage(
     response_mask_BxT: jax.Array,
     *,
     config: AlgorithmConfig,
-    group_size: int = 1,
+    uid_B: jax.Array | None = None,
     values_BxT: jax.Array | None = None,
     reward_baselines_B: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -63,7 +61,7 @@ def compute_advantage(
         response_mask_BxT,
         values_BxT=values_BxT,
         reward_baselines_B=reward_baselines_B,
-        group_size=group_size,
+        uid_B=uid_B,
         config=config,
     )
 
@@ -80,12 +78,42 @@ def _require(value: jax.Array | None, name: str, estimator: str) -> jax.Array:
     return value
 
 
-def _group_view(scores_B: jax.Array, group_size: int) -> jax.Array:
-    """(B,) → (B/n, n); raises ValueError if B is not a multiple of n."""
-    (batch,) = scores_B.shape
-    if group_size < 1 or batch % group_size:
-        raise ValueError(f"batch size {batch} is not a multiple of group_size {group_size}")
-    return scores_B.reshape(batch // group_size, group_size)
+def group_sums(x_B: jax.Array, uid_B: jax.Array) -> jax.Array:
+    """Σ x over the row's group (rows sharing a uid), for every row: (B,), x's dtype.
+
+    A segmented sum with static shapes: the rows are sorted by uid (stable), summed by a
+    segmented `associative_scan` that restarts at each new uid, and each row takes its
+    segment's total. Unlike `jax.ops.segment_sum` (a scatter-add, which GPUs run with atomics in
+    no fixed order) the order of additions is fixed, so results are bitwise reproducible on
+    every backend, as the resumed-run guarantee needs. O(B log B) on B numbers.
+    """
+    (batch,) = x_B.shape
+    order_B = jnp.argsort(uid_B, stable=True)
+    uid_sorted_B = uid_B[order_B]
+    new_B = jnp.concatenate([jnp.ones(1, bool), uid_sorted_B[1:] != uid_sorted_B[:-1]])
+
+    def add(left, right):
+        (left_sum, left_new), (right_sum, right_new) = left, right
+        return jnp.where(right_new, right_sum, left_sum + right_sum), left_new | right_new
+
+    running_B, _ = jax.lax.associative_scan(add, (x_B[order_B], new_B))
+    last_B = jnp.concatenate([new_B[1:], jnp.ones(1, bool)])
+    end_B = jax.lax.cummin(jnp.where(last_B, jnp.arange(batch), batch), reverse=True)
+    return jnp.zeros_like(x_B).at[order_B].set(running_B[end_B], unique_indices=True)
+
+
+def group_mean_std(scores_B: jax.Array, uid_B: jax.Array) -> tuple[jax.Array, ...]:
+    """Per-row statistics of the row's group: (mean_B, unbiased std_B, size_B), float32.
+
+    Groups are the rows sharing a uid (`uid_B` int32, any values); sums are `group_sums`, so
+    shapes are static for any grouping. A singleton group has std 0 (numpy's ddof=1 gives
+    NaN; callers follow verl's singleton rules).
+    """
+    size_B = group_sums(jnp.ones_like(scores_B), uid_B)
+    mean_B = group_sums(scores_B, uid_B) / size_B
+    squares_B = group_sums(jnp.square(scores_B - mean_B), uid_B)
+    std_B = jnp.sqrt(squares_B / jnp.maximum(size_B - 1.0, 1.0))
+    return mean_B, std_B, size_B
 
 
 def response_scores(token_level_rewards_BxT: jax.Array, response_mask_BxT: jax.Array) -> jax.Array:
@@ -158,47 +186,43 @@ def compute_gae_advantage_return(
 
 @register_adv_est("grpo")
 def compute_grpo_outcome_advantage(
-    token_level_rewards_BxT, response_mask_BxT, *, group_size, config, **_
+    token_level_rewards_BxT, response_mask_BxT, *, uid_B, config, **_
 ) -> tuple[jax.Array, jax.Array]:
     """GRPO (Shao et al. 2024, arXiv:2402.03300): A = (s − mean_group) / (std_group + 1e-6).
 
-    std is the unbiased (n−1) standard deviation. With `norm_adv_by_std_in_grpo=False` the
-    division is skipped (Dr.GRPO, arXiv:2503.20783). A singleton group (n=1) uses mean 0, std 1,
-    as verl. An all-equal group gives 0 everywhere. Returns = advantages.
+    std is the unbiased (n−1) standard deviation of the row's uid group. With
+    `norm_adv_by_std_in_grpo=False` the division is skipped (Dr.GRPO, arXiv:2503.20783). A
+    singleton group uses mean 0, std 1, as verl. An all-equal group gives 0 everywhere.
+    Returns = advantages. Source: verl `compute_grpo_outcome_advantage` (`index` = uid).
+    Example: scores [1, 0, 0, 0] with uids [a, b, a, b] give [0.707, 0, −0.707, 0].
     """
-    scores_GxN = _group_view(
-        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
-    )
-    if group_size == 1:
-        mean_Gx1, std_Gx1 = jnp.zeros_like(scores_GxN), jnp.ones_like(scores_GxN)
-    else:
-        mean_Gx1 = jnp.mean(scores_GxN, axis=1, keepdims=True)
-        std_Gx1 = jnp.std(scores_GxN, axis=1, keepdims=True, ddof=1)
-    advantage_GxN = scores_GxN - mean_Gx1
+    uid_B = _require(uid_B, "uid_B", "grpo")
+    scores_B = response_scores(token_level_rewards_BxT, response_mask_BxT)
+    mean_B, std_B, size_B = group_mean_std(scores_B, uid_B)
+    single_B = size_B == 1
+    advantage_B = scores_B - jnp.where(single_B, 0.0, mean_B)
     if config.norm_adv_by_std_in_grpo:
-        advantage_GxN = advantage_GxN / (std_Gx1 + GRPO_EPS)
-    advantages_BxT = _broadcast(advantage_GxN.reshape(-1), response_mask_BxT)
+        advantage_B = advantage_B / (jnp.where(single_B, 1.0, std_B) + GRPO_EPS)
+    advantages_BxT = _broadcast(advantage_B, response_mask_BxT)
     return advantages_BxT, advantages_BxT
 
 
 @register_adv_est("rloo")
 def compute_rloo_outcome_advantage(
-    token_level_rewards_BxT, response_mask_BxT, *, group_size, **_
+    token_level_rewards_BxT, response_mask_BxT, *, uid_B, **_
 ) -> tuple[jax.Array, jax.Array]:
-    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = s_i − mean_{j≠i} s_j.
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = s_i − mean_{j≠i} s_j over the row's
+    uid group of size n.
 
     Computed as n/(n−1)·(s_i − mean_group). A singleton group keeps its raw score. Returns =
-    advantages.
+    advantages. Source: verl `compute_rloo_outcome_advantage`.
     """
-    scores_GxN = _group_view(
-        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
-    )
-    if group_size == 1:
-        advantage_GxN = scores_GxN
-    else:
-        mean_Gx1 = jnp.mean(scores_GxN, axis=1, keepdims=True)
-        advantage_GxN = (scores_GxN - mean_Gx1) * group_size / (group_size - 1)
-    advantages_BxT = _broadcast(advantage_GxN.reshape(-1), response_mask_BxT)
+    uid_B = _require(uid_B, "uid_B", "rloo")
+    scores_B = response_scores(token_level_rewards_BxT, response_mask_BxT)
+    mean_B, _, size_B = group_mean_std(scores_B, uid_B)
+    loo_B = (scores_B - mean_B) * size_B / jnp.maximum(size_B - 1.0, 1.0)
+    advantage_B = jnp.where(size_B > 1, loo_B, scores_B)
+    advantages_BxT = _broadcast(advantage_B, response_mask_BxT)
     return advantages_BxT, advantages_BxT
 
 
@@ -215,18 +239,16 @@ def compute_reinforce_plus_plus_outcome_advantage(
 
 @register_adv_est("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards_BxT, response_mask_BxT, *, group_size, **_
+    token_level_rewards_BxT, response_mask_BxT, *, uid_B, **_
 ) -> tuple[jax.Array, jax.Array]:
-    """REINFORCE++-baseline (arXiv:2501.03262): s − mean_group broadcast over the response,
-    then whitened over the valid tokens of the batch. A singleton group uses mean 0 (verl).
-    Returns = advantages.
+    """REINFORCE++-baseline (arXiv:2501.03262): s − mean of the row's uid group, broadcast over
+    the response, then whitened over the valid tokens of the batch. A singleton group uses
+    mean 0 (verl). Returns = advantages.
     """
-    scores_GxN = _group_view(
-        response_scores(token_level_rewards_BxT, response_mask_BxT), group_size
-    )
-    if group_size > 1:
-        scores_GxN = scores_GxN - jnp.mean(scores_GxN, axis=1, keepdims=True)
-    advantages_BxT = _broadcast(scores_GxN.reshape(-1), response_mask_BxT)
+    uid_B = _require(uid_B, "uid_B", "reinforce_plus_plus_baseline")
+    scores_B = response_scores(token_level_rewards_BxT, response_mask_BxT)
+    mean_B, _, size_B = group_mean_std(scores_B, uid_B)
+    advantages_BxT = _broadcast(scores_B - jnp.where(size_B > 1, mean_B, 0.0), response_mask_BxT)
     advantages_BxT = masked_whiten(advantages_BxT, response_mask_BxT)
     return advantages_BxT, advantages_BxT
 

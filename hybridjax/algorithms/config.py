@@ -39,10 +39,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from hybridjax.algorithms.advantages import ADV_ESTIMATORS
-from hybridjax.algorithms.kl import check_kl_penalty_type
 from hybridjax.algorithms.loss_agg import check_loss_agg_mode
-from hybridjax.algorithms.losses import POLICY_LOSSES
+from hybridjax.algorithms.registry import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
@@ -61,6 +59,16 @@ def _as_dict(section: Mapping[str, Any] | Any | None) -> dict[str, Any]:
 def _pick(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     names = {field.name for field in dataclasses.fields(cls)}
     return {key: value for key, value in values.items() if key in names}
+
+
+def check_kl_penalty_type(kl_penalty: str) -> str:
+    """Returns `kl_penalty` if it names a registered KL estimator, optionally with the
+    straight-through suffix `+`; raises ValueError listing the valid names."""
+    if kl_penalty.removesuffix("+") not in KL_ESTIMATORS:
+        names = KL_ESTIMATORS.names()
+        valid = ", ".join(names + tuple(name + "+" for name in names))
+        raise ValueError(f"unknown KL estimator {kl_penalty!r}; valid: {valid}")
+    return kl_penalty
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:

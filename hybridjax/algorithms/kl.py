@@ -16,16 +16,12 @@ The KL controller is pure: its state is one float32 scalar (the coefficient), up
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
+from hybridjax.algorithms.config import KLControlConfig, check_kl_penalty_type
 from hybridjax.algorithms.masked import masked_count, masked_mean, safe_divide
-
-if TYPE_CHECKING:
-    from hybridjax.algorithms.config import KLControlConfig
+from hybridjax.algorithms.registry import KL_ESTIMATORS
 
 LOW_VAR_KL_LOG_RATIO_CLAMP = 20.0
 LOW_VAR_KL_VALUE_CLAMP = 10.0
@@ -49,25 +45,17 @@ def _k3(logp, ref):
     return jnp.clip(kl, -LOW_VAR_KL_VALUE_CLAMP, LOW_VAR_KL_VALUE_CLAMP)
 
 
-_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "kl": _k1,
-    "k1": _k1,
-    "abs": _abs,
-    "mse": _k2,
-    "k2": _k2,
-    "low_var_kl": _k3,
-    "k3": _k3,
-}
-KL_PENALTY_TYPES = tuple(sorted(_ESTIMATORS)) + tuple(sorted(name + "+" for name in _ESTIMATORS))
-
-
-def check_kl_penalty_type(kl_penalty: str) -> str:
-    """Returns `kl_penalty` if it names an estimator; raises ValueError listing the valid ones."""
-    if kl_penalty not in KL_PENALTY_TYPES:
-        raise ValueError(
-            f"unknown KL estimator {kl_penalty!r}; valid: {', '.join(KL_PENALTY_TYPES)}"
-        )
-    return kl_penalty
+for _name, _fn in (
+    ("kl", _k1),
+    ("k1", _k1),
+    ("abs", _abs),
+    ("mse", _k2),
+    ("k2", _k2),
+    ("low_var_kl", _k3),
+    ("k3", _k3),
+):
+    KL_ESTIMATORS.register(_name)(_fn)
+KL_PENALTY_TYPES = KL_ESTIMATORS.names() + tuple(name + "+" for name in KL_ESTIMATORS.names())
 
 
 def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kl_penalty: str) -> jax.Array:
@@ -79,7 +67,7 @@ def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kl_penalty: str) -> j
     """
     check_kl_penalty_type(kl_penalty)
     straight_through = kl_penalty.endswith("+")
-    forward = _ESTIMATORS[kl_penalty.rstrip("+")](logprob, ref_logprob)
+    forward = KL_ESTIMATORS.get(kl_penalty.rstrip("+"))(logprob, ref_logprob)
     if not straight_through:
         return forward
     backward = _k2(logprob, ref_logprob)

@@ -24,24 +24,20 @@ selected with `actor.policy_loss.loss_mode=name`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from hybridjax.algorithms.config import ActorLossConfig
 from hybridjax.algorithms.kl import kl_penalty
 from hybridjax.algorithms.loss_agg import LossCounts, agg_loss, token_mean
 from hybridjax.algorithms.masked import masked_count, masked_sum, safe_divide
-from hybridjax.algorithms.registry import Registry
-
-if TYPE_CHECKING:
-    from hybridjax.algorithms.config import ActorLossConfig
+from hybridjax.algorithms.registry import POLICY_LOSSES
 
 LOG_RATIO_CLAMP = 20.0  # |log π − log π_old| bound before exp, as verl
 GSPO_LOG_RATIO_MAX = 10.0
 
 PolicyLossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss_fn = POLICY_LOSSES.get
 

@@ -1,7 +1,12 @@
-"""A strict name → function registry (advantage estimators, policy losses).
+"""Strict name → function registries: advantage estimators, policy losses, KL estimators.
 
 Strict means: registering a name twice raises, and looking up an unknown name raises a
 `ValueError` that lists every valid name. Config validation is the lookup.
+
+The registries live here, in a module that imports nothing else of the package, so the imports
+run one way: `registry` ← `config` (validates names by lookup) ← `advantages`, `losses`, `kl`
+(register functions whose signatures take the configs). `hybridjax.algorithms` imports those
+modules, so the registries are filled before any config is built.
 """
 
 from __future__ import annotations
@@ -45,3 +50,8 @@ class Registry(Generic[F]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._fns
+
+
+ADV_ESTIMATORS: Registry = Registry("advantage estimator")  # algorithm.adv_estimator
+POLICY_LOSSES: Registry = Registry("policy loss")  # actor.policy_loss.loss_mode
+KL_ESTIMATORS: Registry = Registry("KL estimator")  # algorithm.kl_penalty, actor.kl_loss_type

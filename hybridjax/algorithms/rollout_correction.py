@@ -15,15 +15,11 @@ secretly brings you off-policy RL training"; verl `mismatch_helper.py`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
+from hybridjax.algorithms.config import AlgorithmConfig
 from hybridjax.algorithms.masked import masked_count, masked_mean, safe_divide
-
-if TYPE_CHECKING:
-    from hybridjax.algorithms.config import AlgorithmConfig
 
 LOG_RATIO_CLAMP = 20.0
 

@@ -36,6 +36,61 @@ def attention_mask(
     return mask
 
 
+def packed_attention_mask(
+    segment_ids_BxT: jax.Array,
+    prefix_ids_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    valid_BxT: jax.Array,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean mask B×T×T of a packed buffer (`hybridjax.models.packing`): token i sees token j
+    iff j is valid, j ≤ i by buffer index, and j is in i's own segment or in i's prefix segment
+    (the shared prompt of a response), inside the sliding window by position (if any).
+
+    Causality is by index, not position: positions restart at each sequence. A prompt's tokens
+    carry their own segment as prefix, so a response sees its prompt and itself, never a sibling.
+    """
+    seg_k = segment_ids_BxT[:, None, :]
+    same = (seg_k == segment_ids_BxT[:, :, None]) | (seg_k == prefix_ids_BxT[:, :, None])
+    t = segment_ids_BxT.shape[1]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    mask = same & causal[None] & valid_BxT[:, None, :]
+    if sliding_window is not None:
+        mask &= positions_BxT[:, :, None] - positions_BxT[:, None, :] < sliding_window
+    return mask
+
+
+def attention_backend(dtype) -> str:
+    """The self-attention implementation of full-sequence passes on this backend.
+
+    * "cudnn" on GPU for bfloat16/float16 (`jax.nn.dot_product_attention`, cuDNN flash
+      attention: logits are never materialised per head; the mask travels as one B×T×T bias,
+      since cuDNN's segment offsets cannot express a shared prefix);
+    * "jnp" everywhere else (CPU, float32 on GPU, which cuDNN flash rejects, and TPU: splash
+      attention takes segment ids but its masks are static, so a data-dependent shared-prefix
+      relation does not fit it). `grouped_attention` is also the test oracle.
+    """
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "jnp"
+
+
+def fused_attention(
+    q_BxTxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    bias_BxTxS: jax.Array,
+    implementation: str,
+) -> jax.Array:
+    """`jax.nn.dot_product_attention` (GQA, scale 1/√D) with an additive bias; B×T×H×D in q's
+    dtype. `implementation` "cudnn" (GPU) or "xla" (the same numerics, used by the tests)."""
+    dtype = q_BxTxHxD.dtype
+    bias = jnp.maximum(bias_BxTxS, jnp.finfo(dtype).min)[:, None].astype(dtype)
+    return jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, bias=bias, implementation=implementation
+    )
+
+
 def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:
     """Additive float32 bias B×T×S: 0 where `mask` is True, NEG_INF elsewhere.
 

@@ -11,7 +11,8 @@ Two call paths share one implementation:
   * full sequences with a padding mask and position ids (training, log-probs, values), whose
     positions increase along each row over valid tokens (left or right padding with
     `default_positions`): a query never attends to a later token, which lets attention skip
-    the blocks above the diagonal;
+    the blocks above the diagonal; or packed buffers (`segments`: several sequences end to
+    end, responses sharing their prompt, `hybridjax.models.packing`), causal by index;
   * incremental decoding against an external KV cache (`hybridjax.models.attention`).
 """
 
@@ -23,7 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridjax.models.attention import attention_bias, attention_mask, grouped_attention
+from hybridjax.models.attention import (
+    attention_backend,
+    attention_bias,
+    attention_mask,
+    fused_attention,
+    grouped_attention,
+    packed_attention_mask,
+)
 from hybridjax.models.config import ModelConfig, to_dtype
 
 INIT_STD = 0.02
@@ -140,6 +148,12 @@ class Attention(nnx.Module):
         k = apply_rope(self._project(x_BxTxD, "k"), rope)
         v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
+        if cache is None and attention_backend(dtype) != "jnp":
+            try:  # cuDNN rejects some shapes at trace time: then the jnp path below
+                out = fused_attention(q, k, v, bias, attention_backend(dtype))
+                return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dtype)), cache
+            except (ValueError, NotImplementedError, RuntimeError):
+                pass
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
             chunks = min(MAX_QUERY_CHUNKS, max(q.shape[1] // MIN_QUERY_CHUNK, 1))
@@ -212,21 +226,25 @@ class Transformer(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
-    def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None):
+    def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None, segments=None):
         """Hidden states B×T×D in the compute dtype, and the updated cache (or None).
 
         Without a cache, positions must increase along each row over valid tokens (see the
-        module docstring); outputs at padding positions are garbage.
+        module docstring); outputs at padding positions are garbage. `segments` (int32
+        segment ids, prefix segment ids), each B×T, marks a packed buffer: attention follows
+        `packed_attention_mask` instead.
         """
         dtype = to_dtype(self.config.dtype)
         h = jnp.take(self.embed_tokens[...], input_ids_BxT, axis=0).astype(dtype)
         rope = rope_tables(positions_BxT, rope_frequencies(self.config))
         token_mask_BxT = token_mask_BxT.astype(bool)
         bias = None
-        if cache is None:  # one mask for every layer; with a cache, the cache masks
-            mask = attention_mask(
-                positions_BxT, positions_BxT, token_mask_BxT, self.config.sliding_window
-            )
+        window = self.config.sliding_window
+        if segments is not None:  # one mask for every layer; with a cache, the cache masks
+            mask = packed_attention_mask(*segments, positions_BxT, token_mask_BxT, window)
+            bias = attention_bias(mask)
+        elif cache is None:
+            mask = attention_mask(positions_BxT, positions_BxT, token_mask_BxT, window)
             bias = attention_bias(mask)
         for i, layer in enumerate(self.layers):
             if self.config.remat and cache is None:
@@ -266,11 +284,14 @@ class CausalLM(nnx.Module):
             out = jnp.einsum("btd,dv->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)
         return out.astype(jnp.float32)
 
-    def __call__(self, input_ids_BxT, attention_mask_BxT, positions_BxT=None) -> jax.Array:
-        """Full-sequence forward. Returns float32 logits B×T×V (garbage at padding positions)."""
+    def __call__(
+        self, input_ids_BxT, attention_mask_BxT, positions_BxT=None, segments=None
+    ) -> jax.Array:
+        """Full-sequence forward. Returns float32 logits B×T×V (garbage at padding positions).
+        `segments`: a packed buffer's (segment ids, prefix ids), see `Transformer`."""
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
-        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments)
         return self.logits(hidden)
 
     def decode(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache):
@@ -300,10 +321,12 @@ class SequenceClassifier(nnx.Module):
             pd = to_dtype(config.param_dtype)
             self.score_bias = _param(rngs, (config.num_labels,), ("label",), pd, init="zeros")
 
-    def __call__(self, input_ids_BxT, attention_mask_BxT, positions_BxT=None) -> jax.Array:
+    def __call__(
+        self, input_ids_BxT, attention_mask_BxT, positions_BxT=None, segments=None
+    ) -> jax.Array:
         if positions_BxT is None:
             positions_BxT = default_positions(attention_mask_BxT)
-        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT)
+        hidden, _ = self.model(input_ids_BxT, positions_BxT, attention_mask_BxT, segments=segments)
         w = self.score[...].astype(hidden.dtype)
         scores = jnp.einsum("btd,dl->btl", hidden, w, preferred_element_type=jnp.float32)
         if self.config.score_bias:

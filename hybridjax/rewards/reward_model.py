@@ -8,7 +8,9 @@ tokens only, and the score is read at the last real token (HF's pooling for
 response token; an empty response gets none (REFERENCE.md, "Rewards").
 
 One jitted function per shape; micro-batches run as a `lax.map` inside it (bounded activation
-memory, no host round trip between them).
+memory, no host round trip between them). With a `PackingConfig` the pairs are packed instead
+(`hybridjax.models.packing`: no padding, consecutive rows with the same prompt share one copy,
+buffers of a token budget in a `lax.while_loop`); the scores are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybridjax.models import packing as packing_lib
 from hybridjax.models.decoder import SequenceClassifier
 
 
@@ -38,7 +41,23 @@ def _sequence_scores(model: SequenceClassifier, ids_BxL, mask_BxL) -> jax.Array:
     return model.last_token_scores(ids_BxL, mask_BxL)[:, 0].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch_size"))
+def _packed_scores(model: SequenceClassifier, ids_BxL, mask_BxL, response_len, config):
+    """(B,) float32 label-0 scores at each row's last token, over packed buffers. Group ids
+    are all 0: consecutive rows whose prompts are equal share one copy (the rollout's n
+    samples of a prompt are contiguous)."""
+    b = ids_BxL.shape[0]
+    pl = packing_lib.plan(ids_BxL, mask_BxL, response_len, jnp.zeros(b, jnp.int32), config)
+
+    def body(k, acc):
+        buf = packing_lib.buffer(pl, ids_BxL, k)
+        segments = (buf["segment_ids"], buf["prefix_ids"])
+        scores = model(buf["input_ids"], buf["valid"], buf["positions"], segments=segments)
+        return acc + packing_lib.gather_last_token(pl, scores[..., 0], k).astype(jnp.float32)
+
+    return packing_lib.over_buffers(pl, body, jnp.zeros(b, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch_size", "packing"))
 def score_responses(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -47,6 +66,7 @@ def score_responses(
     responses_BxR: jax.Array,
     response_mask_BxR: jax.Array,
     micro_batch_size: int | None = None,
+    packing: packing_lib.PackingConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scores a batch of (prompt, response) pairs with a reward model.
 
@@ -55,6 +75,8 @@ def score_responses(
       prompts_BxP, prompt_mask_BxP: left-padded prompt ids and their 0/1 mask.
       responses_BxR, response_mask_BxR: right-padded response ids and their 0/1 mask.
       micro_batch_size: rows per forward pass (must divide B); None = the whole batch at once.
+      packing: pack the pairs instead (`reward_model.model.use_remove_padding`); then
+        `micro_batch_size` is not used.
 
     Returns:
       (`token_level_scores` B×R float32 with the score on each response's last valid token,
@@ -70,6 +92,9 @@ def score_responses(
     if b % mb:
         raise ValueError(f"micro_batch_size {mb} does not divide the batch size {b}")
     model = nnx.merge(graphdef, state)
+    if packing is not None:
+        scores_B = _packed_scores(model, ids_BxL, mask_BxL, responses_BxR.shape[1], packing)
+        return place_on_last_token(scores_B, response_mask_BxR), scores_B
 
     def one(args):
         return _sequence_scores(model, *args)

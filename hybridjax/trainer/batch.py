@@ -2,8 +2,10 @@
 
 Layout (verl's): `prompts` B×P left padded, `responses` B×R right padded, and the model input is
 `input_ids = concat(prompts, responses)` B×(P+R) with `attention_mask` and `position_ids` over
-it. The n responses to one prompt are contiguous rows, so group statistics are a reshape.
-Every per-token field over the response is B×R float32 and 0 outside `response_mask`.
+it. Each row carries its prompt's `uid` (int32, verl's `uid`/`index`): the rows of
+one prompt form a group whatever their number and order, so a stage may drop or reorder rows
+and group statistics (segmented sums over uids) stay right. Every per-token field over the
+response is B×R float32 and 0 outside `response_mask`.
 
 A stage returns `batch.replace(field=...)`; a stage that reads a field no earlier stage filled
 calls `batch.require("field")`, which raises with that field's name.
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 FILLED_BY = {
+    "uid": "gen",
     "rollout_log_probs": "gen",
     "rollout_is_weights": "old_log_prob (algorithm.rollout_is)",
     "reward_baselines": "reward (greedy baseline)",
@@ -40,6 +43,7 @@ class RLBatch:
     response_mask: jax.Array  # B×R float32 0/1
     attention_mask: jax.Array  # B×(P+R) int32 0/1
     position_ids: jax.Array  # B×(P+R) int32
+    uid: jax.Array | None = None  # B int32: the row's prompt (its group)
     rollout_log_probs: jax.Array | None = None
     rollout_is_weights: jax.Array | None = None  # B×R, π_old / π_rollout bounded
     reward_baselines: jax.Array | None = None  # B, score of a greedy response to the prompt
@@ -83,9 +87,11 @@ def make_batch(
     response_ids_BxR: jax.Array,
     response_mask_BxR: jax.Array,
     rollout_log_probs_BxR: jax.Array | None = None,
+    uid_B: jax.Array | None = None,
 ) -> RLBatch:
     """Assembles an RLBatch from left-padded prompts and right-padded responses (rows already
-    repeated n times per prompt). Position ids count valid tokens from 0 at the first one."""
+    repeated n times per prompt; `uid_B` int32 names each row's prompt). Position
+    ids count valid tokens from 0 at the first one."""
     attention_mask = jnp.concatenate(
         [prompt_mask_BxP.astype(jnp.int32), response_mask_BxR.astype(jnp.int32)], axis=1
     )
@@ -96,5 +102,6 @@ def make_batch(
         response_mask=response_mask_BxR.astype(jnp.float32),
         attention_mask=attention_mask,
         position_ids=position_ids,
+        uid=None if uid_B is None else uid_B.astype(jnp.int32),
         rollout_log_probs=rollout_log_probs_BxR,
     )

@@ -39,6 +39,7 @@ from hybridjax.sharding import (
     sharding_fn,
 )
 from hybridjax.trainer.optim import OptimConfig, make_optimizer
+from hybridjax.trainer.packing import packing_configs
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
@@ -239,6 +240,7 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
     """The frozen config of the jitted stages (see `StageConfig`)."""
     a = cfg.actor_rollout_ref
     sizes = batch_sizes(cfg, data_parallel)
+    packed = packing_configs(cfg, data_parallel)
     actor_loss = dict(a.actor.to_dict())
     if actor_loss.get("loss_scale_factor", 0) <= 0:
         actor_loss.pop("loss_scale_factor", None)
@@ -254,14 +256,25 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
         actor_loss=ActorLossConfig.from_dict(actor_loss),
         critic_loss=CriticLossConfig.from_dict(critic_loss),
         actor_update=UpdateConfig(
-            a.actor.ppo_epochs, sizes["actor_mini"], sizes["actor_micro"], a.actor.shuffle
+            a.actor.ppo_epochs,
+            sizes["actor_mini"],
+            sizes["actor_micro"],
+            a.actor.shuffle,
+            packed["update_actor"],
         ),
         critic_update=UpdateConfig(
-            cfg.critic.ppo_epochs, sizes["critic_mini"], sizes["critic_micro"], False
+            cfg.critic.ppo_epochs,
+            sizes["critic_mini"],
+            sizes["critic_micro"],
+            False,
+            packed["update_critic"],
         ),
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
         recompute_old_log_prob=recompute_old_log_prob(cfg),
+        old_log_prob_packing=packed["old_log_prob"],
+        ref_packing=packed["ref"],
+        values_packing=packed["values"],
     )
 
 

@@ -57,12 +57,18 @@ def base_config() -> ConfigDict:
             lora_rank=0,
             lora_alpha=16.0,
             target_modules="all-linear",
+            # packed sequences (no padding) in the actor's, ref's and old-log-prob passes
+            use_remove_padding=True,
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
             ppo_micro_batch_size_per_gpu=8,  # in responses, per data-parallel shard
             ppo_epochs=1,
             shuffle=False,
+            # micro-batches by token count (per device) instead of ppo_micro_batch_size_per_gpu
+            use_dynamic_bsz=False,
+            ppo_max_token_len_per_gpu=16384,
+            use_prefix_sharing=True,  # the responses of a prompt share one copy of it
             # the separate old-log-prob pass: "auto" skips it when the update is on-policy (one
             # epoch, one mini-batch, nothing needs π_old before the update), "true" always runs
             # it, "false" never (rejected unless on-policy); see build.recompute_old_log_prob
@@ -83,7 +89,13 @@ def base_config() -> ConfigDict:
             # host memory while the rollout runs (verl's keys)
             fsdp_config=dict(param_offload=False, optimizer_offload=False),
         ),
-        ref=dict(log_prob_micro_batch_size_per_gpu=16, fsdp_config=dict(param_offload=False)),
+        ref=dict(
+            log_prob_micro_batch_size_per_gpu=16,
+            log_prob_use_dynamic_bsz=False,
+            log_prob_max_token_len_per_gpu=16384,
+            use_prefix_sharing=True,
+            fsdp_config=dict(param_offload=False),
+        ),
         rollout=dict(
             name="hybridjax",
             n=1,
@@ -99,6 +111,8 @@ def base_config() -> ConfigDict:
             page_size=16,
             max_num_seqs=256,
             log_prob_micro_batch_size_per_gpu=16,
+            log_prob_use_dynamic_bsz=False,  # the old-log-prob pass by token count
+            log_prob_max_token_len_per_gpu=16384,
             ignore_eos=False,
             attention_impl="auto",  # auto | jnp | pallas
             decode_steps_per_call=32,
@@ -112,9 +126,14 @@ def base_config() -> ConfigDict:
             path="",
             override_config=ConfigDict(),
             fsdp_config=dict(param_offload=False, optimizer_offload=False),
+            use_remove_padding=True,
         ),
         ppo_mini_batch_size=256,
         ppo_micro_batch_size_per_gpu=8,
+        use_dynamic_bsz=False,
+        ppo_max_token_len_per_gpu=32768,
+        forward_max_token_len_per_gpu=32768,
+        use_prefix_sharing=True,
         ppo_epochs=1,
         grad_clip=1.0,
         cliprange_value=0.5,
@@ -123,8 +142,11 @@ def base_config() -> ConfigDict:
     )
     c.reward_model = dict(
         enable=False,
-        model=dict(path=""),
+        model=dict(path="", use_remove_padding=True),
         micro_batch_size_per_gpu=16,
+        use_dynamic_bsz=False,
+        forward_max_token_len_per_gpu=32768,
+        use_prefix_sharing=True,
         reward_manager="naive",  # naive | batch | dapo | prime (hybridjax.rewards.manager)
         on_error="zero",  # a reward function that fails on a row: zero | raise
         num_workers=8,  # threads (built-ins) or worker processes (custom functions)
@@ -151,6 +173,9 @@ def base_config() -> ConfigDict:
         rollout_is_level="token",  # token | sequence | geometric
         rollout_is_mode="truncate",  # truncate | mask
         rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
+        # DAPO dynamic sampling (hybridjax.trainer.dynamic_sampling): drop groups whose metric
+        # has no spread, generate more until data.train_batch_size groups; 0 = no cap
+        filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0),
     )
     # verl's default_local_dir is checkpoints/${project_name}/${experiment_name}: naming a run
     # also names its directory, unless a config sets default_local_dir itself
@@ -177,6 +202,9 @@ def base_config() -> ConfigDict:
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,
+        # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
+        # module>:<function>" (or before / replace), or "remove <stage>"
+        stages=(),
         # several processes under jax.distributed (hybridjax.sharding.hosts.DistributedConfig)
         distributed=dict(
             enable="auto",  # auto | on | off

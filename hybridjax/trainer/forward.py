@@ -5,6 +5,10 @@ response token t, so response quantities are positions [P−1, P+R−1). Log-pro
 sampler's temperature first (logits / T), as the rollout engine does, so old, rollout and
 current log-probs are of the same distribution. Values follow verl's critic: the value of
 response token t is the critic's output at position P−1+t (the state before emitting it).
+
+Packed passes (`hybridjax.models.packing`): `fields` then also holds `pack_plan` and
+`pack_buffer` (the buffer index k); the model reads buffer k and the outputs come back in the
+B×R layout, 0 for rows outside buffer k. `packed_map` runs a pass over every buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridjax.algorithms.entropy import entropy_from_logits
+from hybridjax.models import packing
 
 
 def _response_logits(model, input_ids, attention_mask, position_ids, response_len, temperature):
@@ -46,6 +51,8 @@ def response_log_probs(
     """
     model = nnx.merge(graphdef, params)
     responses = fields["responses"]
+    if "pack_plan" in fields:
+        return _packed_log_probs(model, fields, temperature or 1.0, with_entropy)
     logits = _response_logits(
         model,
         fields["input_ids"],
@@ -65,8 +72,56 @@ def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.A
     `fields["response_mask"]`."""
     model = nnx.merge(graphdef, params)
     mask = fields["response_mask"]
+    if "pack_plan" in fields:
+        pl, k = fields["pack_plan"], fields["pack_buffer"]
+        scores, _ = _packed_call(lambda i, p, v, s: model(i, v, p, segments=s), fields)
+        before = jnp.take_along_axis(scores[..., 0], packing.source_index(pl, k), axis=1)
+        return packing.gather_response(pl, before, k, mask.shape[1]) * mask
     scores = model(fields["input_ids"], fields["attention_mask"], fields["position_ids"])
     return scores[:, -mask.shape[1] - 1 : -1, 0] * mask
+
+
+def _packed_call(fn, fields):
+    """`fn(ids, positions, valid, segments)` on buffer `pack_buffer`; returns (out, buffer)."""
+    buf = packing.buffer(fields["pack_plan"], fields["input_ids"], fields["pack_buffer"])
+    segments = (buf["segment_ids"], buf["prefix_ids"])
+    return fn(buf["input_ids"], buf["positions"], buf["valid"], segments), buf
+
+
+def _packed_log_probs(model, fields, temperature, with_entropy):
+    # The LM head runs on the buffer's slots (capacity per device), each slot fed the hidden
+    # state that predicts its token (`source_index`): the prompt's last token for the first
+    # token of every response of a group.
+    pl, k = fields["pack_plan"], fields["pack_buffer"]
+    (hidden, _), buf = _packed_call(lambda i, p, v, s: model.model(i, p, v, segments=s), fields)
+    src = packing.source_index(pl, k)
+    hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
+    logits = model.logits(hidden) / jnp.float32(max(temperature, 1e-6))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    log_probs = jnp.take_along_axis(log_probs, buf["input_ids"][..., None], axis=-1)[..., 0]
+    r = fields["responses"].shape[1]
+    entropy = None
+    if with_entropy:
+        entropy = packing.gather_response(pl, entropy_from_logits(logits), k, r)
+    return packing.gather_response(pl, log_probs, k, r), entropy
+
+
+def packed_map(
+    fn: Callable[[dict[str, jax.Array]], Any],
+    fields: dict[str, jax.Array],
+    group_ids_B: jax.Array,
+    config: packing.PackingConfig,
+) -> Any:
+    """Applies `fn` (B×R outputs, 0 outside the buffer) to every buffer of a packing plan of
+    `fields` and sums: each row's outputs come from the one buffer that holds it. Peak
+    activation memory is one buffer's (`config.capacity` tokens per device)."""
+    r = fields["responses"].shape[1]
+    pl = packing.plan(fields["input_ids"], fields["attention_mask"], r, group_ids_B, config)
+    with_plan = lambda k: dict(fields, pack_plan=pl, pack_buffer=k)
+    shapes = jax.eval_shape(fn, with_plan(jnp.zeros((), jnp.int32)))
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    body = lambda k, acc: jax.tree.map(jnp.add, acc, fn(with_plan(k)))
+    return packing.over_buffers(pl, body, init)
 
 
 def map_micro_batches(

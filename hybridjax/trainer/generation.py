@@ -83,8 +83,9 @@ def generate_batch(
       sharding: where the batch rows go (the training mesh's batch axes).
       first_index: the global index of the first prompt (this process's share starts there).
     Returns:
-      (RLBatch with `rollout_log_probs`, HostColumns), rows ordered prompt-major (n contiguous);
-      both hold every process's rows, `HostColumns.mine` marks this process's.
+      (RLBatch with `rollout_log_probs` and `uid` = the prompt's index in the whole batch,
+      HostColumns), rows ordered prompt-major (n contiguous); both hold every process's rows,
+      `HostColumns.mine` marks this process's.
     Host sync: the whole rollout (the engine returns numpy arrays), and a gather across
     processes under `jax.distributed`.
     """
@@ -118,12 +119,14 @@ def generate_batch(
     start = sum(len(p[3].row_mask) for p in parts[: jax.process_index()])
     host = dataclasses.replace(host, mine=slice(start, start + len(local.row_mask)))
     put = lambda x: put_global(np.asarray(x), sharding)
+    prompt_ids = np.concatenate([p[0] for p in parts])
     batch = make_batch(
-        put(np.repeat(np.concatenate([p[0] for p in parts]), n, axis=0)),
+        put(np.repeat(prompt_ids, n, axis=0)),
         put(np.repeat(np.concatenate([p[1] for p in parts]), n, axis=0)),
         put(host.responses),
         put(host.response_mask.astype(np.float32)),
         put(np.concatenate([p[2] for p in parts])),
+        put(np.repeat(np.arange(len(prompt_ids), dtype=np.int32), n)),
     )
     return batch, host
 

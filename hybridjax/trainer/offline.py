@@ -14,6 +14,7 @@ again on resume), and the export is the merged model plus the adapters in peft's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -50,13 +51,29 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[nnx.GraphDef, Any, dict[str, jax.Array]], tuple[jax.Array, dict]]
 
 
-def _train_step(graphdef, optim: OptimConfig, loss_fn: LossFn, names, state: TrainState, batch):
+@dataclasses.dataclass(frozen=True)
+class WithGradients:
+    """A loss that computes its own gradients (e.g. summed over packed buffers in a loop,
+    which `jax.value_and_grad` cannot differentiate through):
+    `fn(graphdef, trainable, frozen, batch, config) -> ((loss, metrics), grads of trainable)`;
+    `fn` is a module-level function and `config` hashable (both are static)."""
+
+    fn: Callable[..., tuple[tuple[jax.Array, dict], Any]]
+    config: Any = None
+
+
+def _train_step(
+    graphdef, optim: OptimConfig, loss_fn: LossFn | WithGradients, names, state: TrainState, batch
+):
     trainable, frozen = split_trainable(state.params)
 
     def objective(t):
         return loss_fn(graphdef, merge_trainable(t, frozen), batch)
 
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+    if isinstance(loss_fn, WithGradients):
+        (loss, metrics), grads = loss_fn.fn(graphdef, trainable, frozen, batch, loss_fn.config)
+    else:
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
     lr = learning_rate(optim, state.step)
     opt_state = set_learning_rate(state.opt_state, lr)
     updates, opt_state = make_optimizer(optim).update(grads, opt_state, trainable)

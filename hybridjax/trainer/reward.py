@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
+from hybridjax.models.packing import PackingConfig
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards import RewardConfig, RewardManager, RewardResult, place_scores
 from hybridjax.rewards.manager import check_outcomes, serves_model
@@ -35,6 +36,7 @@ from hybridjax.rewards.reward_model import score_responses
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
 from hybridjax.trainer.generation import HostColumns, collect_rewards, put_global, submit_rewards
+from hybridjax.trainer.packing import packing_configs
 
 
 def check_reward_servers(cfg) -> None:
@@ -71,6 +73,7 @@ class RewardStage:
       data_parallel: batch shards of the training mesh (data × fsdp).
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
+      packing: the reward model's packed forward (`trainer.packing`), or None (padded).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class RewardStage:
         data_parallel: int,
         model_client: RemoteClient | None = None,
         combine: str = "replace",
+        packing: PackingConfig | None = None,
     ):
         self.manager = manager
         self.tokenizer = tokenizer
@@ -90,6 +94,7 @@ class RewardStage:
         self.micro_per_device = micro_batch_size_per_device
         self.sharding = sharding
         self.data_parallel = data_parallel
+        self.packing = packing
         self.model_client = model_client
         self.combine = combine
         self._model_batches = 0
@@ -116,6 +121,7 @@ class RewardStage:
             data_parallel,
             client,
             config.combine,
+            packing_configs(cfg, data_parallel)["reward_model"],
         )
 
     def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
@@ -134,6 +140,7 @@ class RewardStage:
                 micro_batch_size=forward_micro_batch(
                     self.micro_per_device, batch.batch_size, self.data_parallel
                 ),
+                packing=self.packing,
             )
         elif self.model_client is not None:
             # Host sync (small): every process gets the whole batch's prompt ids.

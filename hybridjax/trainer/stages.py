@@ -7,8 +7,11 @@
 `compute_old_log_prob` is skipped when the actor update is on-policy
 (`StageConfig.recompute_old_log_prob` False): `update_actor` then takes π_old from its own pass.
 Each takes a frozen `StageConfig` and is jitted once by the trainer with the config and the
-models' graph definitions static. Algorithm choice happens inside the registries
-(`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`), never here.
+models' graph definitions static. Forward passes and updates run packed when the role's
+`PackingConfig` is set (`hybridjax.models.packing`: no padding, the responses of a group
+sharing one prompt copy, token-budget buffers), with outputs in the same B×R layout.
+Algorithm choice happens inside the registries (`algorithm.adv_estimator`,
+`actor.policy_loss.loss_mode`), never here.
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ from hybridjax.algorithms.rollout_correction import (
     compute_rollout_importance_weights,
     rollout_probs_diff_metrics,
 )
+from hybridjax.models.packing import PackingConfig
 from hybridjax.trainer.batch import RLBatch
-from hybridjax.trainer.forward import map_micro_batches, response_log_probs, response_values
+from hybridjax.trainer.forward import (
+    map_micro_batches,
+    packed_map,
+    response_log_probs,
+    response_values,
+)
 from hybridjax.trainer.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.trainer.update import TrainState, UpdateConfig, ppo_update
 
@@ -58,22 +67,46 @@ class StageConfig:
     overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
     # False: no `old_log_prob` stage; the on-policy update takes π_old = stop_gradient(π_θ)
     recompute_old_log_prob: bool = True
+    # packed forward passes (None: padded rows in micro-batches of log_prob_micro_batch_size)
+    old_log_prob_packing: PackingConfig | None = None
+    ref_packing: PackingConfig | None = None
+    values_packing: PackingConfig | None = None
 
 
-def _fields(batch: RLBatch, *names: str) -> dict[str, jax.Array]:
+def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
+    """B int32: the prompt group of each row: the batch's per-row `uid` when it has one (groups
+    of any size, in any order), else contiguous groups of `rollout.n` rows. Packing shares a
+    prompt only between rows of one group whose prompt tokens are equal, so any grouping is
+    exact; better groups only share more."""
+    uid = getattr(batch, "uid", None)
+    if uid is not None and jnp.issubdtype(jnp.asarray(uid).dtype, jnp.integer):
+        return jnp.asarray(uid, jnp.int32)
+    return jnp.arange(batch.batch_size, dtype=jnp.int32) // cfg.group_size
+
+
+def _fields(batch: RLBatch, cfg: StageConfig, *names: str) -> dict[str, jax.Array]:
     base = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
         "position_ids": batch.position_ids,
         "responses": batch.responses,
         "response_mask": batch.response_mask,
+        "group_ids": group_ids(batch, cfg),
     }
     return base | dict(zip(names, batch.require(*names), strict=True))
 
 
-def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig) -> jax.Array:
+def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None):
+    """`fn(fields)` over the batch: packed buffers, or padded row micro-batches."""
+    fields = _fields(batch, cfg)
+    if packing is not None:
+        return packed_map(fn, fields, fields["group_ids"], packing)
+    return map_micro_batches(fn, fields, cfg.log_prob_micro_batch_size)
+
+
+def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing) -> jax.Array:
     fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature)[0]
-    return map_micro_batches(fn, _fields(batch), cfg.log_prob_micro_batch_size)
+    return _forward(fn, batch, cfg, packing)
 
 
 def compute_old_log_prob(
@@ -86,7 +119,7 @@ def compute_old_log_prob(
     are kept as `rollout_is_weights` for the policy loss, and `mask` mode / the veto replace
     `response_mask` (verl's rejection sampling: dropped tokens leave every later stage)."""
     mask = batch.response_mask
-    old = _log_probs(graphdef, params, batch, cfg) * mask
+    old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing) * mask
     batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
     if batch.rollout_log_probs is None:
         return batch, metrics
@@ -106,7 +139,7 @@ def compute_ref_log_prob(
 ) -> RLBatch:
     """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
     return batch.replace(
-        ref_log_prob=_log_probs(graphdef, params, batch, cfg) * batch.response_mask
+        ref_log_prob=_log_probs(graphdef, params, batch, cfg, cfg.ref_packing) * batch.response_mask
     )
 
 
@@ -115,9 +148,7 @@ def compute_values(
 ) -> RLBatch:
     """Fills `values` (B×R) with the critic."""
     fn = lambda f: response_values(graphdef, params, f)
-    return batch.replace(
-        values=map_micro_batches(fn, _fields(batch), cfg.log_prob_micro_batch_size)
-    )
+    return batch.replace(values=_forward(fn, batch, cfg, cfg.values_packing))
 
 
 def token_level_rewards(
@@ -164,7 +195,7 @@ def compute_advantage(
         rewards,
         batch.response_mask,
         config=cfg.algorithm,
-        group_size=cfg.group_size,
+        uid_B=batch.uid,
         values_BxT=batch.values,
         reward_baselines_B=batch.reward_baselines,
     )
@@ -262,7 +293,7 @@ def update_actor(
     names += ("rollout_log_probs",) if with_rollout else ()
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan, rows = _update(
-        "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, *names), rng
+        "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng
     )
     if with_rollout:
         mask = batch.response_mask
@@ -280,5 +311,5 @@ def update_critic(
 ) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
     """Clipped value-loss epochs over the batch. Returns (state, `critic/*` metrics, skipped)."""
     loss = functools.partial(_critic_loss, graphdef, cfg)
-    fields = _fields(batch, "values", "returns")
+    fields = _fields(batch, cfg, "values", "returns")
     return _update("critic", loss, cfg.critic_optim, cfg.critic_update, state, fields, rng)[:3]

@@ -1,13 +1,11 @@
-"""The RL trainer: one controller driving the step as a straight line of named stages.
+"""The RL trainer: one controller running the step's pipeline of named stages.
 
     gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
 
-`gen` and `reshard` (the rollout engine and the hybrid engine's re-layout) run here; the device
-stages run in `trainer.step`. Each stage is timed as `timing_s/<stage>`. Which stages run
-follows from the config (a critic when `critic.enable`, a reference when a KL term is
-configured, a greedy rollout when the estimator asks for a baseline, `old_log_prob` unless the
-actor update is on-policy: `build.recompute_old_log_prob`); which algorithm runs is
-the registries' business. Metrics of a step are pulled to the host in one `device_get`.
+The pipeline (`trainer.step.configured_pipeline`: the config's default step plus the
+`trainer.stages` edits, or one given from Python) is built and checked at construction. Each
+stage is timed as `timing_s/<stage>`. Metrics of a step are pulled to the host in one
+`device_get`.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
@@ -32,19 +29,17 @@ from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     MeshConfig,
-    load_to_device,
     make_meshes,
-    offload_to_host,
     state_shardings,
     update_weights,
 )
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
 from hybridjax.trainer import build, step
-from hybridjax.trainer.generation import generate_batch, step_seed
+from hybridjax.trainer.generation import step_seed
 from hybridjax.trainer.nan_guard import NanGuard
-from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
+from hybridjax.trainer.offload import offload_configs
+from hybridjax.trainer.pipeline import Pipeline, StepContext, timed
 from hybridjax.trainer.reward import RewardStage, check_reward_servers
-from hybridjax.trainer.step import timed
 from hybridjax.trainer.validate import validate as validate_config
 from hybridjax.trainer.validation import generation_samples, validate
 
@@ -56,16 +51,28 @@ class RLTrainer:
 
     Args:
       cfg: a full trainer ConfigDict (`hybridjax.trainer.config.base_config()` + changes).
+      pipeline: the step to run; default `step.configured_pipeline(cfg)` (`trainer.stages`
+        applies to the default only). Edit the default with `insert_after`, `replace`, ...
     Raises:
       ConfigError: the config has problems (all listed in one message).
+      PipelineError: `pipeline` has a stage reading a field no earlier stage writes.
+      ValueError: both `pipeline` and `trainer.stages` are given.
     """
 
-    def __init__(self, cfg: ConfigDict):
+    def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None):
         self.cfg = cfg
         self.n_devices = jax.device_count()
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
+        if pipeline is not None:
+            if cfg.trainer.stages:
+                raise ValueError(
+                    "trainer.stages edits the default pipeline; with a pipeline given, add "
+                    f"those stages to it in Python instead ({list(cfg.trainer.stages)})"
+                )
+            pipeline.check()
+        self.pipeline = pipeline or step.configured_pipeline(cfg)
         check_reward_servers(cfg)  # fails fast, before any model is loaded
         self.meshes = make_meshes(MeshConfig.from_config(cfg))
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
@@ -85,7 +92,6 @@ class RLTrainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)
-        self.offload_any = any_offload(self.offload)
         self.models = build.build_models(
             cfg, self.actor_config, self.meshes.train, sc, self.use_ref
         )
@@ -102,7 +108,6 @@ class RLTrainer:
         self.reward = RewardStage.from_config(
             cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
-        self.greedy_baseline = needs_reward_baseline(cfg.algorithm.adv_estimator)
         self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
@@ -134,89 +139,55 @@ class RLTrainer:
         self.engine.update_weights(params)
         return nbytes
 
-    def _sampling(self, step: int, validate: bool = False) -> SamplingParams:
+    def sampling(self, step: int, validate: bool = False, gen_batch: int = 0) -> SamplingParams:
+        """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic
+        sampling), or of validation: each with its own seed."""
         rollout = self.cfg.actor_rollout_ref.rollout
-        seed = step_seed(self.cfg.trainer.seed, step, int(validate))
+        salt = 1 if validate else gen_batch + (gen_batch > 0)  # 0, 2, 3, ...
+        seed = step_seed(self.cfg.trainer.seed, step, salt)
         return SamplingParams.from_config(rollout, validate=validate, seed=seed)
 
     # ------------------------------------------------------------------------------ the step
 
     def train_step(self, n: int) -> dict[str, Any]:
-        """RL step `n` on the next training batch; returns its metrics on the host."""
-        timing: dict[str, float] = {}
-        sc = self.stage_cfg
-        with timed(timing, "step"):
+        """RL step `n` on the next training batch: runs the pipeline; returns its metrics."""
+        ctx = StepContext(step=n, trainer=self)
+        with timed(ctx.timing, "step"):
             epoch = self.train_loader.epoch
-            prompts = next(self.train_loader)
-            batch, host, greedy = self._generate(prompts, n, timing)
-            batch, self.kl_coef, device, result = step.prepare(
-                self.models, batch, host, greedy, self.reward, self.kl_coef, sc, timing
-            )
-            rng = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), n)
-            actor_turn = n > self.cfg.trainer.critic_warmup
-            self.models, m = step.update(self.models, batch, rng, sc, actor_turn, timing)
-            device |= m
-            with timed(timing, "reshard"):
-                nbytes = self._update_weights()
-                jax.block_until_ready(self.engine.state)
-            device |= step.data_metrics(batch, self.use_critic)
-            metrics = {k: float(v) for k, v in jax.device_get(device).items()}  # host sync
-        self.nan_guard.count(int(metrics.pop("nan_skipped")), n)
-        metrics |= {k: float(v) for k, v in result.metrics.items()}
-        metrics |= {f"timing_s/{k}": v for k, v in timing.items()}
-        seq_lens = host.prompt_lengths + host.response_lengths
+            ctx.prompts = next(self.train_loader)
+            batch = self.pipeline.run(ctx)
+            ctx.metrics |= step.data_metrics(batch, self.use_critic)
+            metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
+        self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
+        metrics |= {f"timing_s/{k}": v for k, v in ctx.timing.items()}
+        seq_lens = ctx.host.prompt_lengths + ctx.host.response_lengths
         metrics |= compute_perf_metrics(
             seq_lens,
-            timing,
+            ctx.timing,
             self.n_devices,
             self.actor_config,
-            sc.actor_update.ppo_epochs,
+            self.stage_cfg.actor_update.ppo_epochs,
             self.peak_flops,
         )
         metrics |= {
-            "perf/reshard_bytes": float(nbytes),
             "training/global_step": float(n),
             "training/epoch": float(epoch),
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
         if k := self.cfg.trainer.log_train_generations:
-            samples = generation_samples(self.tokenizer, prompts, host, result.scores, k)
+            scores = ctx.reward.scores  # (no filter_groups: these rows are ctx.prompts')
+            samples = generation_samples(self.tokenizer, ctx.prompts, ctx.host, scores, k)
             metrics["train/generations"] = samples
         self.global_step = n
         return metrics
-
-    def _generate(self, prompts, n: int, timing):
-        """Stage `gen`: rollout with the idle states offloaded (when configured), plus one
-        greedy response per prompt when the advantage estimator needs a reward baseline.
-        Returns (batch, host columns, (greedy batch, its host columns) or None)."""
-        if self.offload_any:
-            with timed(timing, "offload"):
-                self.models = move_idle_states(self.models, self.offload, offload_to_host)
-        with timed(timing, "gen"):
-            sampling = self._sampling(n)
-            pad = self.tokenizer.pad_token_id
-            first = self.train_loader.rows.start or 0
-            batch, host = generate_batch(
-                self.engine, prompts, sampling, pad, self.batch_sharding, first
-            )
-            greedy = None
-            if self.greedy_baseline:
-                argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-                greedy = generate_batch(
-                    self.engine, prompts, argmax, pad, self.batch_sharding, first
-                )
-        if self.offload_any:
-            with timed(timing, "onload"):
-                self.models = move_idle_states(self.models, self.offload, load_to_device)
-        return batch, host, greedy
 
     def validate(self) -> dict[str, Any]:
         """`val-core/<data_source>/acc/mean@N` etc. on the validation files (empty if none),
         plus `val/generations` with `trainer.log_val_generations`."""
         if self.val_loader is None:
             return {}
-        sampling = self._sampling(self.global_step, validate=True)
+        sampling = self.sampling(self.global_step, validate=True)
         return validate(
             self.engine,
             self.val_loader,

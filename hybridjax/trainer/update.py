@@ -10,6 +10,13 @@ Splitting keeps every micro-batch spread over all data-parallel shards: rows are
 (micro, K) with the sharded batch axis first, and micro-batch k is column k. No row crosses a
 device to form a micro-batch.
 
+With `UpdateConfig.packing` the micro-batches are the buffers of a packing plan of each
+mini-batch instead (`hybridjax.models.packing`: no padding, shared prompts, a token budget per
+buffer, their number data dependent): the loss sees the whole mini-batch with `response_mask`
+and every float column zeroed outside the buffer at hand, and `fields` must also hold
+`input_ids`, `attention_mask`, `responses` and `group_ids`. The sum over buffers is again the
+mini-batch gradient.
+
 Non-finite loss or gradient norm: the optimizer step is skipped (parameters and optimizer state
 kept), and counted in `nan_steps`.
 
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridjax.algorithms.loss_agg import LossCounts, loss_counts
+from hybridjax.models import packing
 from hybridjax.models.lora import merge_trainable, split_trainable
 
 # loss_fn(params, micro_batch: dict of B_micro×... arrays, counts)
@@ -47,6 +55,7 @@ class UpdateConfig:
     mini_batch_size: int  # ppo_mini_batch_size × rollout.n
     micro_batch_size: int  # ppo_micro_batch_size_per_gpu × data-parallel size
     shuffle: bool = False
+    packing: packing.PackingConfig | None = None  # packed buffers instead of row micro-batches
 
 
 @jax.tree_util.register_dataclass
@@ -112,9 +121,7 @@ def ppo_update(
         (loss, (metrics, rows)), grads = grad_fn(params, micro, counts)
         return (grads, dict(metrics, loss=loss)), rows
 
-    def mini_step(carry, mini):
-        params, opt_state, nan_steps = carry
-        counts = loss_counts(mini["response_mask"])
+    def micro_batches(params, mini, counts):
         micros = jax.tree.map(lambda x: _split(x, num_micro), mini)
 
         def accumulate(acc, micro):
@@ -126,6 +133,37 @@ def ppo_update(
         (grads, metrics), rows = jax.lax.scan(
             accumulate, jax.tree.map(jnp.zeros_like, shapes), micros
         )
+        return grads, metrics, jax.tree.map(_merge, rows)
+
+    def buffers(params, mini, counts):
+        r = mini["responses"].shape[1]
+        pl = packing.plan(
+            mini["input_ids"], mini["attention_mask"], r, mini["group_ids"], config.packing
+        )
+
+        def micro(k):
+            here = packing.in_buffer(pl, k)
+            keep = lambda x: x * here.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
+            only = {
+                n: keep(x) if jnp.issubdtype(x.dtype, jnp.floating) else x for n, x in mini.items()
+            }
+            return dict(only, pack_plan=pl, pack_buffer=k), keep
+
+        def body(k, acc):
+            fields_k, keep = micro(k)
+            summed, rows = micro_step(params, fields_k, counts)
+            return jax.tree.map(jnp.add, acc, (summed, jax.tree.map(keep, rows)))
+
+        shapes = jax.eval_shape(lambda: micro_step(params, micro(jnp.int32(0))[0], counts))
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (grads, metrics), rows = packing.over_buffers(pl, body, init)
+        return grads, metrics, rows
+
+    def mini_step(carry, mini):
+        params, opt_state, nan_steps = carry
+        counts = loss_counts(mini["response_mask"])
+        accumulate = micro_batches if config.packing is None else buffers
+        grads, metrics, rows = accumulate(params, mini, counts)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
@@ -134,7 +172,7 @@ def ppo_update(
         opt_state = _select(finite, new_opt, opt_state)
         metrics = dict(metrics, grad_norm=grad_norm)
         carry = (params, opt_state, nan_steps + (~finite).astype(jnp.int32))
-        return carry, (metrics, jax.tree.map(_merge, rows))
+        return carry, (metrics, rows)
 
     def epoch(carry, key):
         data = fields

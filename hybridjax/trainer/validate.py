@@ -37,8 +37,10 @@ from hybridjax.rewards.manager import (
     overlong_enabled,
 )
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
+from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 WARMUP_STYLES = ("constant", "cosine")
@@ -313,7 +315,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
             rewards_BxT,
             mask_BxT,
             config=algorithm,
-            group_size=n,
+            uid_B=jnp.arange(2 * n) // n,
             values_BxT=values_BxT,
             reward_baselines_B=baselines_B,
         )
@@ -362,7 +364,8 @@ def validate(
             value = _get(cfg, key)
             if not ok(value):
                 problems.append(f"{key}: {why} (got {value!r})")
-        problems += _structure_problems(cfg, n_devices)
+        problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
+        problems += packing_problems(cfg)
         problems += parallelism_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)

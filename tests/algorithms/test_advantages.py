@@ -21,13 +21,13 @@ B, T, N = 8, 12, 4  # one shape for every test: compiled once
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "group_size"))
-def advantage_jit(rewards, mask, values, baselines, *, config, group_size):
+@functools.partial(jax.jit, static_argnames=("config",))
+def advantage_jit(rewards, mask, values, baselines, uid, *, config):
     return compute_advantage(
         rewards,
         mask,
         config=config,
-        group_size=group_size,
+        uid_B=uid,
         values_BxT=values,
         reward_baselines_B=baselines,
     )
@@ -101,10 +101,12 @@ def np_group_advantage(scores, n, kind):
     return out
 
 
-def run(name, rewards, values, mask, baselines, group_size=N, **config):
+def run(name, rewards, values, mask, baselines, group_size=N, uid=None, **config):
+    """The estimator, jitted; groups are contiguous blocks of `group_size` unless `uid`."""
     config = AlgorithmConfig(adv_estimator=name, **config)
-    args = (jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(values), jnp.asarray(baselines))
-    advantages, returns = advantage_jit(*args, config=config, group_size=group_size)
+    uid = np.arange(B) // group_size if uid is None else uid
+    args = (rewards, mask, values, baselines, np.asarray(uid, np.int32))
+    advantages, returns = advantage_jit(*map(jnp.asarray, args), config=config)
     return np.asarray(advantages), np.asarray(returns)
 
 
@@ -182,7 +184,7 @@ def test_jitted_equals_not_jitted_and_masked_is_zero(name):
         jnp.asarray(rewards),
         jnp.asarray(mask),
         config=config,
-        group_size=N,
+        uid_B=jnp.arange(B) // N,
         values_BxT=jnp.asarray(values),
         reward_baselines_B=jnp.asarray(baselines),
     )
@@ -294,11 +296,11 @@ def test_registry_is_strict():
         AlgorithmConfig(adv_estimator="gpro")
 
 
-def test_missing_inputs_and_bad_group_size_raise():
+def test_missing_inputs_raise():
     rewards, mask = jnp.ones((4, 3)), jnp.ones((4, 3))
     with pytest.raises(ValueError, match="values_BxT"):
         compute_advantage(rewards, mask, config=AlgorithmConfig(adv_estimator="gae"))
     with pytest.raises(ValueError, match="reward_baselines_B"):
         compute_advantage(rewards, mask, config=AlgorithmConfig(adv_estimator="remax"))
-    with pytest.raises(ValueError, match="multiple of group_size 3"):
-        compute_advantage(rewards, mask, config=AlgorithmConfig(adv_estimator="grpo"), group_size=3)
+    with pytest.raises(ValueError, match="uid_B"):
+        compute_advantage(rewards, mask, config=AlgorithmConfig(adv_estimator="grpo"))

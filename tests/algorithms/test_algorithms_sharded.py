@@ -23,7 +23,7 @@ ACTOR = ActorLossConfig(loss_agg_mode="seq-mean-token-mean")
 def advantages_and_actor_grad(rewards, values, old, log_prob, mask, estimator):
     config = AlgorithmConfig(adv_estimator=estimator)
     advantages, returns = compute_advantage(
-        rewards, mask, config=config, group_size=N, values_BxT=values
+        rewards, mask, config=config, uid_B=jnp.arange(B) // N, values_BxT=values
     )
 
     def loss(lp):

@@ -34,10 +34,12 @@ def outcome_rewards(scores, length=4):
     return jnp.asarray(rewards), jnp.ones((len(scores), length), jnp.float32)
 
 
-def advantage_of(estimator, scores, group_size, **config):
+def advantage_of(estimator, scores, group_size, uid=None, **config):
+    """Advantages of outcome scores; groups are contiguous blocks of `group_size` unless `uid`."""
     rewards, mask = outcome_rewards(scores)
     config = AlgorithmConfig(adv_estimator=estimator, **config)
-    advantages, returns = compute_advantage(rewards, mask, config=config, group_size=group_size)
+    uid = np.arange(len(scores)) // group_size if uid is None else np.asarray(uid)
+    advantages, returns = compute_advantage(rewards, mask, config=config, uid_B=jnp.asarray(uid))
     return np.asarray(advantages[:, 0]), np.asarray(returns[:, 0])
 
 
@@ -48,6 +50,12 @@ def test_grpo_std_normalised():
     advantages, returns = advantage_of("grpo", [1, 0, 0, 0], 4)
     np.testing.assert_allclose(advantages, [1.5, -0.5, -0.5, -0.5], rtol=1e-5)
     np.testing.assert_array_equal(advantages, returns)
+
+
+def test_grpo_groups_by_uid_not_by_position():
+    """Rewards [1, 0, 0, 0] with uids [a, b, a, b]: group a = {1, 0}, group b = {0, 0}."""
+    advantages, _ = advantage_of("grpo", [1, 0, 0, 0], 2, uid=[0, 1, 0, 1])
+    np.testing.assert_allclose(advantages, [0.7071, 0, -0.7071, 0], atol=1e-4)
 
 
 def test_grpo_without_std_is_dr_grpo():

@@ -10,7 +10,7 @@ import pytest
 
 from experiments.benchmarks.recording import StageClock, profile_step, stability
 from experiments.gpu import check
-from hybridjax.trainer.step import timed
+from hybridjax.trainer.pipeline import timed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

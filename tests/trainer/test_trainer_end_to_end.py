@@ -18,6 +18,7 @@ from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 from hybridjax.trainer import build
 from hybridjax.trainer import step as step_module
+from hybridjax.trainer.pipeline import Stage
 from hybridjax.trainer.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
@@ -201,7 +202,7 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     assert trainer.checkpointer.steps() == [1, 2]
 
 
-def test_remax_step_scores_a_greedy_baseline(data, tmp_path, monkeypatch):
+def test_remax_step_scores_a_greedy_baseline(data, tmp_path):
     """ReMax (n = 2, no critic): the gen stage also decodes each prompt greedily, the reward
     stage scores it, and advantage = the sample's reward − its prompt's greedy score."""
     reward_file = tmp_path / "length_reward.py"
@@ -217,17 +218,17 @@ def test_remax_step_scores_a_greedy_baseline(data, tmp_path, monkeypatch):
         "trainer.total_training_steps": 1,
         "trainer.test_freq": -1,
     })  # fmt: skip
-    trainer = RLTrainer(config)
-    prepared, prepare = [], step_module.prepare
+    prepared = []
 
-    def keep(*args):
-        prepared.append(prepare(*args))
-        return prepared[-1]
+    def keep(batch, ctx):
+        prepared.append(batch)
+        return batch
 
-    monkeypatch.setattr(step_module, "prepare", keep)
+    pipeline = step_module.default_pipeline(config).insert_after("adv", Stage("keep", keep))
+    trainer = RLTrainer(config, pipeline=pipeline)
     trainer.fit()
     trainer.close()
-    batch = jax.device_get(prepared[0][0])
+    batch = jax.device_get(prepared[0])
     baselines = np.asarray(batch.reward_baselines)
     np.testing.assert_array_equal(baselines[0::2], baselines[1::2])  # one per prompt
     assert baselines.max() > 0.0  # length-based scores of greedy responses

@@ -1,10 +1,11 @@
 """The on-policy shortcut: with one optimizer step per RL step the `old_log_prob` pass is skipped
-and π_old is the update's own log-probs, detached. Two steps of `trainer.step` (prepare +
-update) on a tiny model, with the pass forced on and off, for GRPO and for PPO with a critic."""
+and π_old is the update's own log-probs, detached. Two steps of the default pipeline's device
+stages on a tiny model, with the pass forced on and off, for GRPO and for PPO with a critic."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.trainer import build, stages, step
 from hybridjax.trainer.batch import make_batch
+from hybridjax.trainer.pipeline import Stage, StepContext
 from hybridjax.trainer.update import UpdateConfig
 from hybridjax.trainer.validate import ConfigError, validate
 from tests.trainer.tiny_run import load_config_file
@@ -55,19 +57,18 @@ def _batch(seed):
         jnp.ones((4, 3), jnp.int32),
         jnp.asarray(rng.integers(1, 60, (4, 4)) * MASK_BxR.astype(int)),
         jnp.asarray(MASK_BxR),
+        uid_B=jnp.asarray([0, 0, 1, 1]),
     )
 
 
-class _FixedReward:
-    """The reward stage's interface with fixed scores on the last valid token."""
+def _fixed_reward(batch, ctx):
+    """The reward stage with fixed scores on the last valid token."""
+    scores = np.zeros((4, 4), np.float32)
+    scores[np.arange(4), MASK_BxR.sum(-1).astype(int) - 1] = SCORES_B
+    return batch.replace(token_level_scores=jnp.asarray(scores))
 
-    def submit(self, batch, host):
-        scores = np.zeros((4, 4), np.float32)
-        scores[np.arange(4), MASK_BxR.sum(-1).astype(int) - 1] = SCORES_B
-        return scores
 
-    def collect(self, pending):
-        return jnp.asarray(pending), None
+FIXED_REWARD = Stage("reward", _fixed_reward, writes=("token_level_scores",))
 
 
 def _models(cfg, stage: stages.StageConfig) -> build.Models:
@@ -100,13 +101,13 @@ def _two_steps(cfg, monkeypatch):
         batch = batch.replace(rollout_log_probs=(current.old_log_probs - 0.05) * MASK_BxR)
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|
-        timing = {}
-        kl_coef = jnp.float32(0.0)
-        batch, _, device, _ = step.prepare(
-            models, batch, None, None, _FixedReward(), kl_coef, sc, timing
-        )
-        models, m = step.update(models, batch, jax.random.key(n), sc, True, timing)
-        out.append(({k: float(v) for k, v in (device | m).items()}, timing, diff_mean))
+        run = types.SimpleNamespace(models=models, kl_coef=jnp.float32(0.0), cfg=cfg, stage_cfg=sc)
+        ctx = StepContext(step=n, trainer=run)
+        pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
+        pipeline.remove("reshard").run(ctx, batch)
+        models = run.models
+        metrics = {k: float(v) for k, v in ctx.metrics.items()}
+        out.append((metrics, ctx.timing, diff_mean))
     return models, out
 
 

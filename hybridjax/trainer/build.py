@@ -21,7 +21,7 @@ from hybridjax.algorithms.config import (
 )
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
-from hybridjax.models.hf_io import load_pretrained, read_hf_config
+from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
 from hybridjax.models.lora import (
     LoRAConfig,
     adapters_off,
@@ -98,7 +98,7 @@ def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
     path = cfg.actor_rollout_ref.model.path
     overrides = _overrides(cfg)
     if path:
-        return ModelConfig.from_hf_dict(read_hf_config(path), **overrides)
+        return model_config_from_checkpoint(path, **overrides)
     from_tokenizer = {
         "vocab_size": tokenizer.vocab_size,
         "eos_token_id": tokenizer.eos_token_ids or None,
@@ -177,6 +177,9 @@ def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
         "log_prob_micro": forward_micro_batch(
             a.rollout.log_prob_micro_batch_size_per_gpu, rows, data_parallel
         ),
+        "ref_log_prob_micro": forward_micro_batch(
+            a.ref.log_prob_micro_batch_size_per_gpu, rows, data_parallel
+        ),
         "reward_micro": forward_micro_batch(
             cfg.reward_model.micro_batch_size_per_gpu, rows, data_parallel
         ),
@@ -242,13 +245,15 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
     sizes = batch_sizes(cfg, data_parallel)
     packed = packing_configs(cfg, data_parallel)
     actor_loss = dict(a.actor.to_dict())
-    if actor_loss.get("loss_scale_factor", 0) <= 0:
-        actor_loss.pop("loss_scale_factor", None)
+    for key in ("loss_scale_factor", "clip_ratio_low", "clip_ratio_high"):  # 0: not set
+        if actor_loss.get(key, 0) <= 0:
+            actor_loss.pop(key, None)
     critic_loss = {k: v for k, v in cfg.critic.to_dict().items() if k != "loss_scale_factor"}
     return StageConfig(
         temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
         group_size=a.rollout.n,
         log_prob_micro_batch_size=sizes["log_prob_micro"],
+        ref_log_prob_micro_batch_size=sizes["ref_log_prob_micro"],
         algorithm=algorithm_config(cfg),
         overlong=OverlongBufferConfig.from_dict(
             dict(cfg.reward_model.overlong_buffer) | {"enable": overlong_enabled(cfg.reward_model)}

@@ -42,6 +42,9 @@ def base_config() -> ConfigDict:
         val_batch_size=-1,  # -1: the whole validation set in batches of train_batch_size
         truncation="error",
         filter_overlong_prompts=False,
+        # message text that spells a special token (`<|im_end|>`): keep (as transformers: it
+        # becomes that token) | escape (tokenised as plain text) | error; rows counted at load
+        special_tokens_in_content="keep",
         shuffle=True,
         seed=1,
         val_max_samples=-1,  # -1: every validation row
@@ -75,8 +78,8 @@ def base_config() -> ConfigDict:
             recompute_old_log_prob="auto",
             grad_clip=1.0,
             clip_ratio=0.2,
-            clip_ratio_low=0.2,
-            clip_ratio_high=0.2,
+            clip_ratio_low=0.0,  # 0: follow clip_ratio (verl's null)
+            clip_ratio_high=0.0,  # 0: follow clip_ratio
             clip_ratio_c=3.0,
             loss_agg_mode="token-mean",
             loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length

@@ -53,15 +53,17 @@ class RLTrainer:
       cfg: a full trainer ConfigDict (`hybridjax.trainer.config.base_config()` + changes).
       pipeline: the step to run; default `step.configured_pipeline(cfg)` (`trainer.stages`
         applies to the default only). Edit the default with `insert_after`, `replace`, ...
+      read_only: never write to `trainer.default_local_dir` (export): no checkpoint is saved.
     Raises:
       ConfigError: the config has problems (all listed in one message).
       PipelineError: `pipeline` has a stage reading a field no earlier stage writes.
       ValueError: both `pipeline` and `trainer.stages` are given.
     """
 
-    def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None):
+    def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None, read_only: bool = False):
         self.cfg = cfg
         self.n_devices = jax.device_count()
+        validate_config(cfg, self.n_devices)  # before any file is read or model built
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
@@ -78,7 +80,10 @@ class RLTrainer:
         dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
         self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
 
-        data = DataConfig.from_config(cfg.data)
+        data = dataclasses.replace(
+            DataConfig.from_config(cfg.data),
+            any_ground_truth=bool(cfg.custom_reward_function.path),
+        )
         # each process collates, generates and scores only its share of every batch
         self.train_loader = train_loader(data, self.tokenizer, share)
         self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
@@ -108,7 +113,9 @@ class RLTrainer:
         self.reward = RewardStage.from_config(
             cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp
         )
-        self.checkpointer = Checkpointer(t.default_local_dir, t.max_actor_ckpt_to_keep)
+        self.checkpointer = Checkpointer(
+            t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
+        )
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
         self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
@@ -218,17 +225,25 @@ class RLTrainer:
         self.checkpointer.save(self.global_step, self._state_tree(), meta)
 
     def restore(self) -> int:
-        """Resumes per `trainer.resume_mode`; returns the restored step (0: fresh start)."""
+        """Resumes per `trainer.resume_mode`; returns the restored step (0: fresh start).
+
+        Raises:
+          CheckpointError: the checkpoint does not match this config (tensors, or the data
+            iterator's dataset size / batch size / seed), or an explicit path is missing or
+            unreadable. Unreadable checkpoints under `auto` are skipped (see `Checkpointer`).
+        """
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
             return 0
         if mode == "auto":
-            restored = self.checkpointer.restore(self._state_tree())
+            restored = self.checkpointer.restore(self._state_tree(), check_meta=self._meta_problems)
         else:
             directory, step = split_checkpoint_path(mode)
-            source = Checkpointer(directory, self.cfg.trainer.max_actor_ckpt_to_keep)
-            restored = source.restore(self._state_tree(), step)
-            source.close()
+            source = Checkpointer(directory, 1, read_only=True)
+            try:
+                restored = source.restore(self._state_tree(), step, self._meta_problems)
+            finally:
+                source.close()
         if restored is None:
             return 0
         step, tree, meta = restored
@@ -247,6 +262,21 @@ class RLTrainer:
         self._update_weights()
         log.info("resumed from step %d", step)
         return step
+
+    def _meta_problems(self, meta: dict) -> list[str]:
+        """How a checkpoint's data-iterator state does not fit this run's loader."""
+        saved, mine = meta.get("data", {}), self.train_loader.get_state()
+        keys = {
+            "num_rows": "rows after filtering: data.train_files, data.filter_overlong_prompts",
+            "batch_size": "data.train_batch_size",
+            "seed": "data.seed",
+        }
+        return [
+            f"data iterator {key}: {saved.get(key)} in the checkpoint, {mine[key]} with this "
+            f"config ({why})"
+            for key, why in keys.items()
+            if saved.get(key) != mine[key]
+        ]
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -275,6 +305,8 @@ class RLTrainer:
                     tracker.log(self.validate(), 0)
                 for step in range(start + 1, self.total_steps + 1):
                     metrics = self.train_step(step)
+                    if step == 1:  # what loading dropped or cut (logged at every start)
+                        metrics |= self._data_metrics()
                     self.global_step = step
                     stopping = any_process(stop.requested)  # every process stops together
                     last = step == self.total_steps
@@ -282,17 +314,35 @@ class RLTrainer:
                         with timed(timing := {}, "testing"):
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
-                    if last or stopping or (t.save_freq > 0 and step % t.save_freq == 0):
+                    periodic = t.save_freq > 0 and step % t.save_freq == 0
+                    if last or stopping or periodic:
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
                     tracker.log(metrics, step)
                     if stopping:
+                        log.warning(
+                            "stopped after step %d of %d; checkpoint saved under %s (run the "
+                            "same command to resume)",
+                            step,
+                            self.total_steps,
+                            t.default_local_dir,
+                        )
                         break
         finally:
             self.checkpointer.wait()
             tracker.close()
         return metrics
+
+    def _data_metrics(self) -> dict[str, float]:
+        """`data/{train,val}/{filtered_prompts,truncated_prompts,special_token_rows}`."""
+        loaders = {"train": self.train_loader, "val": self.val_loader}
+        return {
+            f"data/{split}/{key}": float(value)
+            for split, loader in loaders.items()
+            if loader is not None
+            for key, value in loader.dataset.counts().items()
+        }
 
     def close(self) -> None:
         self.checkpointer.close()

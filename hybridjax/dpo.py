@@ -315,8 +315,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
     from ml_collections import config_flags
 
+    from hybridjax.errors import run_main
+
     _CONFIG = config_flags.DEFINE_config_file("config", None, "DPO config file", lock_config=True)
-    app.run(main)
+    run_main(main, "hybridjax.dpo")

@@ -23,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 import jax
@@ -33,8 +32,10 @@ import pyarrow.parquet as pq
 from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
+from hybridjax.checkpointing.export import check_export_target
+from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
-from hybridjax.models.config import ModelConfig
+from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora, merge_trainable
@@ -122,7 +123,7 @@ def check_keys(
             except ValueError as e:
                 unknown.extend(str(e).removeprefix(f"unknown {name} config keys: ").split(", "))
     if unknown:
-        raise ValueError(f"unknown {name} config keys: {', '.join(unknown)}")
+        raise ConfigError(f"unknown {name} config keys: {', '.join(unknown)}")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -134,22 +135,37 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
     Raises:
       ValueError: a column is missing or a response is not a string (names file, row, column).
     """
+    if not os.path.isfile(path):
+        what = "is a directory, not a data file" if os.path.isdir(path) else "no such file"
+        raise InputFileError(f"data.train_files/val_files: {path}: {what}")
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = []
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    if raw.strip():
+                        records.append(json.loads(raw.decode("utf-8")))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise InputFileError(f"{path}, line {line_no}: not valid JSON ({e})") from e
     else:
-        records = pq.read_table(path).to_pylist()
+        try:
+            records = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise InputFileError(f"{path}: not a readable parquet file ({e})") from e
     rows = []
     for i, record in enumerate(records):
         for key in (prompt_key, response_key):
             if key not in record:
-                raise ValueError(f"{path}, row {i}: no column {key!r}; has {sorted(record)}")
+                raise InputFileError(
+                    f"{path}, row {i}: no column {key!r} (data.prompt_key / data.response_key); "
+                    f"has {sorted(record)}"
+                )
         response = record[response_key]
         if isinstance(response, list):  # TRL's conversational form: the assistant's turn(s)
             turns = [m for m in response if isinstance(m, dict) and m.get("role") == "assistant"]
             response = "".join(str(m.get("content", "")) for m in turns) if turns else None
         if not isinstance(response, str):
-            raise ValueError(
+            raise InputFileError(
                 f"{path}, row {i}, column {response_key!r}: expected a string or a list of "
                 "messages with an assistant turn"
             )
@@ -179,7 +195,7 @@ def tokenize_pairs(
         seq = p + r + [eos]
         if len(seq) > max_length:
             if truncation == "error":
-                raise ValueError(
+                raise InputFileError(
                     f"{path} row {i}: {len(seq)} tokens > data.max_length={max_length}; "
                     "raise it or set data.truncation=right"
                 )
@@ -281,15 +297,29 @@ def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM | LoRAM
     return apply_lora(model, lora, cfg.trainer.seed) if lora.enabled else model
 
 
-def run_sft(cfg: ConfigDict) -> dict[str, Any]:
+def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     """Trains per `cfg` (resuming from `trainer.default_local_dir` when `resume_mode=auto`),
     writes the HF checkpoint, and returns the last metrics (with `val/loss` if validated).
 
+    Args:
+      overwrite: let the HF export replace a `trainer.output_dir` that is not empty.
     Raises:
-      ValueError: unknown config keys, unreadable data, a batch size the devices do not divide.
+      ConfigError: unknown config keys, a value outside its choices, a batch size the devices
+        do not divide.
+      InputFileError: unreadable data, tokenizer or model files.
+      ExportError: `trainer.output_dir` is not empty and `overwrite` is False (checked first).
     """
     check_keys(cfg)
     t = cfg.trainer
+    for key, value, choices in (
+        ("trainer.resume_mode", t.resume_mode, ("auto", "disable")),
+        ("data.truncation", cfg.data.truncation, ("error", "right")),
+        ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
+    ):
+        if value not in choices:
+            raise ConfigError(f"{key}: one of {choices} (got {value!r})")
+    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
+    check_export_target(os.path.abspath(out), overwrite)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = offline.train_mesh(cfg)
     train = load_split(cfg.data.train_files, tokenizer, cfg.data)
@@ -313,8 +343,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, Any]:
         validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows)}  # noqa: E731
     state = init_train_state(params, optim)
     state, metrics = offline.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
-    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path)
+    offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path, overwrite)
     print(f"SFT model written to {out}", flush=True)
     return metrics
 
@@ -340,15 +369,16 @@ def main(argv: list[str]) -> None:
 
     t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
     configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
-    try:
-        run_sft(_CONFIG.value)
-    except ValueError as err:
-        sys.exit(f"SFT: {err}")
+    with cli_errors("hybridjax.sft"):
+        run_sft(_CONFIG.value, _OVERWRITE.value)
 
 
 if __name__ == "__main__":
-    from absl import app
+    from absl import flags
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "SFT config file", lock_config=True)
-    app.run(main)
+    _OVERWRITE = flags.DEFINE_bool(
+        "overwrite", False, "let the HF export replace a trainer.output_dir that is not empty"
+    )
+    run_main(main, "hybridjax.sft")

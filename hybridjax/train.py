@@ -1,18 +1,21 @@
 """`python -m hybridjax.train [--config=configs/x.py] [--config.a.b=value ...] [--export_hf=DIR]`
 
 Runs RL training (PPO, GRPO, ...) as configured; with `--export_hf=DIR` it instead restores the
-newest checkpoint (`trainer.resume_mode`) and writes the actor as an HF checkpoint to DIR.
-Without `--config`, `DEFAULT_CONFIG` runs.
+newest checkpoint (`trainer.resume_mode`) and writes the actor as an HF checkpoint to DIR
+(refused if DIR is not empty, unless `--overwrite`; the checkpoint directory is only read).
+Without `--config`, `DEFAULT_CONFIG` runs. A user error (config, data, model files,
+checkpoints, export target, a full disk) ends the run with one message and exit code 2; set
+`HYBRIDJAX_DEBUG=1` for the traceback (`hybridjax.errors`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from hybridjax.errors import ConfigError, cli_errors, run_main
 from hybridjax.metrics.console import configure_logging
 
 DEFAULT_CONFIG = os.path.join(
@@ -23,30 +26,41 @@ _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "trainer con
 _EXPORT_HF = flags.DEFINE_string(
     "export_hf", "", "write the restored actor as an HF checkpoint here, then exit"
 )
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False, "let --export_hf replace a directory that is not empty"
+)
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from hybridjax.checkpointing.export import export_actor
+def run(config, export_hf: str = "", overwrite: bool = False) -> None:
+    """Trains per `config`, or exports its newest checkpoint to `export_hf`.
+
+    Raises:
+      UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
+    """
+    from hybridjax.checkpointing.export import check_export_target, export_actor
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
     from hybridjax.trainer.trainer import RLTrainer
-    from hybridjax.trainer.validate import ConfigError
 
+    configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
-        initialize(DistributedConfig.from_config(_CONFIG.value))  # before any other JAX call
+        initialize(DistributedConfig.from_config(config))  # before any other JAX call
     except ValueError as err:
-        sys.exit(str(err))
+        raise ConfigError(str(err)) from err
     # console: progress bar, step lines, warnings; INFO (compiles, resume) to the log file
-    # unless --verbosity=0 (one file per process: train.log, train.process1.log, ...)
-    logs = os.path.join(_CONFIG.value.trainer.default_local_dir, "logs")
-    configure_logging(os.path.join(logs, f"train{process_suffix()}.log"))
+    # unless --verbosity=0 (one file per process: train.log, train.process1.log, ...). An
+    # export only reads the run's directory, so it logs to the console alone.
+    out = config.trainer.default_local_dir
+    logs = os.path.join(out, "logs")
+    writable = not export_hf and (os.path.isdir(out) or not os.path.lexists(out))
+    configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
+    if export_hf:
+        check_export_target(os.path.abspath(export_hf), overwrite)
+    trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
-        trainer = RLTrainer(_CONFIG.value)
-    except ConfigError as err:
-        sys.exit(str(err))
-    try:
-        if _EXPORT_HF.value:
-            export_actor(trainer, _EXPORT_HF.value)
+        if export_hf:
+            step = export_actor(trainer, export_hf, overwrite)
+            if is_main():
+                print(f"exported the actor of step {step} to {export_hf}", flush=True)
         else:
             trainer.fit()
             from hybridjax.metrics.plots import write_plots
@@ -57,5 +71,11 @@ def main(argv: list[str]) -> None:
         trainer.close()
 
 
+def main(argv: list[str]) -> None:
+    del argv
+    with cli_errors("hybridjax.train"):
+        run(_CONFIG.value, _EXPORT_HF.value, _OVERWRITE.value)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main, "hybridjax.train")

@@ -24,7 +24,18 @@ from ml_collections import config_flags
 
 from experiments.benchmarks.requirements import MissingRequirement, require
 
-BENCHMARKS = ("throughput", "scalability", "algorithm", "peers", "generation", "reshard")
+BENCHMARKS = (
+    "throughput",
+    "scalability",
+    "algorithm",
+    "peers",
+    "generation",
+    "reshard",
+    "placement",
+    "memory",
+    "integration",
+    "batch_sweep",
+)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "benchmark config file")
 log = logging.getLogger("experiments.benchmarks")
 

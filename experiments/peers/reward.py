@@ -1,7 +1,7 @@
 """The GSM8K rule reward every peer uses, plus a clock that times training steps from it.
 
 Standalone (standard library only) so that it imports in the peers' own virtualenvs. Scores
-follow the project's strict GSM8K rule (../shared/REFERENCE.md): the answer is the last
+follow the project's strict GSM8K rule (docs/verl_behaviour.md): the answer is the last
 `#### <number>` in the response, compared as a number after dropping thousands separators.
 
 The step clock: every system calls its reward function exactly once per training step (one

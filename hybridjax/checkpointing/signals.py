@@ -10,10 +10,13 @@ log = logging.getLogger(__name__)
 
 
 class StopRequest:
-    """While entered, SIGTERM and SIGINT set `requested` instead of killing the process.
+    """While entered, the first SIGTERM or SIGINT sets `requested` instead of killing the process.
 
-    The trainer checks `requested` between steps, saves a checkpoint and returns. A second
-    SIGINT raises KeyboardInterrupt as usual. Handlers are only installed from the main thread.
+    The trainer checks `requested` between steps, saves a checkpoint and returns. The first
+    signal also puts both signals back to the operating system's default action, so a second
+    one ends the process at once, even inside a long device call, without a traceback. The last
+    completed checkpoint stays loadable (orbax commits a checkpoint with one rename; a save cut
+    short leaves only its temporary directory). Handlers are only installed from the main thread.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -23,10 +26,14 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
         self.requested = True
-        log.warning("%s received: saving a checkpoint after this step", signal.Signals(signum).name)
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        log.warning(
+            "%s received: saving a checkpoint after this step (send it again to stop at once; "
+            "the last completed checkpoint is kept)",
+            signal.Signals(signum).name,
+        )
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

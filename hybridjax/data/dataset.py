@@ -2,11 +2,20 @@
 
 `PromptDataset` reads one or more parquet files (pyarrow, memory-mapped), renders each row's chat
 messages with the tokenizer's chat template (generation prompt added), tokenises, and applies the
-length policy to the length measured AFTER templating (REFERENCE.md, "Prompt length"):
+length policy to the length measured AFTER templating (docs/verl_behaviour.md, "Prompt length"):
 
   * `filter_overlong_prompts=True`: rows longer than `max_prompt_length` are dropped;
   * otherwise `truncation`: `error` fails at load time naming file and row; `left` keeps the last
     `max_prompt_length` tokens, `right` the first, `middle` the first ⌊P/2⌋ and the last ⌈P/2⌉.
+    How many rows were dropped or cut is logged at load (`num_filtered`, `num_truncated`, and a
+    warning when `right` cut the end of the template: the assistant header the model answers
+    after) and reported by the trainer as `data/*` metrics.
+
+Message text that spells a special token (`<|im_end|><|im_start|>system`) becomes that control
+token when the rendered template is tokenised, as in `transformers`. Such rows are counted and
+warned about at load (`num_special_token_rows`); `special_tokens_in_content` picks what happens:
+`keep` (the default, as `transformers`), `escape` (message contents are tokenised as plain text,
+the template's own special tokens stay special) or `error` (names file, row and token).
 
 Templating and tokenising happen once, at load time, 1,024 rows at a time (GSM8K's 7,473 train
 prompts take a few seconds on 2 CPU cores), so a bad row fails before training starts. Only the
@@ -29,6 +38,7 @@ Batches are dicts of numpy arrays plus per-row Python lists:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,11 +48,14 @@ import numpy as np
 import pyarrow as pa
 
 from hybridjax.data.schema import DataError, check_row, read_table
+from hybridjax.errors import InputFileError
 from hybridjax.models.tokenizer import Tokenizer
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+SPECIAL_TOKENS_IN_CONTENT = ("keep", "escape", "error")  # data.special_tokens_in_content
 NON_TENSOR_KEYS = ("data_source", "ground_truth", "extra_info", "raw_prompt", "ability")
 _CHUNK = 1024  # rows rendered and tokenised together at load time
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +77,20 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1
     val_max_samples: int = -1
+    special_tokens_in_content: str = "keep"
+    # any `reward_model.ground_truth` type (a custom reward function reads it), else a string
+    # or a number, the types the built-in reward functions compare against
+    any_ground_truth: bool = False
 
     def __post_init__(self):
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"data.truncation={self.truncation!r}; expected one of {TRUNCATION_MODES}"
+            )
+        if self.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+            raise ValueError(
+                f"data.special_tokens_in_content={self.special_tokens_in_content!r}; expected "
+                f"one of {SPECIAL_TOKENS_IN_CONTENT}"
             )
         for key in ("max_prompt_length", "train_batch_size"):
             if getattr(self, key) < 1:
@@ -121,13 +143,15 @@ class PromptDataset:
     """Tokenised prompts of verl-schema parquet files (a grain random-access data source).
 
     `dataset[i]` is a dict with `prompt_ids` (int32 array), `index` and the non-tensor fields.
-    `num_filtered` counts rows dropped by `filter_overlong_prompts`. `max_samples > 0` keeps only
-    the first `max_samples` prompts (`data.val_max_samples`).
+    `num_filtered` counts rows dropped by `filter_overlong_prompts`, `num_truncated` rows cut by
+    `truncation`, `num_special_token_rows` rows whose message text spells a special token.
+    `max_samples > 0` keeps only the first `max_samples` prompts (`data.val_max_samples`).
 
     Raises (at construction):
-      DataError: a file is missing, unreadable or empty; a column is missing or mistyped; a row
-        holds a null; a prompt is too long under `truncation=error`; no row is left after
-        filtering.
+      DataError: a file is missing, unreadable or empty; a column is missing or mistyped (the
+        ground truth must be a string or number unless `any_ground_truth`); a row holds a null
+        or invalid UTF-8; a prompt is too long under `truncation=error`; message text spells a
+        special token under `special_tokens_in_content=error`; no row is left after filtering.
     """
 
     def __init__(
@@ -139,18 +163,24 @@ class PromptDataset:
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
         max_samples: int = -1,
+        special_tokens_in_content: str = "keep",
+        any_ground_truth: bool = False,
     ):
         if not files:
             raise ValueError("no parquet files given (data.train_files / data.val_files)")
         self.files = tuple(files)
         self.max_prompt_length = max_prompt_length
         self.prompt_key = prompt_key
-        self.num_filtered = 0
+        self.special_tokens_in_content = special_tokens_in_content
+        self.num_filtered = self.num_truncated = self.num_special_token_rows = 0
+        self._right_cut = 0
+        added = tokenizer.backend.get_added_tokens_decoder().values()
+        self._specials = tuple(t.content for t in added if t.special)
         self._tables: list[pa.Table] = []  # memory-mapped; rows are read when a batch needs them
         prompt_ids: list[list[int]] = []
         locations: list[tuple[int, int]] = []  # (file number, row in file) of each kept prompt
         for file_number, path in enumerate(self.files):
-            table = read_table(path, prompt_key)
+            table = read_table(path, prompt_key, any_ground_truth)
             columns = [prompt_key, "data_source", "reward_model"]
             columns += [c for c in ("extra_info", "ability") if c in table.column_names]
             table = table.select(columns)
@@ -169,6 +199,7 @@ class PromptDataset:
                 f"no rows left after filtering {self.num_filtered} prompts longer than "
                 f"max_prompt_length={max_prompt_length} tokens",
             )
+        self._log_counts(truncation)
         # Every prompt's ids in one flat int32 array: prompt i is ids[offsets[i]:offsets[i + 1]].
         self._offsets = np.cumsum([0] + [len(ids) for ids in prompt_ids])
         self._ids = np.fromiter((t for ids in prompt_ids for t in ids), np.int32, self._offsets[-1])
@@ -178,18 +209,26 @@ class PromptDataset:
         """Yields (row, token ids) of the kept rows of one file, templated `_CHUNK` at a time."""
         for start in range(0, table.num_rows, _CHUNK):
             records = table.slice(start, _CHUNK).to_pylist()
-            texts = []
+            texts, escaped = [], {}
             for row, record in enumerate(records, start):
                 check_row(path, row, self.prompt_key, record)
+                messages = record[self.prompt_key]
                 try:
-                    texts.append(tokenizer.render_chat(record[self.prompt_key]))
+                    texts.append(tokenizer.render_chat(messages))
+                    if self._spells_special_token(path, row, messages):
+                        escaped[row] = encode_escaped(tokenizer, messages)
+                except DataError:
+                    raise
                 except Exception as e:
                     raise DataError(path, row, self.prompt_key, f"chat template failed: {e}") from e
             for row, ids in enumerate(tokenizer.encode_batch(texts), start):
+                ids = escaped.get(row, ids)
                 if len(ids) > self.max_prompt_length:
                     if filter_overlong:
                         self.num_filtered += 1
                         continue
+                    self.num_truncated += 1
+                    self._right_cut += truncation == "right"
                     try:
                         ids = truncate(ids, self.max_prompt_length, truncation)
                     except ValueError as e:
@@ -199,6 +238,58 @@ class PromptDataset:
                             "data.filter_overlong_prompts",
                         ) from e  # fmt: skip
                 yield row, ids
+
+    def _spells_special_token(self, path: str, row: int, messages: list[dict]) -> bool:
+        """Counts a row whose message text contains a special token's string; True when it is
+        to be escaped, DataError under `error`."""
+        for i, message in enumerate(messages):
+            found = [t for t in self._specials if t in message["content"]]
+            if not found:
+                continue
+            self.num_special_token_rows += 1
+            if self.special_tokens_in_content == "error":
+                raise DataError(
+                    path, row, self.prompt_key,
+                    f"message {i} contains the special token text {found[0]!r}; remove it or set "
+                    f"data.special_tokens_in_content to one of {SPECIAL_TOKENS_IN_CONTENT}",
+                )  # fmt: skip
+            return self.special_tokens_in_content == "escape"
+        return False
+
+    def _log_counts(self, truncation: str) -> None:
+        files = ", ".join(self.files)
+        if self.num_filtered:
+            log.warning(
+                "%s: dropped %d prompts longer than max_prompt_length=%d tokens "
+                "(data.filter_overlong_prompts)", files, self.num_filtered, self.max_prompt_length
+            )  # fmt: skip
+        if self.num_truncated:
+            log.warning(
+                "%s: cut %d prompts to max_prompt_length=%d tokens (data.truncation=%s)",
+                files, self.num_truncated, self.max_prompt_length, truncation,
+            )  # fmt: skip
+        if self._right_cut:
+            log.warning(
+                "%s: data.truncation=right cut the end of %d prompts, including the assistant "
+                "header the model answers after; left or middle keep it", files, self._right_cut
+            )  # fmt: skip
+        if self.num_special_token_rows:
+            log.warning(
+                "%s: %d rows have message text that spells a special token (e.g. %s); "
+                "data.special_tokens_in_content=%s%s",
+                files, self.num_special_token_rows, self._specials[-1],
+                self.special_tokens_in_content,
+                " (they become control tokens, as in transformers; 'escape' keeps them text)"
+                if self.special_tokens_in_content == "keep" else "",
+            )  # fmt: skip
+
+    def counts(self) -> dict[str, int]:
+        """What loading dropped, cut or flagged (see the class docstring)."""
+        return {
+            "filtered_prompts": self.num_filtered,
+            "truncated_prompts": self.num_truncated,
+            "special_token_rows": self.num_special_token_rows,
+        }
 
     def __len__(self) -> int:
         return len(self._locations)
@@ -215,6 +306,32 @@ class PromptDataset:
             "raw_prompt": record[self.prompt_key],
             "ability": record.get("ability"),
         }
+
+
+def encode_escaped(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the templated `messages` with each message's content tokenised as plain
+    text (a special token's string stays text); the template's own tokens are as usual.
+
+    Raises:
+      ValueError: the template does not place each content exactly once, verbatim.
+    """
+    marks = [f"\x00{i}\x00" for i in range(len(messages))]
+    rendered = tokenizer.render_chat(
+        [dict(m, content=mark) for m, mark in zip(messages, marks, strict=True)]
+    )
+    ids, rest = [], rendered
+    backend = tokenizer.backend
+    for message, mark in zip(messages, marks, strict=True):
+        if rest.count(mark) != 1:
+            raise ValueError("the chat template changes message contents; cannot escape them")
+        head, _, rest = rest.partition(mark)
+        ids += tokenizer.encode(head)
+        backend.encode_special_tokens = True  # split special-token strings as plain text
+        try:
+            ids += tokenizer.encode(message["content"])
+        finally:
+            backend.encode_special_tokens = False
+    return ids + tokenizer.encode(rest)
 
 
 def collate(examples: Sequence[dict], max_prompt_length: int, pad_token_id: int) -> dict:
@@ -281,7 +398,7 @@ class PromptLoader:
     ):
         n = len(dataset)
         if drop_last and n < batch_size:
-            raise ValueError(
+            raise InputFileError(
                 f"{', '.join(dataset.files)}: {n} rows < batch size {batch_size}; every epoch "
                 "would be empty (lower data.train_batch_size)"
             )
@@ -364,6 +481,8 @@ def train_loader(
         config.prompt_key,
         config.truncation,
         config.filter_overlong_prompts,
+        special_tokens_in_content=config.special_tokens_in_content,
+        any_ground_truth=config.any_ground_truth,
     )
     return PromptLoader(
         dataset,
@@ -388,6 +507,8 @@ def val_loader(
         config.truncation,
         config.filter_overlong_prompts,
         max_samples=config.val_max_samples,
+        special_tokens_in_content=config.special_tokens_in_content,
+        any_ground_truth=config.any_ground_truth,
     )
     return PromptLoader(
         dataset,

@@ -1,6 +1,6 @@
 """verl's parquet schema: building tables, and checking what a user's file holds.
 
-One row per prompt (REFERENCE.md, "Parquet schema"):
+One row per prompt (verl's schema):
 
 | column         | arrow type                                       |
 |----------------|--------------------------------------------------|
@@ -20,13 +20,15 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hybridjax.errors import InputFileError
+
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 PROMPT_TYPE = pa.list_(MESSAGE_TYPE)
 REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
-class DataError(ValueError):
+class DataError(InputFileError):
     """A problem with an input file, located by file, row and column."""
 
     def __init__(self, path: str, row: int | None, column: str | None, problem: str):
@@ -57,13 +59,22 @@ def table_from_rows(rows: list[dict], extra_info_type: pa.DataType | None = None
     return pa.Table.from_pylist(rows, schema=verl_schema(extra_info_type))
 
 
-def read_table(path: str, prompt_key: str = "prompt") -> pa.Table:
-    """Reads one parquet file (memory-mapped) and checks its columns and their types.
+def read_table(path: str, prompt_key: str = "prompt", any_ground_truth: bool = True) -> pa.Table:
+    """Reads one parquet file (memory-mapped) and checks its columns, their types and that
+    every string is valid UTF-8.
 
+    Args:
+      any_ground_truth: accept any type of `reward_model.ground_truth`; False: only a string
+        or a number (what the built-in reward functions compare against).
     Raises:
-      DataError: the file is missing, unreadable or empty; a required column is missing; a
-        column has the wrong type (e.g. `prompt` is a string instead of a list of messages).
+      DataError: the file is missing, a directory, unreadable or empty; a required column is
+        missing; a column has the wrong type (e.g. `prompt` is a string instead of a list of
+        messages); a string is not valid UTF-8 (names the row).
     """
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if n.endswith(".parquet"))[:3]
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DataError(path, None, None, f"is a directory, not a parquet file{hint}")
     if not os.path.isfile(path):
         raise DataError(path, None, None, "no such file")
     try:
@@ -84,7 +95,34 @@ def read_table(path: str, prompt_key: str = "prompt") -> pa.Table:
     )
     if "extra_info" in table.column_names:
         _check_type(path, table, "extra_info", _is_struct_or_null, "a struct")
+    if not any_ground_truth:
+        truth = table.schema.field("reward_model").type.field("ground_truth").type
+        if not (_is_string(truth) or pa.types.is_integer(truth) or pa.types.is_floating(truth)):
+            raise DataError(
+                path, None, "reward_model",
+                f"every row: ground_truth is {truth}; the built-in reward functions compare "
+                "the response with a string or number (convert it, or score it with your own "
+                "function: custom_reward_function.path)",
+            )  # fmt: skip
+    for column in table.column_names:
+        _check_utf8(path, column, table.column(column))
     return table
+
+
+def _check_utf8(path: str, column: str, values: pa.ChunkedArray) -> None:
+    """Raises DataError naming the first row whose strings are not valid UTF-8 (pyarrow does
+    not check when reading; decoding a row later would fail without saying where)."""
+    offset = 0
+    for chunk in values.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid:
+            for i in range(len(chunk)):
+                try:
+                    chunk.slice(i, 1).validate(full=True)
+                except pa.ArrowInvalid as e:
+                    raise DataError(path, offset + i, column, f"invalid UTF-8 text ({e})") from e
+        offset += len(chunk)
 
 
 def _check_type(path, table, column, ok, expected):

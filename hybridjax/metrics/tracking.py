@@ -32,6 +32,13 @@ CONSOLE_KEYS = (
     ("actor/entropy", "entropy"),
     ("critic/vf_loss", "vf_loss"),
     ("actor/grad_norm", "gnorm"),
+    ("train/loss", "loss"),  # SFT
+    ("val/loss", "val_loss"),
+    ("loss", "loss"),  # DPO (TRL's names)
+    ("rewards/accuracies", "acc"),
+    ("rewards/margins", "margin"),
+    ("eval_loss", "eval_loss"),
+    ("eval_rewards/accuracies", "eval_acc"),
     ("timing_s/step", "step_s"),
     ("perf/throughput", "tok/s/dev"),
 )

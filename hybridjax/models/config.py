@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_NAMES = tuple(sorted(_DTYPES))  # the dtype names `to_dtype` accepts
 
 
 def to_dtype(name: str | Any) -> Any:

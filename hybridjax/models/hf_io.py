@@ -33,6 +33,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from hybridjax.errors import InputFileError, MissingFileError, read_json
 from hybridjax.models.config import ModelConfig, to_dtype
 from hybridjax.models.decoder import INIT_STD, CausalLM, SequenceClassifier
 
@@ -109,11 +110,33 @@ def to_hf_layout(array: np.ndarray, path: tuple[Any, ...]) -> np.ndarray:
 
 
 def read_hf_config(path: str | pathlib.Path) -> dict[str, Any]:
-    """The parsed `config.json` of checkpoint directory `path` (FileNotFoundError names it)."""
+    """The parsed `config.json` of checkpoint directory `path`.
+
+    Raises:
+      MissingFileError (a FileNotFoundError): no such file (names it).
+      InputFileError: not valid JSON (names the file, line and column) or not a JSON object.
+    """
     file = pathlib.Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"no HF config: {file} does not exist")
-    return json.loads(file.read_text())
+        raise MissingFileError(f"no HF config: {file} does not exist")
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise InputFileError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def model_config_from_checkpoint(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
+    """The `ModelConfig` of checkpoint directory `path` with `overrides` applied.
+
+    Raises:
+      MissingFileError / InputFileError: see `read_hf_config`; an architecture or setting
+        hybridjax does not support (names `config.json` and lists what is supported).
+    """
+    hf_config = read_hf_config(path)
+    try:
+        return ModelConfig.from_hf_dict(hf_config, **overrides)
+    except (ValueError, TypeError, KeyError) as err:
+        raise InputFileError(f"{pathlib.Path(path) / CONFIG_FILE}: {err}") from err
 
 
 class CheckpointReader:
@@ -126,12 +149,15 @@ class CheckpointReader:
         self._open: dict[pathlib.Path, Any] = {}
         index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)
+            if not isinstance(weight_map, dict) or "weight_map" not in weight_map:
+                raise InputFileError(f"{index}: no 'weight_map' object")
+            weight_map = weight_map["weight_map"]
             self.files = {name: self.path / file for name, file in weight_map.items()}
         elif single.is_file():
             self.files = {name: single for name in self._handle(single).keys()}
         else:
-            raise FileNotFoundError(f"no safetensors weights: neither {single} nor {index} exists")
+            raise MissingFileError(f"no safetensors weights: neither {single} nor {index} exists")
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -142,7 +168,7 @@ class CheckpointReader:
     def _handle(self, file: pathlib.Path):
         if file not in self._open:
             if not file.is_file():
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"checkpoint shard {file} (listed in {INDEX_FILE}) is missing"
                 )
             self._open[file] = self._stack.enter_context(safe_open(str(file), framework="numpy"))
@@ -181,7 +207,7 @@ def _check_tensors(
     for name in sorted(found - set(expected) - ignored):
         problems.append(f"unexpected tensor {name!r} with shape {reader.shape(name)}")
     if problems:
-        raise ValueError(
+        raise InputFileError(
             f"checkpoint {reader.path} does not match the model:\n  " + "\n  ".join(problems)
         )
 
@@ -234,7 +260,7 @@ def load_pretrained(
         raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(MODEL_KINDS)}")
     if init_score_head and kind != "classifier":
         raise ValueError("init_score_head=True needs kind='classifier'")
-    hf_config = read_hf_config(path)
+    read_hf_config(path)  # a missing or malformed config.json is named before the weights
     overrides = dict(config_overrides or {})
     with CheckpointReader(path) as reader:
         new_head = init_score_head and "score.weight" not in reader.names()
@@ -242,7 +268,7 @@ def load_pretrained(
             # HF omits num_labels from config.json when it is its default (2): trust the tensor.
             has_head = "score.weight" in reader.names()
             overrides.setdefault("num_labels", reader.shape("score.weight")[0] if has_head else 1)
-        config = ModelConfig.from_hf_dict(hf_config, **overrides)
+        config = model_config_from_checkpoint(path, **overrides)
         cls = MODEL_KINDS[kind]
         abstract = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)

@@ -93,8 +93,8 @@ class LoRAConfig:
             problems.append(f"{where}.lora_alpha must be > 0, got {alpha}")
         if unknown or (rank and not targets):
             problems.append(
-                f"{where}.target_modules: unknown {unknown or 'empty'}; use 'all-linear' or "
-                f"names from {list(LINEAR_MODULES)}"
+                f"{where}.target_modules: unknown {unknown or 'empty'} (use 'all-linear' or "
+                f"names from {list(LINEAR_MODULES)})"
             )
         if problems:
             raise ValueError("; ".join(problems))

@@ -24,6 +24,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from hybridjax.errors import InputFileError, MissingFileError, read_json
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -97,18 +99,23 @@ class Tokenizer:
         `eos_token_ids` has every id that ends a generation.
 
         Raises:
-          FileNotFoundError: `tokenizer.json` is missing (the message names the path).
+          MissingFileError (a FileNotFoundError): `tokenizer.json` is missing (names the path).
+          InputFileError: a file is not valid JSON or not a tokenizer (names it).
         """
         path = os.fspath(path)
         tok_file = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"no {TOKENIZER_FILE} at {tok_file}")
-        backend = tokenizers.Tokenizer.from_file(tok_file)
+            raise MissingFileError(
+                f"no {TOKENIZER_FILE} at {tok_file} (data.tokenizer, or the model path's)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(tok_file)
+        except Exception as err:  # the Rust library raises a plain Exception
+            raise InputFileError(f"{tok_file}: not a readable tokenizer ({err})") from err
         config: dict[str, Any] = {}
         cfg_file = os.path.join(path, CONFIG_FILE)
         if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_json(cfg_file)
         template_file = os.path.join(path, "chat_template.jinja")
         if "chat_template" not in config and os.path.isfile(template_file):
             with open(template_file, encoding="utf-8") as f:
@@ -116,8 +123,7 @@ class Tokenizer:
         gen_eos: tuple[int, ...] = ()
         gen_file = os.path.join(path, GENERATION_CONFIG_FILE)
         if os.path.isfile(gen_file):
-            with open(gen_file, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token_id")
+            eos = read_json(gen_file).get("eos_token_id")
             if eos is not None:
                 gen_eos = tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(backend, config, gen_eos)

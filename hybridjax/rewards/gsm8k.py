@@ -1,6 +1,6 @@
 """GSM8K answer checking (also used by the arithmetic task, whose answers have the same form).
 
-Two ways to read a response's answer (REFERENCE.md, "Rewards"):
+Two ways to read a response's answer (docs/verl_behaviour.md, "Rewards"):
   * strict: the number after the **last** `####` marker (verl's default for GSM8K);
   * flexible: the last number anywhere in the response.
 

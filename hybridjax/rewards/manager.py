@@ -4,7 +4,7 @@
 scoring right after generation and collect the result when it needs `token_level_scores` (off
 the device's critical path: JAX releases the GIL while the device runs the reference/critic
 passes). Each row's score goes on its last valid response token; an empty response gets no
-reward anywhere (REFERENCE.md, "Rewards").
+reward anywhere (docs/verl_behaviour.md, "Rewards").
 
 `reward_model.reward_manager` (verl's names):
   * `naive`: one call per row, `fn(data_source, solution_str, ground_truth, extra_info)`;

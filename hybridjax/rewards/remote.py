@@ -21,13 +21,15 @@ from typing import Any
 
 import httpx
 
+from hybridjax.errors import UserError
 from hybridjax.rewards.scoring import Outcome, Row
 
 TOKEN_ENV = "HYBRIDJAX_REWARD_TOKEN"
 
 
-class RewardServerError(RuntimeError):
-    """A reward server is unreachable, refused the request, or serves the wrong kind."""
+class RewardServerError(UserError, RuntimeError):
+    """A reward server is unreachable, refused the request, or serves the wrong kind (a user
+    error: the command line reports it in one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,21 +87,34 @@ class RemoteClient:
         self._lock = threading.Lock()
         self._next = 0
         self.reset_counters()
-        for url in config.urls:
-            self._health(url)
+        serves = {url: self._health(url) for url in config.urls}
+        if len(set(serves.values())) > 1:
+            listed = "; ".join(f"{u} serves {what}" for u, what in serves.items())
+            raise RewardServerError(
+                f"reward_model.remote.urls serve different rewards ({listed}); requests are "
+                "spread over every URL, so they must all serve the same function or model"
+            )
 
-    def _health(self, url: str) -> None:
+    def _health(self, url: str) -> str:
+        """Checks one server; returns what it serves (its health's `serves`)."""
         try:
             response = self._http.get(f"{url}/health")
             response.raise_for_status()
-            served = response.json().get("kind")
+            health = response.json()
         except (httpx.HTTPError, ValueError) as e:
             raise RewardServerError(f"reward server {url} failed its health check: {e!r}") from e
+        served = health.get("kind")
         if served != self.kind:
             raise RewardServerError(
                 f"reward server {url} serves kind {served!r}, expected {self.kind!r} "
                 "(a rule server takes rows of text, a model server token ids)"
             )
+        if not health.get("authorized", True):
+            raise RewardServerError(
+                f"reward server {url} wants a bearer token: set {TOKEN_ENV} to the server's "
+                "token in the trainer's environment"
+            )
+        return str(health.get("serves", served))
 
     def reset_counters(self) -> None:
         self.latencies_ms: list[float] = []

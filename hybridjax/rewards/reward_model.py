@@ -5,7 +5,7 @@ rollout's token ids are scored as they are (no re-tokenisation): the left-padded
 right-padded response are concatenated into `[pad… prompt response …pad]`, positions count real
 tokens only, and the score is read at the last real token (HF's pooling for
 `*ForSequenceClassification`). Like a rule-based reward, the score is then placed on the last valid
-response token; an empty response gets none (REFERENCE.md, "Rewards").
+response token; an empty response gets none (docs/verl_behaviour.md, "Rewards").
 
 One jitted function per shape; micro-batches run as a `lax.map` inside it (bounded activation
 memory, no host round trip between them). With a `PackingConfig` the pairs are packed instead

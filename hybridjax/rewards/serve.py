@@ -5,7 +5,9 @@
     python -m hybridjax.rewards.serve --model_path ckpt/rm      # *ForSequenceClassification
 
 JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`):
-  * `GET /health` → `{"status": "ok", "kind": "rule" | "model", ...}`.
+  * `GET /health` → `{"status": "ok", "kind": "rule" | "model", "serves": str, "authorized":
+    bool, ...}`: `serves` names the function (or model) behind the URL, `authorized` whether the
+    request carried the right bearer token (health itself needs none).
   * `POST /score` (rule servers) `{"rows": [{"data_source", "solution_str", "ground_truth",
     "extra_info"}]}` → `{"results": [...]}`, one per row in order: `{"kind": "ok", "score": float,
     "extras": {...}}` or `{"kind": "error" | "crash" | "timeout" | "nonfinite", "error": str}`.
@@ -100,6 +102,7 @@ class ServedModel:
         self.graphdef, self.state = nnx.split(model)
         self.micro = micro_batch_size_per_device
         self.devices = self.mesh.devices.size
+        self.path = path
         self._lock = threading.Lock()
 
     def score(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
@@ -132,6 +135,16 @@ class ServedModel:
         return [float(s) for s in scores[:n]]
 
 
+def describe_rule(config: RewardConfig) -> str:
+    """What a rule server scores with, e.g. `built-in rules (naive)` or
+    `my.py:fn {"bonus": 0.1} (batch)`; URLs serving different things are refused by clients."""
+    fn = "built-in rules"
+    if config.custom_path:
+        kwargs = json.dumps(dict(config.custom_kwargs), sort_keys=True)
+        fn = f"{os.path.basename(config.custom_path)}:{config.custom_name} {kwargs}"
+    return f"{fn} ({config.reward_manager})"
+
+
 def create_app(
     reward_config: RewardConfig | None = None,
     model: ServedModel | None = None,
@@ -146,8 +159,11 @@ def create_app(
     if (reward_config is None) == (model is None):
         raise ValueError("a reward server serves either a rule function or a reward model")
 
+    def authorized(authorization: str) -> bool:
+        return not token or secrets.compare_digest(authorization, f"Bearer {token}")
+
     def authorize(authorization: str = fastapi.Header(default="")) -> None:
-        if token and not secrets.compare_digest(authorization, f"Bearer {token}"):
+        if not authorized(authorization):
             raise fastapi.HTTPException(401, "missing or wrong bearer token")
 
     scorer = None if reward_config is None else build_scorer(reward_config)[0]
@@ -163,7 +179,8 @@ def create_app(
     guarded = [fastapi.Depends(authorize)]
 
     if model is not None:
-        health = {"status": "ok", "kind": "model", "devices": model.devices}
+        health = {"status": "ok", "kind": "model", "devices": model.devices,
+                  "serves": f"model {model.path}"}  # fmt: skip
 
         @app.post("/score_tokens", dependencies=guarded)
         def score_tokens(request: TokenRequest) -> dict:
@@ -173,7 +190,8 @@ def create_app(
             return {"results": [normalize(s).to_json() for s in scores]}
 
     else:
-        health = {"status": "ok", "kind": "rule", "reward_manager": reward_config.reward_manager}
+        health = {"status": "ok", "kind": "rule", "reward_manager": reward_config.reward_manager,
+                  "serves": describe_rule(reward_config)}  # fmt: skip
 
         @app.post("/score", dependencies=guarded)
         def score(request: ScoreRequest) -> dict:
@@ -182,8 +200,8 @@ def create_app(
             return {"results": [o.to_json() for o in scorer.score(rows)]}
 
     @app.get("/health")
-    def health_check() -> dict:
-        return health
+    def health_check(authorization: str = fastapi.Header(default="")) -> dict:
+        return health | {"authorized": authorized(authorization)}
 
     return app
 
@@ -261,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_request_bytes=args.max_request_bytes)  # fmt: skip
     import uvicorn
 
+    what = f"model {args.model_path}" if args.model_path else describe_rule(config)
+    print(f"serving {what} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

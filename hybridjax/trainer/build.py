@@ -4,12 +4,13 @@ the frozen `StageConfig` the jitted stages take."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.config import (
@@ -20,7 +21,7 @@ from hybridjax.algorithms.config import (
 )
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
-from hybridjax.models.hf_io import load_pretrained, read_hf_config
+from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
 from hybridjax.models.lora import (
     LoRAConfig,
     adapters_off,
@@ -43,12 +44,41 @@ from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
-    """A fresh optimizer state, laid out as the params. With LoRA adapters in `params`, for the
-    adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+def _fresh_train_state(params: Any, optim: OptimConfig) -> TrainState:
     trainable, _ = split_trainable(params)
     return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
+
+
+init_train_state = jax.jit(_fresh_train_state, static_argnums=1)
+init_train_state.__doc__ = """A fresh optimizer state for `params` (jitted; XLA picks the
+optimizer state's layout: see `init_sharded_train_state`). With LoRA adapters in `params`, for
+the adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+
+
+def train_state_shardings(params: Any, optim: OptimConfig) -> TrainState:
+    """Shardings of the TrainState `init_train_state` builds for `params` (arrays or abstract
+    arrays with shardings): each optimizer leaf shaped like a trainable parameter (AdamW's
+    moments) takes that parameter's sharding, the rest (step counts, the injected learning
+    rate) is replicated. Left to XLA, the moments are replicated (they are zeros, with no data
+    dependence on the sharded parameters): 2 × the trainable bytes on every device."""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
+    abstract = jax.eval_shape(init_train_state, params, optim)
+    trainable, _ = split_trainable(shardings)
+    opt = optax.tree_map_params(
+        make_optimizer(optim),
+        lambda _, sharding: sharding,
+        abstract.opt_state,
+        trainable,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(shardings, opt, replicated)
+
+
+def init_sharded_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """`init_train_state`, written straight into `train_state_shardings` (the trainer's)."""
+    out = train_state_shardings(params, optim)
+    return jax.jit(_fresh_train_state, static_argnums=1, out_shardings=out)(params, optim)
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
@@ -68,7 +98,7 @@ def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
     path = cfg.actor_rollout_ref.model.path
     overrides = _overrides(cfg)
     if path:
-        return ModelConfig.from_hf_dict(read_hf_config(path), **overrides)
+        return model_config_from_checkpoint(path, **overrides)
     from_tokenizer = {
         "vocab_size": tokenizer.vocab_size,
         "eos_token_id": tokenizer.eos_token_ids or None,
@@ -147,6 +177,9 @@ def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
         "log_prob_micro": forward_micro_batch(
             a.rollout.log_prob_micro_batch_size_per_gpu, rows, data_parallel
         ),
+        "ref_log_prob_micro": forward_micro_batch(
+            a.ref.log_prob_micro_batch_size_per_gpu, rows, data_parallel
+        ),
         "reward_micro": forward_micro_batch(
             cfg.reward_model.micro_batch_size_per_gpu, rows, data_parallel
         ),
@@ -189,6 +222,9 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
         )
     if algo.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
+    if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
+        reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
     if algo.rollout_is_threshold > 0:
         reasons.append(
             "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "
@@ -212,13 +248,15 @@ def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> Stage
     sizes = batch_sizes(cfg, data_parallel)
     packed = packing_configs(cfg, data_parallel)
     actor_loss = dict(a.actor.to_dict())
-    if actor_loss.get("loss_scale_factor", 0) <= 0:
-        actor_loss.pop("loss_scale_factor", None)
+    for key in ("loss_scale_factor", "clip_ratio_low", "clip_ratio_high"):  # 0: not set
+        if actor_loss.get(key, 0) <= 0:
+            actor_loss.pop(key, None)
     critic_loss = {k: v for k, v in cfg.critic.to_dict().items() if k != "loss_scale_factor"}
     return StageConfig(
         temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
         group_size=a.rollout.n,
         log_prob_micro_batch_size=sizes["log_prob_micro"],
+        ref_log_prob_micro_batch_size=sizes["ref_log_prob_micro"],
         algorithm=algorithm_config(cfg),
         overlong=OverlongBufferConfig.from_dict(
             dict(cfg.reward_model.overlong_buffer) | {"enable": overlong_enabled(cfg.reward_model)}
@@ -282,10 +320,16 @@ def restored(state: TrainState, saved: TrainState) -> TrainState:
 
 
 def build_models(
-    cfg: ConfigDict, actor_config: ModelConfig, mesh, stage: StageConfig, use_ref: bool
+    cfg: ConfigDict,
+    actor_config: ModelConfig,
+    mesh,
+    stage: StageConfig,
+    use_ref: bool,
+    reward_mesh=None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout."""
+    `reward_model.enable`) with fresh optimizer states, each in its training layout; the reward
+    model on `reward_mesh` (its pool's training mesh) when given, else on `mesh`."""
     seed = cfg.trainer.seed
     actor = build_actor(cfg, actor_config, mesh, seed)
     actor_graphdef, params = nnx.split(actor)
@@ -293,13 +337,13 @@ def build_models(
     if cfg.critic.enable:
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = init_train_state(critic_params, stage.critic_optim)
+        critic_state = init_sharded_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
-        reward_model = nnx.split(build_reward_model(cfg, mesh))
+        reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     return Models(
         actor_graphdef=actor_graphdef,
-        actor_state=init_train_state(params, stage.actor_optim),
+        actor_state=init_sharded_train_state(params, stage.actor_optim),
         ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,

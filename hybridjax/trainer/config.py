@@ -4,7 +4,8 @@
 `hybridjax.trainer.validate` rejects any key that is not here. Key names follow verl's
 `ppo_trainer.yaml` (`data.*`, `actor_rollout_ref.{model,actor,ref,rollout}.*`, `critic.*`,
 `reward_model.*`, `custom_reward_function.*`, `algorithm.*`, `trainer.*`), plus `mesh.*` for the
-two device layouts of the hybrid engine. Empty strings mean "not set" (ConfigDict fields keep
+two device layouts of the hybrid engine and `resource_pool.*` / `placement.*` for the device
+pools of the roles. Empty strings mean "not set" (ConfigDict fields keep
 their type, so `None` defaults would break `--config.a.b=x` overrides).
 """
 
@@ -42,6 +43,9 @@ def base_config() -> ConfigDict:
         val_batch_size=-1,  # -1: the whole validation set in batches of train_batch_size
         truncation="error",
         filter_overlong_prompts=False,
+        # message text that spells a special token (`<|im_end|>`): keep (as transformers: it
+        # becomes that token) | escape (tokenised as plain text) | error; rows counted at load
+        special_tokens_in_content="keep",
         shuffle=True,
         seed=1,
         val_max_samples=-1,  # -1: every validation row
@@ -75,8 +79,8 @@ def base_config() -> ConfigDict:
             recompute_old_log_prob="auto",
             grad_clip=1.0,
             clip_ratio=0.2,
-            clip_ratio_low=0.2,
-            clip_ratio_high=0.2,
+            clip_ratio_low=0.0,  # 0: follow clip_ratio (verl's null)
+            clip_ratio_high=0.0,  # 0: follow clip_ratio
             clip_ratio_c=3.0,
             loss_agg_mode="token-mean",
             loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length
@@ -212,6 +216,14 @@ def base_config() -> ConfigDict:
         max_consecutive_nan_steps=3,
         peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
+        # sync: generate, then train; one_step_off: batch k+1 is generated (with the weights
+        # of step k-1) while step k trains; async: up to staleness_threshold batches ahead.
+        # Both need the rollout on its own pool (hybridjax.trainer.async_rollout)
+        rollout_mode="sync",
+        staleness_threshold=1,  # async only: policy versions a sample may lag
+        # plan per-device memory of every stage before building anything (hybridjax.plan);
+        # a config that does not fit is a config error
+        check_memory=False,
         # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),
@@ -228,5 +240,16 @@ def base_config() -> ConfigDict:
     c.mesh = dict(
         train=dict(data=-1, fsdp=1, tensor=1),
         generate=dict(data=-1, tensor=1),
+    )
+    # verl's resource pools: name -> n_devices (-1 = the rest) and optional train / generate
+    # mesh shapes (default mesh.*); pools take consecutive devices in the order of their names
+    # (hybridjax.sharding.pools)
+    c.resource_pool = dict(global_pool=dict(n_devices=-1))
+    c.placement = dict(
+        actor="global_pool",
+        rollout="global_pool",
+        ref="global_pool",
+        critic="global_pool",
+        reward_model="global_pool",
     )
     return c

@@ -29,13 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
+from hybridjax.checkpointing.export import write_hf_export
 from hybridjax.metrics import Tracking
-from hybridjax.models.hf_io import save_pretrained
 from hybridjax.models.lora import (
-    LoRAModel,
     merge_trainable,
-    merged_model,
-    save_peft_adapter,
     split_trainable,
 )
 from hybridjax.models.tokenizer import Tokenizer
@@ -144,13 +141,17 @@ def fit(
     return state, metrics
 
 
-def export(model: nnx.Module, tokenizer: Tokenizer, directory: str, base_path: str = "") -> None:
+def export(
+    model: nnx.Module,
+    tokenizer: Tokenizer,
+    directory: str,
+    base_path: str = "",
+    overwrite: bool = False,
+) -> None:
     """Writes `model` (LoRA: merged) and the tokenizer as an HF checkpoint in `directory`, and
-    with LoRA the adapters for peft in `directory/adapter` (`base_path`: the base's HF dir)."""
-    save_pretrained(merged_model(model), directory)
-    tokenizer.save(directory)
-    if isinstance(model, LoRAModel):
-        save_peft_adapter(model, os.path.join(directory, "adapter"), base_path)
+    with LoRA the adapters for peft in `directory/adapter` (`base_path`: the base's HF dir);
+    atomically, refusing a non-empty `directory` unless `overwrite` (see `write_hf_export`)."""
+    write_hf_export(model, tokenizer, directory, overwrite, adapter_base=base_path)
 
 
 def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:

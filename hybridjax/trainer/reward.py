@@ -74,6 +74,9 @@ class RewardStage:
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
       packing: the reward model's packed forward (`trainer.packing`), or None (padded).
+      model_sharding: the batch axes of the reward model's own pool when it is not the
+        actor's (`placement.reward_model`): its inputs move there and its scores back; None
+        when they share one.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class RewardStage:
         model_client: RemoteClient | None = None,
         combine: str = "replace",
         packing: PackingConfig | None = None,
+        model_sharding: NamedSharding | None = None,
     ):
         self.manager = manager
         self.tokenizer = tokenizer
@@ -97,11 +101,14 @@ class RewardStage:
         self.packing = packing
         self.model_client = model_client
         self.combine = combine
+        self.model_sharding = model_sharding
         self._model_batches = 0
         self._posts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-model")
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, reward_model, sharding, data_parallel) -> RewardStage:
+    def from_config(
+        cls, cfg, tokenizer, reward_model, sharding, data_parallel, model_sharding=None
+    ) -> RewardStage:
         """The stage of a trainer config (`reward_model.*`, `custom_reward_function.*`).
 
         Raises:
@@ -121,7 +128,10 @@ class RewardStage:
             data_parallel,
             client,
             config.combine,
-            packing_configs(cfg, data_parallel)["reward_model"],
+            packing_configs(cfg, _model_data_parallel(model_sharding, data_parallel))[
+                "reward_model"
+            ],
+            model_sharding,
         )
 
     def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
@@ -130,16 +140,20 @@ class RewardStage:
         model = None
         if self.reward_model is not None:
             graphdef, params = self.reward_model
-            model, _ = score_responses(
-                graphdef,
-                params,
+            inputs = (
                 batch.prompts,
                 batch.attention_mask[:, : batch.prompts.shape[1]],
                 batch.responses,
                 batch.response_mask,
-                micro_batch_size=forward_micro_batch(
-                    self.micro_per_device, batch.batch_size, self.data_parallel
-                ),
+            )
+            dp = _model_data_parallel(self.model_sharding, self.data_parallel)
+            if self.model_sharding is not None:  # the model's own pool (async copy there)
+                inputs = jax.device_put(inputs, self.model_sharding)
+            model, _ = score_responses(
+                graphdef,
+                params,
+                *inputs,
+                micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
                 packing=self.packing,
             )
         elif self.model_client is not None:
@@ -178,6 +192,8 @@ class RewardStage:
             host_scores, metrics = pending.model.result()
             model = put_global(host_scores, self.sharding)
             result = dataclasses.replace(result, metrics=_merge(result.metrics, metrics))
+        elif self.model_sharding is not None:  # back from the reward model's pool
+            model = jax.device_put(pending.model, self.sharding)
         else:
             model = pending.model
         scores = model + rule_scores() if self.combine == "sum" else model
@@ -206,3 +222,11 @@ def _merge(rule: dict[str, float], model: dict[str, float]) -> dict[str, float]:
         else:
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _model_data_parallel(model_sharding: NamedSharding | None, data_parallel: int) -> int:
+    """Batch shards of the reward model's pool (data × fsdp), or `data_parallel` when it shares
+    the actor's."""
+    if model_sharding is None:
+        return data_parallel
+    return model_sharding.mesh.shape["data"] * model_sharding.mesh.shape["fsdp"]

@@ -65,6 +65,7 @@ class StageConfig:
     actor_optim: OptimConfig
     critic_optim: OptimConfig
     overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
+    ref_log_prob_micro_batch_size: int = 0  # the reference pass's; 0: log_prob_micro_batch_size
     # False: no `old_log_prob` stage; the on-policy update takes π_old = stop_gradient(π_θ)
     recompute_old_log_prob: bool = True
     # packed forward passes (None: padded rows in micro-batches of log_prob_micro_batch_size)
@@ -96,17 +97,18 @@ def _fields(batch: RLBatch, cfg: StageConfig, *names: str) -> dict[str, jax.Arra
     return base | dict(zip(names, batch.require(*names), strict=True))
 
 
-def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None):
-    """`fn(fields)` over the batch: packed buffers, or padded row micro-batches."""
+def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None, micro: int = 0):
+    """`fn(fields)` over the batch: packed buffers, or padded row micro-batches of `micro` rows
+    (0: `log_prob_micro_batch_size`)."""
     fields = _fields(batch, cfg)
     if packing is not None:
         return packed_map(fn, fields, fields["group_ids"], packing)
-    return map_micro_batches(fn, fields, cfg.log_prob_micro_batch_size)
+    return map_micro_batches(fn, fields, micro or cfg.log_prob_micro_batch_size)
 
 
-def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing) -> jax.Array:
+def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micro=0) -> jax.Array:
     fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature)[0]
-    return _forward(fn, batch, cfg, packing)
+    return _forward(fn, batch, cfg, packing, micro)
 
 
 def compute_old_log_prob(
@@ -139,7 +141,10 @@ def compute_ref_log_prob(
 ) -> RLBatch:
     """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
     return batch.replace(
-        ref_log_prob=_log_probs(graphdef, params, batch, cfg, cfg.ref_packing) * batch.response_mask
+        ref_log_prob=_log_probs(
+            graphdef, params, batch, cfg, cfg.ref_packing, cfg.ref_log_prob_micro_batch_size
+        )
+        * batch.response_mask
     )
 
 

@@ -1,8 +1,12 @@
 """Start-of-run config validation: every problem found, reported in one message.
 
-Checks, in order: unknown keys (against `base_config()`), value types, ranges and choices,
-divisibility of the batch sizes, and lengths. Registries (advantage estimators, policy losses)
-are asked for their valid names, so the check never disagrees with what the step can run.
+Checks, in order: unknown keys (against `base_config()`), value types, ranges and choices
+(dtypes, attention kernels, reward error policy, rollout engine), divisibility of the batch
+sizes, lengths, the paths a run reads or writes (data files, `trainer.resume_mode`,
+`trainer.default_local_dir`) and the custom reward function (the file imports, the function
+exists and accepts verl's arguments). Registries (advantage estimators, policy losses) are
+asked for their valid names, so the check never disagrees with what the step can run. It runs
+before any model is built.
 """
 
 from __future__ import annotations
@@ -25,30 +29,36 @@ from hybridjax.algorithms.config import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
-from hybridjax.data.dataset import as_file_list
+from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
+from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT, as_file_list
+from hybridjax.errors import CheckpointError, ConfigError
 from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
-from hybridjax.models.config import ModelConfig
+from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.lora import LoRAConfig
+from hybridjax.plan import memory_problems
 from hybridjax.rewards.manager import (
     COMBINE,
     ON_ERROR_POLICIES,
     REWARD_MANAGERS,
     overlong_enabled,
 )
+from hybridjax.rewards.registry import load_custom_reward_function
+from hybridjax.rewards.scoring import check_signature
+from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
 from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
 from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
+ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
+RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
 WARMUP_STYLES = ("constant", "cosine")
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-FREE_FORM = ("override_config", "reward_kwargs")  # dict-valued keys, checked as a whole
-
-
-class ConfigError(ValueError):
-    """A config has problems; the message lists each one as `key: problem (value)`."""
+FREE_FORM = ("override_config", "reward_kwargs", "resource_pool")
+ROLLOUT_MODES = ("sync", "one_step_off", "async")  # dict-valued keys, checked as a whole
 
 
 def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -94,7 +104,7 @@ def _schema_problems(cfg: ConfigDict) -> list[str]:
         if key not in schema:
             problems.append(f"{key}: unknown key ({value!r})")
             continue
-        if key.endswith("reward_kwargs"):
+        if key.endswith("reward_kwargs") or key == "resource_pool":  # see sharding.pools
             continue
         if key.endswith("override_config"):
             unknown = sorted(set(dict(value)) - MODEL_FIELDS)
@@ -124,12 +134,44 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
             f"one of {RECOMPUTE_OLD_LOG_PROB} (strings)",
         ),
         ("actor_rollout_ref.actor.grad_clip", positive, "must be > 0"),
-        ("actor_rollout_ref.actor.clip_ratio_low", lambda v: 0 < v < 1, "must be in (0, 1)"),
-        ("actor_rollout_ref.actor.clip_ratio_high", positive, "must be > 0"),
+        ("actor_rollout_ref.actor.clip_ratio", lambda v: 0 < v < 1, "must be in (0, 1)"),
+        (
+            "actor_rollout_ref.actor.clip_ratio_low",
+            lambda v: 0 <= v < 1,
+            "must be in (0, 1), or 0 to follow clip_ratio",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_high",
+            lambda v: v >= 0,
+            "must be > 0, or 0 to follow clip_ratio",
+        ),
         ("actor_rollout_ref.actor.clip_ratio_c", lambda v: v > 1, "must be > 1"),
         ("actor_rollout_ref.actor.entropy_coeff", lambda v: v >= 0, "must be >= 0"),
         ("actor_rollout_ref.actor.kl_loss_coef", lambda v: v >= 0, "must be >= 0"),
         ("actor_rollout_ref.actor.kl_loss_type", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
+        ("actor_rollout_ref.model.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
+        ("actor_rollout_ref.rollout.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
+        (
+            "actor_rollout_ref.rollout.attention_impl",
+            lambda v: v in ATTENTION_IMPLS,
+            f"one of {ATTENTION_IMPLS}",
+        ),
+        (
+            "actor_rollout_ref.rollout.name",
+            lambda v: v in ROLLOUT_NAMES,
+            f"one of {ROLLOUT_NAMES} (the built-in paged engine)",
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            positive,
+            "must be > 0",
+        ),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", positive, "must be > 0"),
+        (
+            "data.special_tokens_in_content",
+            lambda v: v in SPECIAL_TOKENS_IN_CONTENT,
+            f"one of {SPECIAL_TOKENS_IN_CONTENT}",
+        ),
         ("actor_rollout_ref.rollout.n", positive, "must be > 0"),
         ("actor_rollout_ref.rollout.temperature", lambda v: v >= 0, "must be >= 0"),
         ("actor_rollout_ref.rollout.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
@@ -184,6 +226,8 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
         ("trainer.max_consecutive_nan_steps", positive, "must be > 0"),
         ("trainer.critic_warmup", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.rollout_mode", lambda v: v in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
+        ("trainer.staleness_threshold", lambda v: v >= 0, "must be >= 0"),
         ("trainer.peak_flops", lambda v: v >= 0, "must be >= 0"),
         ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
@@ -262,6 +306,12 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
                 f"data.{key}: no such file {path!r} (GSM8K: python -m hybridjax.data.gsm8k "
                 "--input tests/assets/gsm8k --output data/gsm8k)",
             )
+            need(
+                not os.path.isdir(path),
+                f"data.{key}: {path!r} is a directory; name the parquet file(s) in it",
+            )
+    problems += _path_problems(c)
+    problems += _custom_reward_problems(c)
     algo, overlong = c.algorithm, c.reward_model.overlong_buffer
     greedy = algo.adv_estimator in ADV_ESTIMATORS and needs_reward_baseline(algo.adv_estimator)
     need(
@@ -277,6 +327,31 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
             "not on-policy, so π_old must come from a separate pass ('auto' or 'true'): "
             + "; ".join(reasons),
         )
+    t = c.trainer
+    need(
+        t.rollout_mode == "async" or t.staleness_threshold == 1,
+        f"trainer.staleness_threshold ({t.staleness_threshold}) is read only with "
+        f"trainer.rollout_mode='async' (got {t.rollout_mode!r}; one_step_off lags by exactly 1)",
+    )
+    need(
+        t.rollout_mode == "sync" or not algo.filter_groups.enable,
+        f"algorithm.filter_groups.enable draws more batches within a step; with "
+        f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
+    )
+    offloads = [
+        f"{section}.fsdp_config.{key}"
+        for section, node in (
+            ("actor_rollout_ref.actor", a.actor),
+            ("critic.model", c.critic.model),
+        )
+        for key in ("param_offload", "optimizer_offload")
+        if node.fsdp_config[key]
+    ]
+    need(
+        t.rollout_mode == "sync" or not offloads,
+        f"{offloads} offload training states while the rollout runs on the same devices; with "
+        f"trainer.rollout_mode={t.rollout_mode!r} the rollout has its own pool: set them False",
+    )
     need(
         not algo.rollout_is or algo.rollout_is_threshold > 0,
         "algorithm.rollout_is is true but algorithm.rollout_is_threshold is 0 (not set)",
@@ -298,6 +373,58 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "is empty: give a checkpoint or the shape of a random model",
     )
     return problems
+
+
+def _path_problems(c: ConfigDict) -> list[str]:
+    """`trainer.default_local_dir` must be a directory (or not exist yet); `trainer.resume_mode`
+    is `auto`, `disable` or an existing `.../global_step_<N>` directory."""
+    t, problems = c.trainer, []
+    out = t.default_local_dir
+    if os.path.lexists(out) and not os.path.isdir(out):
+        problems.append(f"trainer.default_local_dir: {out!r} exists and is not a directory")
+    if t.resume_mode in RESUME_MODES:
+        return problems
+    try:
+        directory, _ = split_checkpoint_path(t.resume_mode)
+    except CheckpointError as err:
+        return [*problems, str(err)]
+    path = os.path.abspath(t.resume_mode.rstrip("/"))
+    if not os.path.isdir(path):
+        found = sorted(
+            name
+            for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+            if name.startswith(STEP_PREFIX + "_") and os.path.isdir(os.path.join(directory, name))
+        )
+        problems.append(
+            f"trainer.resume_mode: no checkpoint at {path!r} (in {directory}: "
+            f"{', '.join(found) or 'none'}); valid values: {RESUME_MODES} or an existing path"
+        )
+    return problems
+
+
+def _custom_reward_problems(c: ConfigDict) -> list[str]:
+    """Loads `custom_reward_function.path` and checks that `name` exists and can be called as
+    verl calls it (per row, or by keyword for `reward_model.reward_manager=batch`)."""
+    custom = c.custom_reward_function
+    if not custom.path:
+        return []
+    kwargs = dict(custom.reward_kwargs)
+    try:
+        fn = load_custom_reward_function(custom.path, custom.name, kwargs)
+    except (FileNotFoundError, AttributeError) as err:
+        return [str(err)]
+    except Exception as err:  # noqa: BLE001 - the user's module failed to import
+        return [
+            f"custom_reward_function.path: importing {custom.path!r} failed: "
+            f"{type(err).__name__}: {err}"
+        ]
+    try:
+        check_signature(
+            fn, c.reward_model.reward_manager == "batch", f"{custom.path}:{custom.name}"
+        )
+    except TypeError as err:
+        return [f"custom_reward_function.name: {err} (reward_kwargs {sorted(kwargs)})"]
+    return []
 
 
 def _estimator_problems(c: ConfigDict) -> list[str]:
@@ -339,12 +466,38 @@ def _lora_problems(c: ConfigDict) -> list[str]:
 
 
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
-    """Batch shards of the training mesh (data × fsdp); 0 when the mesh does not fit."""
+    """Batch shards of the actor pool's training mesh (data × fsdp); 0 when it does not fit."""
+    pools, problems = pool_sizes(c, n_devices)
+    if problems:
+        return 0
+    size = pools[c.placement.actor]
     try:
-        sizes = MeshConfig.from_config(c).train_sizes(n_devices)
+        sizes = MeshConfig.from_config(pool_config(c, c.placement.actor, size)).train_sizes(size)
     except ValueError:
         return 0
     return sizes["data"] * sizes["fsdp"]
+
+
+def _pool_problems(
+    c: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig] | None
+) -> list[str]:
+    """Pools and placement (`hybridjax.sharding.pools`), then the mesh / batch / head-count
+    checks per pool in use, each line naming the pool and its roles (one pool holding every
+    device: the checks of `mesh.*` on every device, as without pools)."""
+    problems = placement_problems(c, n_devices)
+    if problems:
+        return problems
+    sizes, _ = pool_sizes(c, n_devices)
+    if len(sizes) == 1:
+        return parallelism_problems(c, n_devices, model_configs)
+    for name, size in sizes.items():
+        roles = [r for r in ROLES if c.placement[r] == name]
+        if roles:
+            found = parallelism_problems(pool_config(c, name, size), size, model_configs)
+            problems += [
+                f"resource_pool.{name} ({size} devices, roles {roles}): {p}" for p in found
+            ]
+    return problems
 
 
 def validate(
@@ -365,11 +518,13 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += packing_problems(cfg)
-        problems += parallelism_problems(cfg, n_devices, model_configs)
+        problems += _pool_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
+        if not problems and cfg.trainer.check_memory and model_configs:  # compiles each stage
+            problems += memory_problems(cfg, n_devices, model_configs["actor_rollout_ref.model"])
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "

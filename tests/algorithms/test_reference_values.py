@@ -1,4 +1,4 @@
-"""Every worked value of ../shared/REFERENCE.md that belongs to the algorithm core."""
+"""Every worked value of docs/verl_behaviour.md that belongs to the algorithm core."""
 
 import math
 

@@ -1,5 +1,6 @@
-"""Orbax checkpoints: sharded round trip, keep-N, NaN refusal, unreadable steps set aside,
-and a process killed (SIGKILL) in the middle of a save leaves the previous step loadable."""
+"""Orbax checkpoints: sharded round trip, keep-N, NaN refusal, checksums verified at restore,
+unreadable steps skipped but never touched, structure mismatches named, read-only use, and a
+process killed (SIGKILL) in the middle of a save leaves the previous step loadable."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from hybridjax.checkpointing import Checkpointer, split_checkpoint_path
+from hybridjax.errors import CheckpointError
 
 
 def _state(value: float):
@@ -56,25 +58,123 @@ def test_non_finite_state_is_never_written(tmp_path):
     ckpt.close()
 
 
-def test_unreadable_newest_step_is_skipped_and_set_aside(tmp_path):
-    ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
-    for step in (1, 2):
-        ckpt.save(step, _state(step), {"global_step": step})
+def _tree_bytes(path) -> dict[str, bytes]:
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return out
+
+
+def _saved(tmp_path, steps=(1, 2), **kw) -> Checkpointer:
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=3, **kw)
+    for step in steps:
+        state = _state(step)
+        state["big"] = jnp.arange(20_000, dtype=jnp.float32) * step  # incompressible-ish
+        ckpt.save(step, state, {"global_step": step})
     ckpt.wait()
+    return ckpt
+
+
+def _target():
+    state = _state(0.0)
+    state["big"] = jnp.zeros(20_000, jnp.float32)
+    return state
+
+
+def _largest_array_file(step_dir) -> str:
+    files = [os.path.join(r, n) for r, _, fs in os.walk(step_dir / "state") for n in fs]
+    return max(files, key=os.path.getsize)
+
+
+def test_unreadable_newest_step_is_skipped_and_kept_untouched(tmp_path, caplog):
+    _saved(tmp_path).close()
     for root, _, files in os.walk(tmp_path / "global_step_2" / "state"):
         for name in files:
             os.remove(os.path.join(root, name))
+    before = _tree_bytes(tmp_path)
     fresh = Checkpointer(str(tmp_path), max_to_keep=3)
-    step, state, _ = fresh.restore(_state(0.0))
+    step, state, _ = fresh.restore(_target())
     assert step == 1 and float(np.asarray(state["w"])[0, 0]) == 1.0
-    assert (tmp_path / "global_step_2.unreadable").is_dir()  # kept for inspection
-    assert fresh.save(2, _state(5.0), {"global_step": 2})  # the step can be written again
+    assert "global_step_2" in caplog.text and "unreadable" in caplog.text
+    assert _tree_bytes(tmp_path) == before  # nothing renamed, deleted or written
+    assert not fresh.save(1, _state(5.0), {"global_step": 1})  # a readable step is kept
+    again = _target()
+    assert fresh.save(2, again, {"global_step": 2})  # the run reached step 2 again
+    fresh.wait()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["global_step_1", "global_step_2", "global_step_2.unreadable"]
+    assert fresh.restore(_target())[0] == 2
     fresh.close()
+
+
+def test_checksum_mismatch_falls_back_and_names_the_file(tmp_path, caplog):
+    _saved(tmp_path).close()
+    assert (tmp_path / "global_step_2" / "checksums.json").is_file()
+    victim = _largest_array_file(tmp_path / "global_step_2")
+    with open(victim, "r+b") as f:  # 64 bytes inside the array data, file size unchanged
+        f.seek(os.path.getsize(victim) // 2)
+        f.write(os.urandom(64))
+    before = _tree_bytes(tmp_path)
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=3, read_only=True)
+    step, state, _ = ckpt.restore(_target())
+    assert step == 1 and float(np.asarray(state["big"])[3]) == 3.0
+    assert f"{victim}: checksum mismatch" in caplog.text
+    assert _tree_bytes(tmp_path) == before
+    with pytest.raises(CheckpointError, match="global_step_2 is unreadable: .*checksum mismatch"):
+        ckpt.restore(_target(), step=2)  # an explicit step never falls back
+    ckpt.close()
+
+
+def test_mismatched_structure_stops_with_every_difference(tmp_path):
+    _saved(tmp_path).close()
+    before = _tree_bytes(tmp_path)
+    target = _target()
+    target["w"] = jnp.zeros((16, 8))
+    target["big"] = jnp.zeros(20_000, jnp.bfloat16)
+    target["extra"] = jnp.zeros(3)
+    del target["step"]
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=3)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore(target)
+    message = str(err.value)
+    assert "global_step_2 does not match this config (4 differences)" in message
+    assert "w: shape (16, 4) in the checkpoint, (16, 8) in this config" in message
+    assert "big: dtype float32 in the checkpoint, bfloat16 in this config" in message
+    assert "extra: not in the checkpoint" in message and "step: in the checkpoint" in message
+    assert "trainer.resume_mode=disable" in message
+    meta_check = lambda meta: [f"global_step is {meta['global_step']}"]  # noqa: E731
+    with pytest.raises(CheckpointError, match="global_step is 2"):
+        ckpt.restore(_target(), check_meta=meta_check)
+    ckpt.close()
+    assert _tree_bytes(tmp_path) == before
+
+
+def test_non_finite_restored_state_is_unreadable(tmp_path, monkeypatch, caplog):
+    ckpt = _saved(tmp_path)
+    from hybridjax.checkpointing import manager
+
+    real = manager.all_finite
+    monkeypatch.setattr(manager, "all_finite", lambda tree: real(tree) and "big" not in tree)
+    assert ckpt.restore(_target()) is None
+    assert "contains NaN or inf" in caplog.text
+    ckpt.close()
+
+
+def test_read_only_never_creates_the_directory(tmp_path):
+    missing = tmp_path / "nothing" / "here"
+    ckpt = Checkpointer(str(missing), max_to_keep=2, read_only=True)
+    assert ckpt.restore(_target()) is None
+    with pytest.raises(CheckpointError, match=r"global_step_3 is not a checkpoint .*none"):
+        ckpt.restore(_target(), step=3)
+    ckpt.close()
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_split_checkpoint_path():
     assert split_checkpoint_path("/a/b/global_step_12/") == ("/a/b", 12)
-    with pytest.raises(ValueError, match="trainer.resume_mode"):
+    with pytest.raises(CheckpointError, match="trainer.resume_mode: .*'auto', 'disable'"):
         split_checkpoint_path("/a/b/step12")
 
 

@@ -10,7 +10,7 @@ from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.data.schema import verl_schema
 from hybridjax.models.tokenizer import Tokenizer
 
-# A copy of ../shared/data/gsm8k (MIT licence, see its LICENSE) so the tests run on any clone.
+# A copy of the GSM8K release (MIT licence, see its LICENSE) so the tests run on any clone.
 GSM8K = Path(__file__).parents[1] / "assets" / "gsm8k"
 ASSET = Path(__file__).parents[2] / "hybridjax" / "assets" / "tokenizers" / "gsm8k_bpe"
 

@@ -66,7 +66,7 @@ def _overhead(tok):
 
 @pytest.fixture(scope="module")
 def overlong(tmp_path_factory, tok):
-    """REFERENCE.md's case: a prompt of exactly 1,081 tokens after templating, plus a short one."""
+    """docs/verl_behaviour.md's case: a 1,081-token prompt after templating, and a short one."""
     content = "".join(str(i % 10) for i in range(1081 - _overhead(tok)))
     path = tmp_path_factory.mktemp("long") / "long.parquet"
     _write(path, [_row("12"), _row(content, truth="long")])

@@ -18,6 +18,7 @@ EXPECTED = {
         "'key': 'val/generations'",
     ),
     "sft.ipynb": ("train/loss", "model.safetensors", "ground truth:"),
+    "dpo.ipynb": ("'chosen'", "eval_rewards/accuracies", "adapter_model.safetensors"),
 }
 
 

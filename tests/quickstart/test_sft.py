@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from configs.sft_arithmetic import TOKENIZER
+from hybridjax.errors import ExportError
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
@@ -139,7 +140,9 @@ def test_resume_continues_exactly(short_run, tmp_path):
     straight, _ = short_run
     _write_pairs(tmp_path / "train.jsonl", 64)
     run_sft(_config(tmp_path, 6, save_freq=3))
-    run_sft(_config(tmp_path, 12, save_freq=3))  # resumes at step 6
+    with pytest.raises(ExportError, match="not empty"):  # the 6-step export is there
+        run_sft(_config(tmp_path, 12, save_freq=3))
+    run_sft(_config(tmp_path, 12, save_freq=3), overwrite=True)  # resumes at step 6
     a = load_pretrained(straight / "run" / "hf")
     b = load_pretrained(tmp_path / "run" / "hf")
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):

@@ -108,12 +108,27 @@ def test_bad_requests_get_4xx(server):
     assert httpx.post(f"{server}/score", json={"rows": []}, headers=auth).json() == {"results": []}
 
 
-def test_missing_token_is_a_clear_error(server, monkeypatch):
+def test_missing_token_is_a_clear_error_at_start(server, monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    manager = RewardManager(_remote(server))
-    with pytest.raises(RewardServerError, match=r"refused the request \(401\).*bearer token"):
-        manager(*ROWS)
-    manager.close()
+    with pytest.raises(RewardServerError, match=f"{server} wants a bearer token: set {TOKEN_ENV}"):
+        RewardManager(_remote(server))
+    monkeypatch.setenv(TOKEN_ENV, "wrong")
+    with pytest.raises(RewardServerError, match="wants a bearer token"):
+        RewardManager(_remote(server))
+
+
+def test_servers_of_different_rewards_are_refused(server, user_file, token):
+    """Requests go round-robin over the URLs, so two servers must serve the same function."""
+    assert httpx.get(f"{server}/health").json()["serves"] == (
+        "user_rewards.py:compute_score {} (naive)"
+    )
+    process, builtin = start_local(env=os.environ | {TOKEN_ENV: TOKEN})
+    try:
+        with pytest.raises(RewardServerError, match="serve different rewards.*built-in rules"):
+            RewardManager(_remote(f"{server},{builtin}"))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_health_check_names_the_url():
@@ -123,7 +138,7 @@ def test_health_check_names_the_url():
         RemoteConfig(urls=("localhost:8000",))
 
 
-def test_trainer_checks_the_servers_first(server):
+def test_trainer_checks_the_servers_first(server, token):
     config = base_config()
     config.reward_model.remote.urls = f"{server},http://127.0.0.1:9"
     with pytest.raises(RewardServerError, match=r"reward server http://127.0.0.1:9 failed"):
@@ -182,7 +197,8 @@ def test_model_server_scores_equal_the_local_forward(tmp_path):
     }
     process, url = start_local(["--model_path", str(tmp_path / "rm")], env=env)
     try:
-        assert httpx.get(f"{url}/health").json() == {"status": "ok", "kind": "model", "devices": 2}
+        health = httpx.get(f"{url}/health").json()
+        assert health["kind"] == "model" and health["devices"] == 2 and health["authorized"]
         client = RemoteClient(RemoteConfig(urls=(url,), batch_size=3), "model")
         outcomes = client.score_tokens(
             [p[m == 1].tolist() for p, m in zip(prompts, pmask, strict=True)],

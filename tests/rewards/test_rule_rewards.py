@@ -1,4 +1,4 @@
-"""Rule-based reward functions: REFERENCE.md's cases, MATH `\\boxed{}`, the registry."""
+"""Rule-based reward functions: docs/verl_behaviour.md's cases, MATH `\\boxed{}`, the registry."""
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +12,7 @@ from hybridjax.rewards import (
     registered_data_sources,
 )
 
-# (response, ground truth, strict score, flexible score): REFERENCE.md "Rewards" first.
+# (response, ground truth, strict score, flexible score): docs/verl_behaviour.md "Rewards" first.
 GSM8K_CASES = [
     ("#### 1,234", "1234", 1.0, 1.0),
     ("First #### 3 then #### 4", "4", 1.0, 1.0),

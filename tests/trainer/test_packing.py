@@ -375,7 +375,8 @@ def test_packed_reward_model_scores_equal_padded(models):
 def test_packed_sft_gradient_equals_padded(models):
     """`python -m hybridjax.sft`'s packed step: pairs of 2 to 12 tokens in rows of 12, the
     loss and gradient equal the padded token-mean NLL's."""
-    from hybridjax.sft import packed_loss_and_grads, sft_loss
+    from hybridjax.models.lora import split_trainable
+    from hybridjax.sft import packed_sft_gradients, sft_loss
 
     (graphdef, params), _ = models
     rng = np.random.default_rng(3)
@@ -392,7 +393,9 @@ def test_packed_sft_gradient_equals_padded(models):
 
     loss, grads = jax.jit(jax.value_and_grad(padded))(params)
     config = packing.PackingConfig(12, 2, pieces=2, share_prompts=False)
-    p_loss, p_grads = jax.jit(lambda p: packed_loss_and_grads(graphdef, p, batch, config))(params)
+    trainable, frozen = split_trainable(params)
+    packed = lambda t: packed_sft_gradients(graphdef, t, frozen, batch, config)
+    (p_loss, _), p_grads = jax.jit(packed)(trainable)
     np.testing.assert_allclose(p_loss, loss, **TOL)
     for a, b in zip(jax.tree.leaves(p_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, **TOL)

@@ -1,0 +1,125 @@
+"""The up-front config check: every key it can judge without building a model, with the
+valid choices in the message; keys that were accepted and ignored are now read."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from hybridjax.errors import ConfigError
+from hybridjax.trainer import build
+from hybridjax.trainer.validate import validate
+from tests.trainer.tiny_run import REPO, load_config_file
+
+DATA = REPO / "hybridjax" / "assets" / "quickstart" / "data"
+
+
+def _config(**changes):
+    c = load_config_file("tiny")
+    c.data.train_files = str(DATA / "train.parquet")
+    c.data.val_files = str(DATA / "test.parquet")
+    c.update_from_flattened_dict(changes)
+    return c
+
+
+def _problems(**changes) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(_config(**changes), 8)
+    return str(err.value)
+
+
+def test_the_tiny_config_passes():
+    validate(_config(), 8)
+
+
+@pytest.mark.parametrize(
+    "key, value, needles",
+    [
+        ("reward_model.on_error", "ignore", ["reward_model.on_error", "'zero', 'raise'"]),
+        ("actor_rollout_ref.model.dtype", "float17", ["model.dtype", "'bfloat16'"]),
+        ("actor_rollout_ref.rollout.dtype", "fp8", ["rollout.dtype", "'float16'"]),
+        ("actor_rollout_ref.rollout.attention_impl", "flash", ["'auto', 'jnp', 'pallas'"]),
+        ("actor_rollout_ref.rollout.name", "vllm", ["rollout.name", "'hybridjax'"]),
+        ("trainer.resume_mode", "latest", ["trainer.resume_mode", "'auto', 'disable'"]),
+        ("data.special_tokens_in_content", "drop", ["'keep', 'escape', 'error'"]),
+        ("actor_rollout_ref.actor.clip_ratio", 1.5, ["actor.clip_ratio: must be in (0, 1)"]),
+    ],
+)
+def test_bad_choice_names_key_and_choices(key, value, needles):
+    message = _problems(**{key: value})
+    for needle in needles:
+        assert needle in message
+
+
+def test_paths_are_checked_and_nothing_is_created(tmp_path):
+    missing = tmp_path / "runs" / "global_step_7"
+    message = _problems(**{"trainer.resume_mode": str(missing)})
+    assert f"no checkpoint at '{missing}'" in message and "none" in message
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs" / "global_step_2").mkdir(parents=True)
+    assert "global_step_2" in _problems(**{"trainer.resume_mode": str(missing)})
+    validate(_config(**{"trainer.resume_mode": str(tmp_path / "runs" / "global_step_2")}), 8)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert "default_local_dir: " in _problems(**{"trainer.default_local_dir": str(a_file)})
+    assert "is a directory" in _problems(**{"data.train_files": str(DATA)})
+
+
+def _reward(tmp_path: pathlib.Path, source: str) -> str:
+    path = tmp_path / "reward.py"
+    path.write_text(source)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "source, name, needle",
+    [
+        (None, "compute_score", "is not a file or an importable module"),
+        ("import no_such_module_xyz\n", "compute_score", "ModuleNotFoundError"),
+        ("def other(a, b, c, d=None):\n    return 0.0\n", "compute_score", "'compute_score'"),
+        ("def compute_score(text):\n    return 0.0\n", "compute_score", "expected fn(data_source"),
+        ("def f(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
+         "f", None),
+    ],
+)  # fmt: skip
+def test_custom_reward_function_is_loaded_and_its_signature_checked(tmp_path, source, name, needle):
+    path = _reward(tmp_path, source) if source else str(tmp_path / "missing.py")
+    changes = {"custom_reward_function.path": path, "custom_reward_function.name": name}
+    if needle is None:
+        validate(_config(**changes), 8)
+    else:
+        message = _problems(**changes)
+        assert needle in message and "custom_reward_function" in message
+
+
+def test_clip_ratio_is_followed_unless_low_or_high_are_set():
+    loss = build.stage_config(_config(**{"actor_rollout_ref.actor.clip_ratio": 0.1}), 10, 8)
+    assert (loss.actor_loss.clip_ratio_low, loss.actor_loss.clip_ratio_high) == (0.1, 0.1)
+    c = _config(**{"actor_rollout_ref.actor.clip_ratio": 0.1})
+    c.actor_rollout_ref.actor.clip_ratio_high = 0.28  # DAPO's clip-higher
+    loss = build.stage_config(c, 10, 8).actor_loss
+    assert (loss.clip_ratio_low, loss.clip_ratio_high) == (0.1, 0.28)
+
+
+def test_reference_pass_has_its_own_micro_batch():
+    c = _config()
+    c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 1
+    c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
+    sc = build.stage_config(c, 10, 8)
+    assert (sc.ref_log_prob_micro_batch_size, sc.log_prob_micro_batch_size) == (8, 16)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("trainer.resume_mode", "latest"), ("data.truncation", "left"), ("model.dtype", "fp8")],
+)
+def test_sft_choices_are_checked_before_anything_runs(key, value, tmp_path):
+    from hybridjax.sft import run_sft, sft_config
+
+    c = sft_config()
+    c.trainer.default_local_dir = str(tmp_path / "run")
+    c.update_from_flattened_dict({key: value})
+    with pytest.raises(ConfigError, match=rf"{key}: one of .*got '{value}'"):
+        run_sft(c)
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,122 @@
+"""Roles on split pools and rollout ahead of training, end to end on 8 simulated CPU devices
+(the tiny config on GSM8K rows): rollout on devices 0-3 and training on 4-7 give the step of the
+co-located run; `async` with staleness 0 is `sync`; `one_step_off` trains every batch after the
+first on weights one update newer than the ones that sampled it, with rollout IS weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybridjax.models.decoder import SequenceClassifier
+from hybridjax.models.hf_io import save_pretrained
+from hybridjax.trainer import build
+from hybridjax.trainer.trainer import RLTrainer
+from tests.trainer.tiny_run import gsm8k_subset, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=32, test_rows=8)
+
+
+def _config(data, run_dir, split: bool, **changes):
+    c = tiny_config(data, run_dir, **{"trainer.test_freq": -1, "trainer.save_freq": -1})
+    c.actor_rollout_ref.rollout.max_num_seqs = 8
+    if split:  # the training pool keeps the name global_pool: every other role stays there
+        c.resource_pool = dict(rollout_pool=dict(n_devices=4), global_pool=dict(n_devices=4))
+        c.placement.rollout = "rollout_pool"
+    c.update_from_flattened_dict(changes)
+    return c
+
+
+def _steps(config, steps: int):
+    trainer = RLTrainer(config)
+    try:
+        metrics = [trainer.train_step(n) for n in range(1, steps + 1)]
+        params = [
+            np.asarray(x) for x in jax.tree.leaves(jax.device_get(trainer.actor_state.params))
+        ]
+        return trainer, metrics, params
+    finally:
+        trainer.close()
+
+
+def _numbers(metrics: dict) -> dict:
+    skip = ("timing_s/", "perf/", "rollout/num_compiles", "async/")
+    return {k: v for k, v in metrics.items() if not k.startswith(skip)}
+
+
+def test_split_pools_give_the_co_located_step(data, tmp_path):
+    """With a (random) reward model: all on 8 devices; rollout on 4 + the rest on 4; training
+    on 4, reward model on 2, rollout on 2. Same first step within 1e-6."""
+    rm = {"reward_model.enable": True, "reward_model.model.path": str(tmp_path / "rm")}
+    together_cfg = _config(data, tmp_path / "a", split=False, **rm)
+    shape = build.actor_model_config(together_cfg, build.load_tokenizer(together_cfg))
+    classifier = SequenceClassifier(dataclasses.replace(shape, num_labels=1), nnx.Rngs(7))
+    save_pretrained(classifier, tmp_path / "rm")
+    _, (together,), params_together = _steps(together_cfg, 1)
+    trainer, (split,), params_split = _steps(_config(data, tmp_path / "b", split=True, **rm), 1)
+    # pools take devices in name order: global_pool 0-3, rollout_pool 4-7
+    assert {d.id for d in trainer.meshes.train.devices.flat} == {0, 1, 2, 3}
+    assert {d.id for d in trainer.meshes.generate.devices.flat} == {4, 5, 6, 7}
+    assert split["timing_s/update_weights"] > 0 and split["perf/reshard_bytes"] > 0
+    three = _config(data, tmp_path / "c", split=False, **rm)
+    three.resource_pool = dict(
+        global_pool=dict(n_devices=4), reward_pool=dict(n_devices=2), rollout_pool=dict(n_devices=2)
+    )
+    three.placement.update(dict(rollout="rollout_pool", reward_model="reward_pool"))
+    trainer, (third,), params_third = _steps(three, 1)
+    _, rm_params = trainer.models.reward_model
+    assert {d.id for x in jax.tree.leaves(rm_params) for d in x.sharding.device_set} == {4, 5}
+    assert {d.id for d in trainer.meshes.generate.devices.flat} == {6, 7}
+    for metrics, params in ((split, params_split), (third, params_third)):
+        assert _numbers(metrics).keys() == _numbers(together).keys()
+        for key, value in _numbers(together).items():
+            np.testing.assert_allclose(metrics[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+        for a, b in zip(params_together, params, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_staleness_zero_is_sync(data, tmp_path):
+    _, sync, params_sync = _steps(_config(data, tmp_path / "s", split=True), 2)
+    async0 = _config(data, tmp_path / "a", split=True, **{"trainer.rollout_mode": "async"})
+    async0.trainer.staleness_threshold = 0
+    _, zero, params_zero = _steps(async0, 2)
+    for m_sync, m_zero in zip(sync, zero, strict=True):
+        assert _numbers(m_sync) == _numbers(m_zero)
+        assert m_zero["async/staleness_max"] == 0
+    for a, b in zip(params_sync, params_zero, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_one_step_off_lags_by_exactly_one(data, tmp_path):
+    off = _config(
+        data,
+        tmp_path / "o",
+        split=True,
+        **{
+            "trainer.rollout_mode": "one_step_off",
+            "algorithm.rollout_is": True,
+            "algorithm.rollout_is_threshold": 2.0,
+        },
+    )
+    trainer, metrics, _ = _steps(off, 3)
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
+    assert [m["async/staleness_mean"] for m in metrics] == [0, 1, 1]
+    np.testing.assert_array_equal(trainer.policy_versions, 1)  # step 3 sampled by version 1
+    assert all("timing_s/old_log_prob" in m for m in metrics)  # π_old recomputed
+    for m in metrics:
+        assert all(np.isfinite(v) for v in m.values())
+        assert m["timing_s/wait_rollout"] >= 0 and m["timing_s/wait_update"] >= 0
+    # IS weights applied; from step 2 on the sampling policy lags π_old by one update, so the
+    # rollout / π_old log-prob gap grows past step 1's numerical one
+    assert all("mismatch/rollout_is_mean" in m for m in metrics)
+    diffs = [m["training/rollout_probs_diff_mean"] for m in metrics]
+    assert diffs[2] > 10 * diffs[0], diffs

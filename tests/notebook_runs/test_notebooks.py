@@ -19,6 +19,7 @@ EXPECTED = {
     ),
     "sft.ipynb": ("train/loss", "model.safetensors", "ground truth:"),
     "dpo.ipynb": ("'chosen'", "eval_rewards/accuracies", "adapter_model.safetensors"),
+    "multi_turn.ipynb": ("unknown tool 'search'", "[tool]", "multi_turn/num_turns_mean"),
 }
 
 

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 from typing import Any
 
 import jax
@@ -40,6 +39,8 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
+from hybridjax.checkpointing.export import check_export_target
+from hybridjax.errors import ConfigError, UserError, cli_errors
 from hybridjax.models.lora import adapters_off
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.sft import (
@@ -262,17 +263,22 @@ def evaluate(graphdef, params, pairs, ref, bs, rows, config: DPOConfig) -> dict[
 # ---------------------------------------------------------------------------------- the run
 
 
-def run_dpo(cfg: ConfigDict) -> dict[str, Any]:
+def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     """Trains per `cfg` (resuming when `trainer.resume_mode=auto`), writes the HF checkpoint,
     and returns the last metrics (with `eval_*` when `data.val_files` is set).
 
+    Args:
+      overwrite: let the HF export replace a `trainer.output_dir` that is not empty.
     Raises:
       ValueError: unknown keys, bad `dpo.*` values, unreadable data, a batch size the devices
         do not divide.
+      ExportError: `trainer.output_dir` is not empty and `overwrite` is False (checked first).
     """
     check_keys(cfg, dpo_config(), name="DPO")
     config = DPOConfig(**cfg.dpo.to_dict())
     t, bs = cfg.trainer, cfg.data.train_batch_size
+    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
+    check_export_target(os.path.abspath(out), overwrite)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = offline.train_mesh(cfg)
     train = load_preferences(cfg.data.train_files, tokenizer, cfg.data)
@@ -296,8 +302,7 @@ def run_dpo(cfg: ConfigDict) -> dict[str, Any]:
     )
     state = init_train_state(params, optim)
     state, metrics = offline.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
-    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path)
+    offline.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path, overwrite)
     print(f"DPO model written to {out}", flush=True)
     return metrics
 
@@ -308,16 +313,23 @@ def main(argv: list[str]) -> None:
 
     t = _CONFIG.value.trainer  # INFO lines to the log file unless --verbosity=0
     configure_logging(os.path.join(t.default_local_dir, "logs", "train.log"))
-    try:
-        run_dpo(_CONFIG.value)
-    except ValueError as err:
-        sys.exit(f"DPO: {err}")
+    with cli_errors("hybridjax.dpo"):
+        try:
+            run_dpo(_CONFIG.value, _OVERWRITE.value)
+        except ValueError as err:
+            if isinstance(err, UserError):
+                raise
+            raise ConfigError(str(err)) from err
 
 
 if __name__ == "__main__":
+    from absl import flags
     from ml_collections import config_flags
 
     from hybridjax.errors import run_main
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "DPO config file", lock_config=True)
+    _OVERWRITE = flags.DEFINE_bool(
+        "overwrite", False, "let the HF export replace a trainer.output_dir that is not empty"
+    )
     run_main(main, "hybridjax.dpo")

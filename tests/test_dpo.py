@@ -206,7 +206,7 @@ def test_lora_dpo_learns_resumes_exactly_and_exports(tmp_path):
     cut.mkdir()
     _write_preferences(cut / "pairs.jsonl", 32)
     run_dpo(_dpo_config(cut, 4, **{"trainer.save_freq": 2}))
-    resumed = run_dpo(_dpo_config(cut, 8, **{"trainer.save_freq": 2}))  # resumes at step 4
+    resumed = run_dpo(_dpo_config(cut, 8, **{"trainer.save_freq": 2}), overwrite=True)  # step 4
     assert resumed["eval_loss"] == straight["eval_loss"]
     b = load_pretrained(cut / "run" / "hf")
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):

@@ -306,7 +306,7 @@ def _last_token_scores(batch) -> jax.Array:
 
 
 def _two_rl_steps(models, changes):
-    """Steps 1 and 2 of the default step's device stages (old_log_prob → values → adv →
+    """Steps 1 and 2 of the default step's device stages (old_log_prob → ref → values → adv →
     update_critic → update_actor) on ragged batches of 4 groups of 4."""
     from hybridjax.trainer import step
 
@@ -321,6 +321,7 @@ def _two_rl_steps(models, changes):
         batch, _ = ragged_batch(seed=n, group_sizes=(4, 4, 4, 4))
         batch = batch.replace(token_level_scores=_last_token_scores(batch))
         batch, device = step._old_log_prob(graphdef, actor.params, batch, cfg)
+        batch = step._ref_log_prob(graphdef, params, batch, cfg)  # the initial actor
         if use_critic:
             batch = step._values(critic_graphdef, critic.params, batch, cfg)
         batch, _, m = step._advantage(batch, jnp.float32(0.01), cfg)

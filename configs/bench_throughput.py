@@ -21,6 +21,7 @@ def get_config():
                 overrides="",  # JSON: dotted trainer keys -> values
                 warmup=1,
                 steps=3,
+                profile=True,  # last step under the JAX profiler and cProfile (flame graph)
                 devices=0,  # simulated CPU devices; 0 = the platform's default
             ),
         )

@@ -65,6 +65,9 @@ MODELS = {
                  num_attention_heads=12, num_key_value_heads=4),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
+    # Qwen2.5-0.5B's shape (494M), for experiments/gpu/check.sh
+    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2),
 }  # fmt: skip
 
 

@@ -32,6 +32,9 @@ BENCHMARKS = (
     "generation",
     "reshard",
     "placement",
+    "memory",
+    "integration",
+    "batch_sweep",
 )
 _CONFIG = config_flags.DEFINE_config_file("config", None, "benchmark config file")
 log = logging.getLogger("experiments.benchmarks")

@@ -19,7 +19,12 @@ Stage times are those the step reported: an on-policy step has no `old_log_prob`
 Config keys (`throughput`): workload ("a", "b", "tiny"; "" = use trainer_config),
 trainer_config (path of a trainer config file), overrides (JSON object of dotted trainer keys →
 values, e.g. '{"data.train_batch_size": 4}'),
-warmup, steps. `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
+warmup, steps, profile (run the last step under the JAX profiler and cProfile: `trace/`,
+`host_profile.svg`). `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
+
+Besides `summary.json` (which adds `stability`: min/median/p95/max/std of the timed steps,
+`communication`: bytes and seconds of the re-layout, and `peak_memory_bytes`), the run writes
+`steps.jsonl`: every step's metrics with `bench/stages`, when each stage started and ended.
 """
 
 from __future__ import annotations
@@ -87,22 +92,33 @@ def step_flops(
     return total
 
 
-def measure(trainer, warmup: int, steps: int) -> list[dict]:
+def measure(trainer, warmup: int, steps: int, out_dir: pathlib.Path | None = None) -> list[dict]:
     """Runs `warmup + steps` trainer steps; returns each step's metrics plus host wall/CPU time
-    (`bench/wall_s`, `bench/cpu_s`)."""
-    out = []
-    for step in range(1, warmup + steps + 1):
-        wall, cpu = time.perf_counter(), time.process_time()
-        metrics = trainer.train_step(step)
-        metrics["bench/wall_s"] = time.perf_counter() - wall
-        metrics["bench/cpu_s"] = time.process_time() - cpu
-        log.info("step %d: %s", step, json.dumps(metrics))
-        out.append(metrics)
+    (`bench/wall_s`, `bench/cpu_s`), its start (`bench/start_s`, seconds after the first step
+    began) and when each stage ran (`bench/stages`: stage, start_s, end_s on the same clock).
+    With `out_dir`, the last step runs under the profilers (`recording.profile_step`)."""
+    from experiments.benchmarks.recording import StageClock, profile_step
+
+    out, origin = [], time.time()
+    with StageClock() as clock:
+        for step in range(1, warmup + steps + 1):
+            start, wall, cpu = time.time(), time.perf_counter(), time.process_time()
+            if out_dir is not None and step == warmup + steps:
+                metrics = profile_step(lambda s=step: trainer.train_step(s), out_dir)
+            else:
+                metrics = trainer.train_step(step)
+            metrics["bench/wall_s"] = time.perf_counter() - wall
+            metrics["bench/cpu_s"] = time.process_time() - cpu
+            metrics["bench/start_s"] = start - origin
+            metrics["bench/stages"] = clock.take(origin)
+            log.info("step %d: %s", step, json.dumps(metrics))
+            out.append(metrics)
     return out
 
 
 def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> dict:
     """Medians over the timed steps: step time, steps/hour, tokens/s, stage times, MFU."""
+    from experiments.benchmarks.recording import stability
     from hybridjax.trainer.build import critic_model_config
 
     timed = metrics[warmup:]
@@ -133,6 +149,11 @@ def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> d
             "timing_s/"
         ),
         "step_times_s": [m["timing_s/step"] for m in timed],
+        "stability": stability([m["timing_s/step"] for m in timed]),
+        "communication": {
+            "reshard_bytes": med("perf/reshard_bytes"),
+            "reshard_s": med("timing_s/reshard"),
+        },
     }
 
 
@@ -144,6 +165,17 @@ def _median_seq_lens(timed: list[dict]) -> np.ndarray:
     mean = mid["prompt_length/mean"] + mid["response_length/mean"]
     rows = round(mid["perf/total_num_tokens"] / mean)
     return np.full(rows, mean, dtype=np.float64)
+
+
+def peak_memory_bytes() -> dict:
+    """Peak memory so far: `device` (the first device's `peak_bytes_in_use`, where the backend
+    keeps statistics: GPU, TPU) and `host` (the process's peak resident set, VmHWM)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    with open("/proc/self/status") as f:
+        hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    return {"device": stats.get("peak_bytes_in_use"), "host": hwm}
 
 
 def run(cfg, out_dir: pathlib.Path) -> dict:
@@ -164,10 +196,11 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     t.peak_flops = peak
     trainer = RLTrainer(trainer_cfg)
     try:
-        metrics = measure(trainer, cfg.warmup, cfg.steps)
+        metrics = measure(trainer, cfg.warmup, cfg.steps, out_dir if cfg.profile else None)
     finally:
         trainer.close()
     summary = summarize(metrics, cfg.warmup, trainer, peak)
+    summary["peak_memory_bytes"] = peak_memory_bytes()
     if spec is not None:
         summary["workload"] = spec["name"]
     (out_dir / "steps.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))

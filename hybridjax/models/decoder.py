@@ -248,9 +248,13 @@ class Transformer(nnx.Module):
             bias = attention_bias(mask)
         for i, layer in enumerate(self.layers):
             if self.config.remat and cache is None:
-                h, _ = nnx.remat(lambda lyr, x: lyr(x, positions_BxT, token_mask_BxT, rope, bias))(
-                    layer, h
-                )
+                # jax.checkpoint over the layer's split state: nnx.remat on the module fails
+                # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error
+                graphdef, state = nnx.split(layer)
+                run = lambda st, x: nnx.merge(graphdef, st)(
+                    x, positions_BxT, token_mask_BxT, rope, bias
+                )[0]
+                h = jax.checkpoint(run)(state, h)
             else:
                 h, cache = layer(h, positions_BxT, token_mask_BxT, rope, bias, cache, i)
         return self.norm(h), cache

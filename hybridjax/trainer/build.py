@@ -4,12 +4,13 @@ the frozen `StageConfig` the jitted stages take."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.config import (
@@ -43,12 +44,41 @@ from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
-    """A fresh optimizer state, laid out as the params. With LoRA adapters in `params`, for the
-    adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+def _fresh_train_state(params: Any, optim: OptimConfig) -> TrainState:
     trainable, _ = split_trainable(params)
     return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
+
+
+init_train_state = jax.jit(_fresh_train_state, static_argnums=1)
+init_train_state.__doc__ = """A fresh optimizer state for `params` (jitted; XLA picks the
+optimizer state's layout: see `init_sharded_train_state`). With LoRA adapters in `params`, for
+the adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+
+
+def train_state_shardings(params: Any, optim: OptimConfig) -> TrainState:
+    """Shardings of the TrainState `init_train_state` builds for `params` (arrays or abstract
+    arrays with shardings): each optimizer leaf shaped like a trainable parameter (AdamW's
+    moments) takes that parameter's sharding, the rest (step counts, the injected learning
+    rate) is replicated. Left to XLA, the moments are replicated (they are zeros, with no data
+    dependence on the sharded parameters): 2 × the trainable bytes on every device."""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
+    abstract = jax.eval_shape(init_train_state, params, optim)
+    trainable, _ = split_trainable(shardings)
+    opt = optax.tree_map_params(
+        make_optimizer(optim),
+        lambda _, sharding: sharding,
+        abstract.opt_state,
+        trainable,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(shardings, opt, replicated)
+
+
+def init_sharded_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """`init_train_state`, written straight into `train_state_shardings` (the trainer's)."""
+    out = train_state_shardings(params, optim)
+    return jax.jit(_fresh_train_state, static_argnums=1, out_shardings=out)(params, optim)
 
 
 def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
@@ -312,13 +342,13 @@ def build_models(
     if cfg.critic.enable:
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = init_train_state(critic_params, stage.critic_optim)
+        critic_state = init_sharded_train_state(critic_params, stage.critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     return Models(
         actor_graphdef=actor_graphdef,
-        actor_state=init_train_state(params, stage.actor_optim),
+        actor_state=init_sharded_train_state(params, stage.actor_optim),
         ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,

@@ -212,6 +212,9 @@ def base_config() -> ConfigDict:
         # Both need the rollout on its own pool (hybridjax.trainer.async_rollout)
         rollout_mode="sync",
         staleness_threshold=1,  # async only: policy versions a sample may lag
+        # plan per-device memory of every stage before building anything (hybridjax.plan);
+        # a config that does not fit is a config error
+        check_memory=False,
         # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),

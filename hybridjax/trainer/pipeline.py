@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 import re
 import time
@@ -44,10 +45,14 @@ BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
 
 @contextlib.contextmanager
 def timed(timing: dict[str, float], name: str):
-    """Adds the wall time of the block to `timing[name]` (seconds)."""
-    start = time.perf_counter()
-    yield
+    """Adds the wall time of the block to `timing[name]` (seconds). The block is a named range
+    in JAX profiler traces, and its start and end (`time.time()`) are logged at DEBUG level
+    on this module's logger (`stage <name> <start> <end>`; the benchmarks' per-step log)."""
+    start, wall = time.perf_counter(), time.time()
+    with jax.profiler.TraceAnnotation(name):
+        yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+    logging.getLogger(__name__).debug("stage %s %.6f %.6f", name, wall, time.time())
 
 
 class PipelineError(ValueError):

@@ -35,6 +35,7 @@ from hybridjax.errors import CheckpointError, ConfigError
 from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.lora import LoRAConfig
+from hybridjax.plan import memory_problems
 from hybridjax.rewards.manager import (
     COMBINE,
     ON_ERROR_POLICIES,
@@ -524,6 +525,8 @@ def validate(
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
+        if not problems and cfg.trainer.check_memory and model_configs:  # compiles each stage
+            problems += memory_problems(cfg, n_devices, model_configs["actor_rollout_ref.model"])
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "

@@ -178,11 +178,25 @@ def test_throughput_smoke(tmp_path):
             benchmark="throughput",
             results_root=str(tmp_path),
             throughput=dict(
-                workload="tiny", trainer_config="", overrides="", warmup=0, steps=1, devices=0
+                workload="tiny",
+                trainer_config="",
+                overrides="",
+                warmup=0,
+                steps=1,
+                devices=0,
+                profile=True,
             ),
         )
     )
-    s = _check_results(run.run_benchmark(cfg), ["stages.png", "steps.png"])
+    out = run.run_benchmark(cfg)
+    s = _check_results(out, ["stages.png", "steps.png", "host_profile.svg", "host_profile.pstats"])
+    assert any((out / "trace").rglob("*.xplane.pb"))  # the JAX profiler trace of the step
+    (step,) = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    names = [e["stage"] for e in step["bench/stages"]]
+    assert names[0] == "gen" and "update_actor" in names and names[-1] == "step"
+    assert all(0 <= e["start_s"] <= e["end_s"] for e in step["bench/stages"])
+    assert s["stability"]["steps"] == 1 and s["communication"]["reshard_bytes"] > 0
+    assert s["peak_memory_bytes"]["host"] > 0
     assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
     for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
         assert np.isfinite(s[key]) and s[key] > 0, key
@@ -276,3 +290,76 @@ def test_generation_smoke(tmp_path):
     assert c["tokens"] == c["lengths"]["mean"] * 8
     # static batches run every wave to its longest response: never fewer steps
     assert c["decode_steps_static"] >= c["decode_steps_continuous"] > 0
+
+
+@pytest.mark.slow
+def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="memory",
+            results_root=str(tmp_path),
+            memory=dict(
+                models="256x4",  # smaller models: the runtime's one-off allocations dominate
+                batch=8,
+                n=4,
+                prompt_length=64,
+                response_length=64,
+                micro_batch=8,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["memory.png"])
+    (point,) = s["points"]
+    for stage in ("old_log_prob", "update_actor"):
+        assert point[stage]["measured_bytes"] > 0
+    # the update's scratch dominates its peak; a small forward's peak is mostly the runtime's
+    # one-off allocations of a first execution (README: Memory planner)
+    assert abs(point["update_actor"]["error"]) < 0.35, point["update_actor"]
+
+
+@pytest.mark.slow
+def test_integration_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="integration",
+            results_root=str(tmp_path),
+            integration=dict(model="tiny", repeats=1, loading_copies=1),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["integration.png"])
+    c = s["checkpoint"]
+    assert c["disk_bytes"] > 0 and 0 < c["save_s"] <= c["save_total_s"] and c["restore_s"] > 0
+    assert s["loading"]["rows"] == 7473
+    for fmt in ("parquet", "arrow_ipc"):
+        assert s["loading"][fmt]["file_bytes"] > 0 and s["loading"][fmt]["read_s"] > 0
+
+
+@pytest.mark.slow
+def test_batch_sweep_smoke(tmp_path):
+    cfg = ConfigDict(
+        dict(
+            benchmark="batch_sweep",
+            results_root=str(tmp_path),
+            batch_sweep=dict(
+                trainer_config="configs/quickstart.py",
+                plan_config="configs/quickstart.py",
+                plan_overrides="",
+                batches="16",
+                plan_batches="16,32",  # multiples of the quick start's mini-batch (16)
+                devices=1,
+                device_memory_gb=0.05,
+                measure=True,
+                warmup=0,
+                steps=1,
+                timeout_s=900,
+            ),
+        )
+    )
+    s = _check_results(run.run_benchmark(cfg), ["batch_sweep.png"])
+    assert set(s["planned"]) == {"16", "32"} and s["measured"]["16"]["steps_per_hour"] > 0
+    peaks = [s["planned"][b]["peak_bytes"] for b in ("16", "32")]
+    assert peaks[0] < peaks[1]  # a larger rollout batch needs more memory
+    over = [int(b) for b, p in s["planned"].items() if p["peak_bytes"] > 0.05e9]
+    assert [int(b) for b, p in s["planned"].items() if not p["fits"]] == over
+    assert s["first_batch_out_of_memory"] == (min(over) if over else None)

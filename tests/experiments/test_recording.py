@@ -1,0 +1,70 @@
+"""What trainer benchmarks record: stage timestamps, the profiled step, stability figures; and
+the GPU check's own pieces (the shell script's syntax, its result parsing)."""
+
+import pathlib
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.benchmarks.recording import StageClock, profile_step, stability
+from experiments.gpu import check
+from hybridjax.trainer.pipeline import timed
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_stability_figures_by_hand():
+    s = stability([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert (s["min_s"], s["median_s"], s["max_s"], s["steps"]) == (1.0, 3.0, 100.0, 5)
+    assert s["p95_s"] == pytest.approx(4.0 + 0.8 * 96.0)  # rank 0.95·4 = 3.8 between 4 and 100
+    assert s["mean_s"] == 22.0
+    assert s["std_s"] == pytest.approx(np.sqrt(np.mean((np.array([1, 2, 3, 4, 100]) - 22) ** 2)))
+
+
+def test_stage_clock_records_each_timed_block_in_order():
+    timing = {}
+    with StageClock() as clock:
+        with timed(timing, "gen"):
+            pass
+        with timed(timing, "update_actor"):
+            pass
+        origin = clock.events[0][1]
+        events = clock.take(origin)
+    assert [e["stage"] for e in events] == ["gen", "update_actor"]
+    assert events[0]["start_s"] == 0.0 and events[0]["end_s"] <= events[1]["start_s"]
+    assert set(timing) == {"gen", "update_actor"} and clock.take(origin) == []
+    with timed(timing, "after"):  # detached: nothing recorded
+        pass
+    assert clock.events == []
+
+
+def test_profile_step_writes_trace_pstats_and_flame_graph(tmp_path):
+    result = profile_step(lambda: float(jnp.arange(4.0).sum()), tmp_path)
+    assert result == 6.0
+    assert (tmp_path / "host_profile.pstats").stat().st_size > 0
+    assert (tmp_path / "host_profile.svg").read_text().lstrip().startswith("<")
+    assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+def test_check_script_parses_and_refuses_unknown_arguments():
+    script = ROOT / "experiments" / "gpu" / "check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    done = subprocess.run(["bash", str(script), "--nope"], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown argument '--nope'" in done.stderr
+
+
+def test_check_reads_junit_counts_and_the_printed_results_folder(tmp_path):
+    xml = tmp_path / "t.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="2"/></testsuites>'
+    )
+    assert check._junit_counts(xml) == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
+    assert check._junit_counts(tmp_path / "missing.xml") == {}
+    folder = tmp_path / "20260101_000000"
+    folder.mkdir()
+    (folder / "summary.json").write_text("{}")
+    assert check._last_results_dir(f"INFO noise\n{folder}\n") == folder
+    assert check._last_results_dir("no folder here") is None
+    assert check._last_results_dir("I1201 a log line " + "x" * 5000) is None  # never a path

@@ -78,6 +78,43 @@ def generate(
       ValueError: a prompt can never be served (too long, or its group needs more pages than
         the pool has), before any work is done.
     """
+    requests = make_requests(engine, prompt_ids, sampling_params, attention_mask, first_index)
+    first_row = np.cumsum([0] + [r.params.n for r in requests])
+    width = max((r.params.max_tokens for r in requests), default=1)
+    tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
+    log_probs: list[list[float]] = [[] for _ in range(first_row[-1])]
+    reasons = ["length"] * int(first_row[-1])
+    queue = collections.deque(requests)
+    waiting: collections.deque[Prefix] = collections.deque()
+    owner: dict[int, int] = {}  # slot -> output row
+    steps = engine.config.decode_steps_per_call
+
+    while queue or waiting or owner:
+        if continuous or not owner:
+            fill_slots(engine, queue, waiting, owner, first_row, first_index)
+        if not owner:
+            raise RuntimeError("no request could be admitted; the page pool is too small")
+        pending = len(queue) + sum(p.samples_left for p in waiting)
+        exit_when = min(pending, refill_batch(engine)) if (continuous and pending) else None
+        out = engine.generate(steps, exit_when_done=exit_when)
+        for slot, row in list(owner.items()):
+            valid = out.tokens[slot] >= 0
+            tokens[row].extend(out.tokens[slot, valid].tolist())
+            log_probs[row].extend(out.log_probs[slot, valid].tolist())
+            if out.finished[slot]:
+                reasons[row] = "stop" if out.stopped[slot] else "length"
+                engine.free_resource(slot)
+                del owner[slot]
+
+    masks = [[1] * len(t) for t in tokens]
+    return RolloutOutput(*pad_rows(tokens, masks, log_probs, width, pad_token_id), tuple(reasons))
+
+
+def make_requests(
+    engine: Engine, prompt_ids, sampling_params, attention_mask, first_index: int
+) -> list[Request]:
+    """One `Request` per prompt (see `generate`), each checked against the engine; raises
+    ValueError for one that can never be served, RuntimeError if the engine is busy."""
     prompts = _prompts(prompt_ids, attention_mask)
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
@@ -91,55 +128,42 @@ def generate(
         engine.check_request(r)
     if engine.num_active:
         raise RuntimeError("generate() needs an idle engine")
+    return requests
 
-    first_row = np.cumsum([0] + [r.params.n for r in requests])
-    width = max((r.params.max_tokens for r in requests), default=1)
-    tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
-    log_probs: list[list[float]] = [[] for _ in range(first_row[-1])]
-    reasons = ["length"] * int(first_row[-1])
-    queue = collections.deque(requests)
-    waiting: collections.deque[Prefix] = collections.deque()
-    owner: dict[int, int] = {}  # slot -> output row
-    steps = engine.config.decode_steps_per_call
-    refill_batch = max(1, engine.config.max_num_seqs // REFILL_DIVISOR)
 
-    while queue or waiting or owner:
-        if continuous or not owner:
-            free = engine.free_slots
-            capacity = len(free) - sum(p.samples_left for p in waiting)
-            admitted = []
-            while queue and capacity > 0 and engine.can_prefill(queue[0]):
-                admitted.append(queue.popleft())
-                capacity -= admitted[-1].params.n
-            waiting.extend(engine.prefill(admitted))
-            for slot in free:
-                if not waiting:
-                    break
-                prefix = waiting[0]
-                owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
-                engine.insert(prefix, slot)
-                if prefix.samples_left == 0:
-                    waiting.popleft()
-        if not owner:
-            raise RuntimeError("no request could be admitted; the page pool is too small")
-        pending = len(queue) + sum(p.samples_left for p in waiting)
-        exit_when = min(pending, refill_batch) if (continuous and pending) else None
-        out = engine.generate(steps, exit_when_done=exit_when)
-        for slot, row in list(owner.items()):
-            valid = out.tokens[slot] >= 0
-            tokens[row].extend(out.tokens[slot, valid].tolist())
-            log_probs[row].extend(out.log_probs[slot, valid].tolist())
-            if out.finished[slot]:
-                reasons[row] = "stop" if out.stopped[slot] else "length"
-                engine.free_resource(slot)
-                del owner[slot]
+def refill_batch(engine: Engine) -> int:
+    """Finished slots after which the decode loop returns to refill them."""
+    return max(1, engine.config.max_num_seqs // REFILL_DIVISOR)
 
+
+def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> None:
+    """Prefills queued requests while free slots and pages allow, then inserts waiting samples
+    into free slots; `owner` maps each filled slot to its output row
+    (`first_row[request] + sample`)."""
+    free = engine.free_slots
+    capacity = len(free) - sum(p.samples_left for p in waiting)
+    admitted = []
+    while queue and capacity > 0 and engine.can_prefill(queue[0]):
+        admitted.append(queue.popleft())
+        capacity -= admitted[-1].params.n
+    waiting.extend(engine.prefill(admitted))
+    for slot in free:
+        if not waiting:
+            break
+        prefix = waiting[0]
+        owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
+        engine.insert(prefix, slot)
+        if prefix.samples_left == 0:
+            waiting.popleft()
+
+
+def pad_rows(tokens, masks, log_probs, width: int, pad_token_id: int):
+    """(responses int32, response_mask int32, log-probs float32), each rows×width, from
+    per-row lists (right-padded with `pad_token_id`, 0 and 0)."""
     rows = len(tokens)
     responses = np.full((rows, width), pad_token_id, np.int32)
     mask = np.zeros((rows, width), np.int32)
     lps = np.zeros((rows, width), np.float32)
-    for i, (t, lp) in enumerate(zip(tokens, log_probs, strict=True)):
-        responses[i, : len(t)] = t
-        mask[i, : len(t)] = 1
-        lps[i, : len(lp)] = lp
-    return RolloutOutput(responses, mask, lps, tuple(reasons))
+    for i, (t, m, lp) in enumerate(zip(tokens, masks, log_probs, strict=True)):
+        responses[i, : len(t)], mask[i, : len(m)], lps[i, : len(lp)] = t, m, lp
+    return responses, mask, lps

@@ -14,6 +14,10 @@ Life of a prompt of length L with n samples:
      `max_num_seqs` = 256 slots costs what one with as many slots as sequences does.
   4. `free_resource`: the slot's pages go back to the free list.
 
+Multi-turn (`hybridjax.rollout.agent_loop`): a slot that stopped keeps its pages; `extend` appends
+tokens (a tool's response) on top of its cached keys/values, computing only the new tokens, and
+re-activates it, while the other slots keep decoding.
+
 Device state: the page pools (and the weights). Everything else (page tables, per-slot sampling
 parameters, positions) lives on the host and is uploaded with each call: a few KB.
 """
@@ -99,6 +103,7 @@ class Engine:
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self.num_decode_steps = 0  # decode-loop iterations run so far (all rows in one step)
         self.num_decode_rows = 0  # rows those iterations ran on (padding rows included)
+        self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
         k, v = PagedKVCache.create_pool(
             model.config, self.num_pages, config.page_size, self.kv_dtype
         )
@@ -107,6 +112,7 @@ class Engine:
         self._slot_pages: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
         self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         self._copy_jit = jax.jit(self._copy_fn, donate_argnums=(0, 1))
+        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=(1, 2))
         self._decode_jit = jax.jit(
             self._decode_fn, donate_argnums=(1, 2), static_argnames=("num_steps", "use_filter")
         )
@@ -265,6 +271,7 @@ class Engine:
                 ids[row, :length] = p.request.prompt[:-1]
                 mask[row, :length] = True
                 table[row, : len(p.pages)] = p.pages
+            self.num_prefill_tokens += int(mask.sum())
             self.k_pools, self.v_pools = self._prefill_jit(
                 self.state, self.k_pools, self.v_pools, ids, mask, table
             )
@@ -300,6 +307,70 @@ class Engine:
         self.pages.release(self._slot_pages[slot])
         self._slot_pages[slot] = []
         self.slots.active[slot] = False
+
+    # ----------------------------------------------------------------------------- extend
+
+    def _extend_fn(self, state, k_pools, v_pools, ids_NxT, start_N, mask_NxT, page_table_NxP):
+        self._traced(f"extend{ids_NxT.shape}")
+        k, v = steps.extend(
+            self.graphdef,
+            state,
+            k_pools,
+            v_pools,
+            ids_NxT,
+            start_N,
+            mask_NxT,
+            page_table_NxP,
+            self.model_config.sliding_window,
+        )
+        return self._constrain_pools(k), self._constrain_pools(v)
+
+    def extend(self, appends: dict[int, tuple[list[int], int]]) -> None:
+        """Continues stopped sequences after appended tokens, in one call for every slot.
+
+        `appends` maps a slot that finished (still allocated) to (tokens, max_new): the tokens
+        (at least one; e.g. a tool's response) follow the slot's last sampled token, and the
+        slot may then sample up to `max_new` more tokens. Its last sampled token and all appended
+        tokens but the last are written to its pages at the next positions (only they are
+        computed: the cached keys/values of earlier turns are reused); the last appended token
+        becomes the slot's next input, so the next sampled token comes out of the decode loop.
+        Sampling continues the slot's PRNG stream (token index = tokens sampled so far).
+
+        Raises ValueError for an active or free slot, no tokens, or a sequence that would
+        outgrow the pages the slot holds (its prompt + max_tokens of `insert`).
+        Host sync: none (the call is queued).
+        """
+        s, ps = self.slots, self.config.page_size
+        for slot, (tokens, max_new) in appends.items():
+            if s.active[slot] or not self._slot_pages[slot]:
+                raise ValueError(f"slot {slot} is not a stopped sequence")
+            end = int(s.position[slot]) + len(tokens) + max_new - 1  # last position fed
+            if not tokens or max_new < 1 or end >= len(self._slot_pages[slot]) * ps:
+                raise ValueError(
+                    f"slot {slot}: {len(tokens)} appended tokens + {max_new} new ones from "
+                    f"position {int(s.position[slot])} outgrow its "
+                    f"{len(self._slot_pages[slot])} pages of {ps}"
+                )
+        if not appends:
+            return
+        self._flush_copies()
+        n = prefill_bucket(len(appends))
+        t = prefill_bucket(max(len(v[0]) for v in appends.values()), self.config.min_prefill_bucket)
+        ids, mask = np.zeros((n, t), np.int32), np.zeros((n, t), bool)
+        start = np.zeros(n, np.int32)
+        table = np.zeros((n, self.config.pages_per_seq), np.int32)
+        for row, (slot, (tokens, max_new)) in enumerate(appends.items()):
+            fed = [int(s.token[slot])] + list(tokens[:-1])
+            ids[row, : len(fed)], mask[row, : len(fed)] = fed, True
+            start[row], table[row] = s.position[slot], s.page_table[slot]
+            s.token[slot] = tokens[-1]
+            s.position[slot] += len(tokens)
+            s.max_tokens[slot] = s.num_generated[slot] + max_new
+            s.active[slot] = True
+        self.num_prefill_tokens += int(mask.sum())
+        self.k_pools, self.v_pools = self._extend_jit(
+            self.state, self.k_pools, self.v_pools, ids, start, mask, table
+        )
 
     def _copy_fn(self, k_pools, v_pools, src_C, dst_C):
         self._traced(f"copy_pages{src_C.shape}")

@@ -1,5 +1,6 @@
 """The engine's device work as pure functions (the engine jits them, pools donated): prefill of
-prompts into fresh pages, and a decode loop over one batch of rows.
+prompts into fresh pages, extension of running sequences by appended tokens (a tool's response
+in a multi-turn rollout), and a decode loop over one batch of rows.
 
 Neither knows about slots: a call runs on the rows it is given (the decode batch holds the
 active slots only, see `hybridjax.rollout.slots`) and reads and writes the KV cache through
@@ -39,6 +40,31 @@ def prefill(
     model = nnx.merge(graphdef, state)
     positions_NxT = jnp.broadcast_to(jnp.arange(ids_NxT.shape[1]), ids_NxT.shape)
     cache = PagedKVCache(k_pools, v_pools, page_table_NxP, "prefill", sliding_window=sliding_window)
+    _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
+    return cache.k, cache.v
+
+
+def extend(
+    graphdef: Any,
+    state: Any,
+    k_pools: Pools,
+    v_pools: Pools,
+    ids_NxT: jax.Array,
+    start_N: jax.Array,
+    mask_NxT: jax.Array,
+    page_table_NxP: jax.Array,
+    sliding_window: int | None,
+) -> tuple[Pools, Pools]:
+    """Appends tokens to N sequences whose keys/values are already in their pages: token t of
+    row n sits at position start_N[n] + t, is written to the pages and attends to every earlier
+    position of its sequence (the cached ones and the appended ones before it; the jnp paged
+    attention, causal by position). Only the appended tokens are computed: the cached prefix
+    is read, never recomputed. Masked tokens write nowhere. Returns the updated pools."""
+    model = nnx.merge(graphdef, state)
+    positions_NxT = start_N[:, None] + jnp.arange(ids_NxT.shape[1])[None]
+    cache = PagedKVCache(
+        k_pools, v_pools, page_table_NxP, "decode", "jnp", sliding_window=sliding_window
+    )
     _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
     return cache.k, cache.v
 

@@ -88,12 +88,16 @@ def make_batch(
     response_mask_BxR: jax.Array,
     rollout_log_probs_BxR: jax.Array | None = None,
     uid_B: jax.Array | None = None,
+    response_valid_BxR: jax.Array | None = None,
 ) -> RLBatch:
     """Assembles an RLBatch from left-padded prompts and right-padded responses (rows already
     repeated n times per prompt; `uid_B` int32 names each row's prompt). Position
-    ids count valid tokens from 0 at the first one."""
+    ids count valid tokens from 0 at the first one. `response_valid_BxR` (default:
+    `response_mask_BxR`) marks the response tokens attended to: in multi-turn rollouts the tool
+    responses too, which `response_mask` leaves out of losses."""
+    valid = response_mask_BxR if response_valid_BxR is None else response_valid_BxR
     attention_mask = jnp.concatenate(
-        [prompt_mask_BxP.astype(jnp.int32), response_mask_BxR.astype(jnp.int32)], axis=1
+        [prompt_mask_BxP.astype(jnp.int32), valid.astype(jnp.int32)], axis=1
     )
     position_ids = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
     return RLBatch(

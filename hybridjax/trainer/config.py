@@ -122,6 +122,19 @@ def base_config() -> ConfigDict:
             decode_steps_per_call=32,
             min_prefill_bucket=16,
             val_kwargs=dict(n=1, temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
+            # multi-turn rollouts with tools (hybridjax.rollout.agent_loop; verl's keys, plus
+            # tool_timeout_s / tool_workers); response_length bounds model + tool tokens
+            multi_turn=dict(
+                enable=False,
+                tool_config_path="",  # verl's tool config YAML (hybridjax.tools.config)
+                format="hermes",  # tool-call format: <tool_call>{json}</tool_call>
+                max_assistant_turns=5,
+                max_parallel_calls=1,  # calls of one turn executed
+                max_tool_response_length=256,  # characters of a tool response kept
+                tool_response_truncate_side="middle",  # left | middle | right
+                tool_timeout_s=30.0,  # per turn's calls
+                tool_workers=8,  # threads running tools
+            ),
         ),
     )
     c.critic = dict(

@@ -27,6 +27,7 @@ from hybridjax.rewards import RewardManager, RewardResult, concat_results, decod
 from hybridjax.rollout import Engine, SamplingParams, generate
 from hybridjax.sharding.hosts import allgather
 from hybridjax.trainer.batch import RLBatch, make_batch
+from hybridjax.trainer.multi_turn import MultiTurn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +39,29 @@ class HostColumns:
     extra_info: list[Any]
     row_mask: np.ndarray  # bool (B·n,): False on rows that only pad a short validation batch
     prompt_lengths: np.ndarray  # int (B·n,)
-    response_lengths: np.ndarray  # int (B·n,)
+    response_lengths: np.ndarray  # int (B·n,): up to the last model token
     responses: np.ndarray  # (B·n)×R int32, for decoding
-    response_mask: np.ndarray  # (B·n)×R
+    response_mask: np.ndarray  # (B·n)×R: model tokens
+    # Multi-turn rollouts (None: single-turn values, filled in by __post_init__):
+    valid_mask: np.ndarray | None = None  # (B·n)×R: every response token (tool ones included)
+    num_turns: np.ndarray | None = None  # int (B·n,): assistant turns
+    tool_calls: np.ndarray | None = None  # int (B·n,)
+    tool_errors: np.ndarray | None = None  # int (B·n,)
     mine: slice = dataclasses.field(
         default_factory=lambda: slice(None)
     )  # rows this process scores (its share of the prompts)
+
+    def __post_init__(self):
+        rows = len(self.row_mask)
+        defaults = dict(
+            valid_mask=self.response_mask,
+            num_turns=np.ones(rows, np.int32),
+            tool_calls=np.zeros(rows, np.int32),
+            tool_errors=np.zeros(rows, np.int32),
+        )
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     def share(self) -> HostColumns:
         """The columns of the rows this process scores."""
@@ -71,6 +89,7 @@ def generate_batch(
     pad_token_id: int,
     sharding: NamedSharding,
     first_index: int = 0,
+    multi_turn: MultiTurn | None = None,
 ) -> tuple[RLBatch, HostColumns]:
     """Samples `sampling.n` responses per prompt and assembles the step's batch.
 
@@ -82,6 +101,8 @@ def generate_batch(
       pad_token_id: fills responses past their end.
       sharding: where the batch rows go (the training mesh's batch axes).
       first_index: the global index of the first prompt (this process's share starts there).
+      multi_turn: tools for multi-turn rollouts (None: single-turn); tool tokens are attended
+        to but masked out of `response_mask`, and `extra_info` gains the trajectory.
     Returns:
       (RLBatch with `rollout_log_probs` and `uid` = the prompt's index in the whole batch,
       HostColumns), rows ordered prompt-major (n contiguous); both hold every process's rows,
@@ -89,26 +110,34 @@ def generate_batch(
     Host sync: the whole rollout (the engine returns numpy arrays), and a gather across
     processes under `jax.distributed`.
     """
-    out = generate(
-        engine,
-        prompts["input_ids"],
-        sampling,
-        prompts["attention_mask"],
-        pad_token_id,
-        first_index=first_index,
-    )
+    run = generate if multi_turn is None else multi_turn.generate
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    out = run(engine, ids, sampling, mask, pad_token_id, first_index=first_index)
     n = sampling.n
     repeat = lambda values: [v for v in values for _ in range(n)]
     prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
+    extra_info = repeat(prompts["extra_info"])
+    valid = turns = calls = errors = None  # single-turn values (`HostColumns`)
+    if multi_turn is not None:
+        extra_info = multi_turn.extra_info(out, extra_info)
+        lengths = np.array([sum(len(t) for _, t in row) for row in out.turns])
+        valid = (np.arange(out.responses.shape[1]) < lengths[:, None]).astype(np.int32)
+        turns, calls, errors = out.num_turns, out.tool_calls, out.tool_errors
+    model = out.response_mask.astype(bool)
+    last_model_token = np.where(model.any(-1), model.shape[1] - np.argmax(model[:, ::-1], -1), 0)
     local = HostColumns(
         data_source=repeat(prompts["data_source"]),
         ground_truth=repeat(prompts["ground_truth"]),
-        extra_info=repeat(prompts["extra_info"]),
+        extra_info=extra_info,
         row_mask=np.repeat(np.asarray(prompts["row_mask"], bool), n),
         prompt_lengths=prompt_mask.sum(-1),
-        response_lengths=out.response_mask.sum(-1),
+        response_lengths=last_model_token,
         responses=out.responses,
         response_mask=out.response_mask,
+        valid_mask=valid,
+        num_turns=turns,
+        tool_calls=calls,
+        tool_errors=errors,
     )
     parts = allgather(
         (prompts["input_ids"], prompts["attention_mask"], out.rollout_log_probs, local)
@@ -127,6 +156,7 @@ def generate_batch(
         put(host.response_mask.astype(np.float32)),
         put(np.concatenate([p[2] for p in parts])),
         put(np.repeat(np.arange(len(prompt_ids), dtype=np.int32), n)),
+        put(host.valid_mask.astype(np.float32)),
     )
     return batch, host
 
@@ -142,7 +172,7 @@ def submit_rewards(
 ) -> concurrent.futures.Future[RewardResult]:
     """Decodes this process's responses and starts scoring them (returns at once)."""
     host = host.share()
-    texts = decode_responses(tokenizer, host.responses, host.response_mask)
+    texts = decode_responses(tokenizer, host.responses, host.valid_mask)
     return manager.submit(
         texts,
         host.data_source,

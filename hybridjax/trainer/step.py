@@ -30,6 +30,7 @@ from hybridjax.trainer import stages
 from hybridjax.trainer.build import recompute_old_log_prob
 from hybridjax.trainer.dynamic_sampling import FILTER_GROUPS
 from hybridjax.trainer.generation import generate_batch
+from hybridjax.trainer.multi_turn import multi_turn_metrics
 from hybridjax.trainer.offload import any_offload, move_idle_states, offload_configs
 from hybridjax.trainer.pipeline import (
     Deferred,
@@ -128,15 +129,19 @@ def _onload(batch, ctx: StepContext):
 
 def _gen(batch, ctx: StepContext, greedy: bool = False):
     """Samples `rollout.n` responses per prompt of `ctx.prompts` (and, with `greedy`, one greedy
-    response per prompt into `ctx.greedy`); sets `ctx.host`."""
+    response per prompt into `ctx.greedy`); sets `ctx.host`. With `rollout.multi_turn` the
+    responses are multi-turn trajectories with tools (adds the `multi_turn/*` metrics)."""
     t = ctx.trainer
     sampling = t.sampling(ctx.step, gen_batch=ctx.gen_batches)
     ctx.gen_batches += 1
     pad, first = t.tokenizer.pad_token_id, t.train_loader.rows.start or 0  # this process's
     generate = lambda params: generate_batch(
-        t.engine, ctx.prompts, params, pad, t.batch_sharding, first
+        t.engine, ctx.prompts, params, pad, t.batch_sharding, first, t.multi_turn
     )
     batch, ctx.host = generate(sampling)
+    if t.multi_turn is not None:
+        h = ctx.host
+        ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)
     if greedy:
         ctx.greedy = generate(
             dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)

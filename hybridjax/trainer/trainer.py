@@ -37,6 +37,7 @@ from hybridjax.sharding.pools import make_placement, sync_weights
 from hybridjax.trainer import build, step
 from hybridjax.trainer.async_rollout import RolloutAhead, staleness_metrics
 from hybridjax.trainer.generation import generate_batch, step_seed
+from hybridjax.trainer.multi_turn import MultiTurn, multi_turn_metrics
 from hybridjax.trainer.nan_guard import NanGuard
 from hybridjax.trainer.offload import offload_configs
 from hybridjax.trainer.pipeline import Pipeline, Stage, StepContext, timed
@@ -116,6 +117,7 @@ class RLTrainer:
         self.engine_mesh = local_mesh(self.meshes.generate)
         actor = nnx.merge(self.actor_graphdef, self._generation_params()[0])
         self.engine = Engine(actor, engine_config, mesh=self.engine_mesh)
+        self.multi_turn = MultiTurn.from_config(rollout.multi_turn, self.tokenizer)
         self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
         self.weights_version = 0  # actor updates in the weights the rollout has
         if self.rollout_ahead is not None:
@@ -199,13 +201,16 @@ class RLTrainer:
         the rollout thread: the `gen` stage's work, with the weights of the request."""
         sampling = self.sampling(n)
         pad, first = self.tokenizer.pad_token_id, self.train_loader.rows.start or 0
+        mt = self.multi_turn
         batch, host = generate_batch(
-            self.engine, prompts, sampling, pad, self.batch_sharding, first
+            self.engine, prompts, sampling, pad, self.batch_sharding, first, mt
         )
         greedy = None
         if needs_reward_baseline(self.cfg.algorithm.adv_estimator):
             argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-            greedy = generate_batch(self.engine, prompts, argmax, pad, self.batch_sharding, first)
+            greedy = generate_batch(
+                self.engine, prompts, argmax, pad, self.batch_sharding, first, mt
+            )
         return batch, host, greedy
 
     def _gen_ahead(self, batch, ctx: StepContext):
@@ -218,6 +223,9 @@ class RLTrainer:
         self.policy_versions = rollout.versions
         ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
         ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
+        if self.multi_turn is not None:
+            h = ctx.host
+            ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)
         return batch
 
     def _data_state(self) -> Any:
@@ -297,6 +305,7 @@ class RLTrainer:
             self.batch_sharding,
             self.cfg.trainer.log_val_generations,
             self.val_loader.rows.start or 0,
+            self.multi_turn,
         )
 
     # ------------------------------------------------------------------------------ checkpoints

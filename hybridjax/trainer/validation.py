@@ -33,6 +33,7 @@ from hybridjax.trainer.generation import (
     generate_batch,
     submit_rewards,
 )
+from hybridjax.trainer.multi_turn import MultiTurn
 
 GENERATION_SEED = 42  # verl's fixed shuffle of the logged validation samples
 
@@ -92,7 +93,7 @@ def generation_samples(
     questions = prompt_texts(tokenizer, prompts["input_ids"], prompts["attention_mask"])
     questions = [q for part in allgather(questions) for q in part]  # every process's prompts
     n = len(host.row_mask) // len(questions)
-    responses = decode_responses(tokenizer, host.responses, host.response_mask)
+    responses = decode_responses(tokenizer, host.responses, host.valid_mask)
     samples = [
         (questions[i // n], responses[i], float(scores[i])) for i in np.flatnonzero(host.row_mask)
     ]
@@ -108,11 +109,13 @@ def validate(
     sharding,
     log_generations: int = 0,
     first_index: int = 0,
+    multi_turn: MultiTurn | None = None,
 ) -> dict[str, Any]:
     """Scores one pass over the validation loader.
 
     Args:
       sampling: `rollout.val_kwargs` (n responses per prompt).
+      multi_turn: tools of multi-turn rollouts (None: single-turn).
       log_generations: K > 0 adds `val/generations`, K (prompt, response, score) tuples
         (`trainer.log_val_generations`).
       first_index: where this process's share of each batch starts (`jax.distributed`: each
@@ -130,9 +133,9 @@ def validate(
     samples: list[tuple[str, str, float]] = []
     for prompts in loader.iter_epoch():
         _, host = generate_batch(
-            engine, prompts, sampling, tokenizer.pad_token_id, sharding, first_index
+            engine, prompts, sampling, tokenizer.pad_token_id, sharding, first_index, multi_turn
         )
-        responses = decode_responses(tokenizer, host.responses, host.response_mask)
+        responses = decode_responses(tokenizer, host.responses, host.valid_mask)
         result = collect_rewards(submit_rewards(rewards, tokenizer, host))
         if log_generations:
             questions = prompt_texts(tokenizer, prompts["input_ids"], prompts["attention_mask"])

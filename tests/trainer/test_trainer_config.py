@@ -25,7 +25,7 @@ def _load(name, tmp_path):
     return config
 
 
-@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo"])
+@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo", "gsm8k_multiturn"])
 def test_shipped_configs_are_valid_on_8_devices(name, tmp_path):
     config = _load(name, tmp_path)
     if (

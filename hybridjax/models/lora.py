@@ -58,11 +58,14 @@ LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """verl's `model.lora_rank` (0 = no LoRA), `lora_alpha`, `target_modules`."""
+    """verl's `model.lora_rank` (0 = no LoRA), `lora_alpha`, `target_modules`; and peft's
+    `modules_to_save`: top-level parameters of the base trained in full (the critic's new value
+    head, `("score",)`, which also covers `score_bias`)."""
 
     rank: int = 0
     alpha: float = 16.0
     target_modules: tuple[str, ...] = LINEAR_MODULES
+    modules_to_save: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -116,7 +119,9 @@ def _key(path: Sequence[Any]) -> str:
 
 
 class LoRAModel(nnx.Module):
-    """A `CausalLM` with LoRA adapters on `config.target_modules` of every layer.
+    """A `CausalLM` (or the critic's `SequenceClassifier`) with LoRA adapters on
+    `config.target_modules` of every layer; the base's `config.modules_to_save` parameters become
+    `nnx.LoRAParam`s in place, so they train (and are checkpointed) with the adapters.
 
     Same surface as the wrapped model for the trainer: `model` (the backbone with merged
     weights), `logits` (the LM head is never adapted), `__call__` (merged forward) and `decode`,
@@ -139,6 +144,10 @@ class LoRAModel(nnx.Module):
                     fan_in, config.rank, fan_out, param_dtype=dtype, rngs=rngs
                 )
         self.adapters = nnx.Dict(adapters)
+        for name in vars(base).copy():
+            var = getattr(base, name)
+            if isinstance(var, nnx.Param) and name.removesuffix("_bias") in config.modules_to_save:
+                setattr(base, name, nnx.LoRAParam(var.get_value(), **var.get_metadata()))
         self.scale = LoRAScale(jnp.float32(config.scale))
 
     def merged(self) -> CausalLM:
@@ -190,8 +199,8 @@ def has_adapters(state: Any) -> bool:
 
 
 def split_trainable(state: Any) -> tuple[Any, Any]:
-    """(trainable, frozen): the `nnx.LoRAParam` leaves and the rest when `state` has adapters,
-    else (state, None)."""
+    """(trainable, frozen): the `nnx.LoRAParam` leaves (adapters and `modules_to_save`) and the
+    rest when `state` has adapters, else (state, None)."""
     if not has_adapters(state):
         return state, None
     return nnx.split_state(state, nnx.LoRAParam, ...)

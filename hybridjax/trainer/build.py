@@ -130,11 +130,12 @@ def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Causal
 
 def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> SequenceClassifier:
     """The critic: `critic.model.path`, else the actor's checkpoint with a fresh value head,
-    else a random model of the actor's shape."""
+    else a random model of the actor's shape; with `critic.model.lora_rank` > 0 wrapped in
+    fresh LoRA adapters, the new value head trained in full (peft's `modules_to_save`)."""
     path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
     if path:
         overrides = {"num_labels": 1, "remat": config.remat, "dtype": config.dtype}
-        return load_pretrained(
+        critic = load_pretrained(
             path,
             kind="classifier",
             shardings=sharding_fn(mesh, CRITIC_RULES),
@@ -142,7 +143,11 @@ def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Seque
             init_score_head=True,
             seed=seed,
         )
-    return init_sharded(SequenceClassifier, config, mesh, CRITIC_RULES, seed)
+    else:
+        critic = init_sharded(SequenceClassifier, config, mesh, CRITIC_RULES, seed)
+    lora = LoRAConfig.from_config(cfg.critic.model, "critic.model")
+    lora = dataclasses.replace(lora, modules_to_save=("score",))
+    return apply_lora(critic, lora, seed) if lora.enabled else critic
 
 
 def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:

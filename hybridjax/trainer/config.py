@@ -142,6 +142,10 @@ def base_config() -> ConfigDict:
         model=dict(
             path="",
             override_config=ConfigDict(),
+            # LoRA as the actor's; the value head (`score`) is new and always trains in full
+            lora_rank=0,
+            lora_alpha=16.0,
+            target_modules="all-linear",
             fsdp_config=dict(param_offload=False, optimizer_offload=False),
             use_remove_padding=True,
         ),

@@ -313,7 +313,7 @@ class RLTrainer:
     def _state_tree(self) -> dict[str, Any]:
         tree = {"actor": build.checkpointed(self.actor_state), "kl_coef": self.kl_coef}
         if self.critic_state is not None:
-            tree["critic"] = self.critic_state
+            tree["critic"] = build.checkpointed(self.critic_state)
         return tree
 
     def save(self) -> None:
@@ -349,10 +349,11 @@ class RLTrainer:
         if restored is None:
             return 0
         step, tree, meta = restored
+        critic = tree.get("critic")
         self.models = dataclasses.replace(
             self.models,
             actor_state=build.restored(self.actor_state, tree["actor"]),
-            critic_state=tree.get("critic"),
+            critic_state=None if critic is None else build.restored(self.critic_state, critic),
         )
         self.kl_coef = tree["kl_coef"]
         self.weights_version = meta["global_step"]

@@ -457,12 +457,14 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
 
 
 def _lora_problems(c: ConfigDict) -> list[str]:
-    """`actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
-    try:
-        LoRAConfig.from_config(c.actor_rollout_ref.model)
-    except ValueError as err:
-        return str(err).split("; ")
-    return []
+    """`{actor_rollout_ref,critic}.model.{lora_rank,lora_alpha,target_modules}` (`LoRAConfig`)."""
+    problems = []
+    for where in ("actor_rollout_ref.model", "critic.model"):
+        try:
+            LoRAConfig.from_config(_get(c, where), where)
+        except ValueError as err:
+            problems += str(err).split("; ")
+    return problems
 
 
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:

@@ -17,13 +17,11 @@ Built-in sources:
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
 from hybridjax.rewards import gsm8k, math_boxed
+from hybridjax.user_code import load_module
 
 # fn(solution_str, ground_truth, extra_info) -> float | dict
 ScoreFn = Callable[[str, Any, Any], Any]
@@ -83,17 +81,12 @@ def load_custom_reward_function(
       FileNotFoundError: `path` is neither a file nor an importable module.
       AttributeError: the module has no callable `name`.
     """
-    if os.path.isfile(path):
-        spec = importlib.util.spec_from_file_location("custom_reward_module", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(path)
-        except ImportError as e:
-            raise FileNotFoundError(
-                f"custom_reward_function.path {path!r} is not a file or an importable module"
-            ) from e
+    try:
+        module = load_module(path)
+    except ImportError as e:
+        raise FileNotFoundError(
+            f"custom_reward_function.path {path!r} is not a file or an importable module"
+        ) from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise AttributeError(f"custom_reward_function.name {name!r} is not a function in {path}")

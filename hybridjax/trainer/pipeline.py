@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -39,6 +36,7 @@ from typing import Any
 import jax
 
 from hybridjax.trainer.batch import RLBatch
+from hybridjax.user_code import load_module
 
 BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
 
@@ -247,18 +245,12 @@ def load_stage(target: str, function: str) -> Stage:
     Raises:
       PipelineError: `target` is neither a file nor an importable module, or has no `function`.
     """
-    if os.path.isfile(target):
-        name = "hybridjax_user_stages_" + re.sub(r"\W", "_", os.path.abspath(target))
-        spec = importlib.util.spec_from_file_location(name, target)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise PipelineError(
-                f"trainer.stages: {target!r} is not a file or an importable module ({err})"
-            ) from None
+    try:
+        module = load_module(target)
+    except ImportError as err:
+        raise PipelineError(
+            f"trainer.stages: {target!r} is not a file or an importable module ({err})"
+        ) from None
     found = getattr(module, function, None)
     if isinstance(found, Stage):
         return found

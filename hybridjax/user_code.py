@@ -1,0 +1,26 @@
+"""Loading a user's Python code named in the config (`custom_reward_function.path`,
+`trainer.stages`): a file path or an importable module name."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+from types import ModuleType
+
+
+def load_module(target: str) -> ModuleType:
+    """The Python file `target` (executed as a module named after its absolute path), else the
+    importable module `target` (dotted name).
+
+    Raises:
+      ImportError: `target` is neither a file nor an importable module.
+    """
+    if os.path.isfile(target):
+        name = "hybridjax_user_" + re.sub(r"\W", "_", os.path.abspath(target))
+        spec = importlib.util.spec_from_file_location(name, target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(target)

@@ -10,12 +10,17 @@ import re
 from types import ModuleType
 
 
+class CodeNotFound(ImportError):
+    """`target` is neither a file nor an importable module."""
+
+
 def load_module(target: str) -> ModuleType:
     """The Python file `target` (executed as a module named after its absolute path), else the
     importable module `target` (dotted name).
 
     Raises:
-      ImportError: `target` is neither a file nor an importable module.
+      CodeNotFound: `target` is neither a file nor an importable module (errors raised while
+        running a file that exists propagate as they are).
     """
     if os.path.isfile(target):
         name = "hybridjax_user_" + re.sub(r"\W", "_", os.path.abspath(target))
@@ -23,4 +28,7 @@ def load_module(target: str) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    return importlib.import_module(target)
+    try:
+        return importlib.import_module(target)
+    except ImportError as err:
+        raise CodeNotFound(str(err)) from err

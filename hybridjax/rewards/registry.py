@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridjax.rewards import gsm8k, math_boxed
-from hybridjax.user_code import load_module
+from hybridjax.user_code import CodeNotFound, load_module
 
 # fn(solution_str, ground_truth, extra_info) -> float | dict
 ScoreFn = Callable[[str, Any, Any], Any]
@@ -83,7 +83,7 @@ def load_custom_reward_function(
     """
     try:
         module = load_module(path)
-    except ImportError as e:
+    except CodeNotFound as e:
         raise FileNotFoundError(
             f"custom_reward_function.path {path!r} is not a file or an importable module"
         ) from e

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 from hybridjax.trainer.batch import RLBatch
-from hybridjax.user_code import load_module
+from hybridjax.user_code import CodeNotFound, load_module
 
 BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
 
@@ -247,7 +247,7 @@ def load_stage(target: str, function: str) -> Stage:
     """
     try:
         module = load_module(target)
-    except ImportError as err:
+    except CodeNotFound as err:
         raise PipelineError(
             f"trainer.stages: {target!r} is not a file or an importable module ({err})"
         ) from None

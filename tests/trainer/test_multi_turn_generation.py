@@ -50,7 +50,7 @@ def test_multi_turn_batch_masks_log_probs_and_extra_info():
     )
     model = CausalLM(config, nnx.Rngs(0))
     engine = Engine(
-        model, RolloutConfig(page_size=8, max_num_seqs=4, prompt_length=32, response_length=40)
+        model, RolloutConfig(page_size=32, max_num_seqs=4, prompt_length=24, response_length=40)
     )
     tools = CallsEveryTurn(tok, ToolExecutor([CalculatorTool()]))
     multi_turn = MultiTurn(tools, max_assistant_turns=3, max_parallel_calls=1, tool_threads=2)

@@ -48,6 +48,7 @@ from hybridjax.sharding import (
     init_sharded,
 )
 from hybridjax.sharding.rules import sharding_fn
+from hybridjax.tools.chat import tool_response_text
 from hybridjax.trainer import offline
 from hybridjax.trainer.build import init_train_state
 from hybridjax.trainer.forward import response_log_probs
@@ -201,8 +202,6 @@ def response_tokens(
     it rendered once with the chat template's tool role (`tool_response_text`, mask 0), so the
     model learns its calls and answers, never the tools' responses.
     """
-    from hybridjax.tools.chat import tool_response_text
-
     eos = tokenizer.eos_token_id
     if isinstance(response, str):
         ids = tokenizer.encode(response) + [eos]

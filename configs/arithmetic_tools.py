@@ -1,4 +1,4 @@
-"""GRPO with a calculator tool on arithmetic word problems: the CPU demonstration that tool use
+"""GRPO with a calculator tool on arithmetic word problems: a CPU experiment on whether tool use
 can be learned (multi-turn rollouts, `rollout.multi_turn`).
 
     python -m hybridjax.data.arithmetic_tools --output data/arithmetic_tools
@@ -8,11 +8,11 @@ can be learned (multi-turn rollouts, `rollout.multi_turn`).
 
 (`python -m experiments.examples.tool_arithmetic` runs all three and measures the model before
 and after.) Task (`hybridjax.data.arithmetic_tools`): half the problems are the quick start's,
-half multiply two 2-digit numbers, which the 3.4M-parameter model cannot do in its head. The SFT
-warm start answers most hard problems directly (and mostly wrong) and, when it calls the
-calculator, mostly writes the expression as `37 x 24`, which the calculator rejects. The reward
-is GSM8K's strict rule on the whole trajectory's text; nothing rewards tool use itself. What
-GRPO has to learn is when to call the tool and how to write the call.
+half multiply two 2-digit numbers, which the 3.4M-parameter model cannot do in its head. The
+warm start learns from its teacher when to call the calculator, how to write the call (the
+teacher writes some as `37 x 24`, which the calculator rejects), and to answer with the tool's
+result. The reward is GSM8K's strict rule on the whole trajectory's text; nothing rewards tool
+use itself. README ("Can tool use be learned on a CPU?") has the measured runs.
 
 As `configs/quickstart.py` (GRPO, n = 8, 16 prompts per step, no KL, one on-policy update per
 step), plus `rollout.multi_turn` with `configs/tools/calculator.yaml`: at most 2 assistant

@@ -1,13 +1,16 @@
 """The calculator-tool demonstration, measured end to end on the CPU:
 
-    python -m experiments.examples.tool_arithmetic [--sft_steps 120] [--steps 30] \
-        [--warm_start DIR]
+    python -m experiments.examples.tool_arithmetic [--tool_p 0.6] [--sloppy_p 0.3] \
+        [--sft_steps 120] [--sft_from DIR | --warm_start DIR] [--steps 30] [--lr 1e-4]
 
-writes the task (`hybridjax.data.arithmetic_tools`), fine-tunes the quick start's warm start on
-the tool-calling teacher (`python -m hybridjax.sft` with `configs/sft_arithmetic_tools.py`;
-skipped with `--warm_start`), measures the warm start greedily on the 256 held-out problems,
-trains it with GRPO and the calculator (`configs/arithmetic_tools.py`, multi-turn rollouts),
-measures it again, and writes `results/<timestamp>/tool_arithmetic.json`.
+writes the task (`hybridjax.data.arithmetic_tools`, with the teacher's `--tool_p` and
+`--sloppy_p`), fine-tunes a warm start on the tool-calling teacher (`python -m hybridjax.sft`
+with `configs/sft_arithmetic_tools.py`, from the quick start's model or `--sft_from`; skipped
+with `--warm_start`), samples it at temperature 1 on 16 hard held-out problems (`rollout.n`
+each: is there anything for GRPO to learn?), measures it greedily on the 256 held-out problems,
+trains it with GRPO and the calculator (`configs/arithmetic_tools.py`, multi-turn rollouts;
+`--steps 0` stops before), measures it again, and writes `results/<timestamp>/tool_arithmetic.json`
+(the warm start is in `results/<timestamp>/sft_model`).
 
 Measured, per held-out split (easy: the quick start's problems; hard: 2-digit × 2-digit):
 `accuracy` (GSM8K's strict reward), `tool_use` (share of problems with at least one call),
@@ -27,50 +30,91 @@ import numpy as np
 
 from experiments.benchmarks.run import results_dir
 from experiments.examples.dpo_arithmetic import load_config_file
-from hybridjax.data.arithmetic_tools import write_task
+from hybridjax.data.arithmetic_tools import ToolTaskConfig, write_task
 from hybridjax.rewards import decode_responses, default_compute_score
 from hybridjax.sft import run_sft
 from hybridjax.trainer.generation import generate_batch
 
 
+def score(trainer, prompts: dict, sampling) -> list[tuple[bool, float, int, int]]:
+    """(hard, reward, calls, failed calls) of each trajectory of a multi-turn rollout of
+    `prompts` (prompt-major, `sampling.n` per prompt), scored with the task's reward."""
+    _, host = generate_batch(
+        trainer.engine,
+        prompts,
+        sampling,
+        trainer.tokenizer.pad_token_id,
+        trainer.batch_sharding,
+        0,
+        trainer.multi_turn,
+    )
+    texts = decode_responses(trainer.tokenizer, host.responses, host.valid_mask)
+    rows = []
+    for i in np.flatnonzero(host.row_mask):
+        info = host.extra_info[i]
+        reward = default_compute_score(host.data_source[i], texts[i], host.ground_truth[i])
+        calls = info["tool_calls"]
+        rows.append((info["hard"], float(reward), len(calls), sum(c["error"] for c in calls)))
+    return rows
+
+
+def rates(rows: list[tuple[bool, float, int, int]]) -> dict:
+    """`accuracy`, `tool_use` (share with a call), `calls` and `call_success` of `score` rows."""
+    calls = sum(r[2] for r in rows)
+    return {
+        "problems": len(rows),
+        "accuracy": round(float(np.mean([r[1] for r in rows])), 4),
+        "tool_use": round(float(np.mean([r[2] > 0 for r in rows])), 4),
+        "calls": calls,
+        "call_success": round(1 - sum(r[3] for r in rows) / calls, 4) if calls else None,
+    }
+
+
 def evaluate(trainer) -> dict:
     """Greedy (`rollout.val_kwargs`) multi-turn rollouts of the trainer's current weights on its
-    validation files, scored with the task's reward; rates per split ("easy", "hard", "all")."""
-    rows = []
+    validation files; `rates` per split ("easy", "hard", "all")."""
     sampling = trainer.sampling(trainer.global_step, validate=True)
-    for prompts in trainer.val_loader.iter_epoch():
-        _, host = generate_batch(
-            trainer.engine,
-            prompts,
-            sampling,
-            trainer.tokenizer.pad_token_id,
-            trainer.batch_sharding,
-            0,
-            trainer.multi_turn,
+    rows = [
+        r for prompts in trainer.val_loader.iter_epoch() for r in score(trainer, prompts, sampling)
+    ]
+    return {
+        split: rates([r for r in rows if keep is None or r[0] == keep])
+        for split, keep in (("easy", False), ("hard", True), ("all", None))
+    }
+
+
+def sampled_hard(trainer, num_prompts: int = 16) -> dict:
+    """The training rollout (`rollout.n` samples each, its temperature) of the first
+    `num_prompts` hard held-out problems: `rates` per trajectory, and `groups_with_signal`, the
+    share of problems whose samples do not all score the same (GRPO learns from those only)."""
+    state = trainer.val_loader.get_state()
+    prompts = next(trainer.val_loader)
+    trainer.val_loader.set_state(state)
+    hard = [i for i, info in enumerate(prompts["extra_info"]) if info["hard"]][:num_prompts]
+    if len(hard) < num_prompts:
+        raise ValueError(
+            f"the first validation batch has {len(hard)} hard problems, not {num_prompts}"
         )
-        texts = decode_responses(trainer.tokenizer, host.responses, host.valid_mask)
-        for i in np.flatnonzero(host.row_mask):
-            info = host.extra_info[i]
-            score = default_compute_score(host.data_source[i], texts[i], host.ground_truth[i])
-            calls = info["tool_calls"]
-            rows.append((info["hard"], float(score), len(calls), sum(c["error"] for c in calls)))
-    summary = {}
-    for split, keep in (("easy", False), ("hard", True), ("all", None)):
-        chosen = [r for r in rows if keep is None or r[0] == keep]
-        calls = sum(r[2] for r in chosen)
-        summary[split] = {
-            "problems": len(chosen),
-            "accuracy": round(float(np.mean([r[1] for r in chosen])), 4),
-            "tool_use": round(float(np.mean([r[2] > 0 for r in chosen])), 4),
-            "calls": calls,
-            "call_success": round(1 - sum(r[3] for r in chosen) / calls, 4) if calls else None,
-        }
-    return summary
+    take = lambda v: v[hard] if isinstance(v, np.ndarray) else [v[i] for i in hard]
+    sampling = trainer.sampling(0, gen_batch=1)
+    rows = score(trainer, {k: take(v) for k, v in prompts.items()}, sampling)
+    groups = np.array([r[1] for r in rows]).reshape(num_prompts, sampling.n)
+    return {
+        "samples_each": sampling.n,
+        "temperature": sampling.temperature,
+        **rates(rows),
+        "groups_with_signal": round(float(np.mean(groups.min(1) < groups.max(1))), 4),
+    }
 
 
-def warm_start(data: dict[str, str], steps: int, out: pathlib.Path) -> tuple[str, float]:
-    """(path, wall seconds) of the SFT warm start trained on the task's teacher."""
+def warm_start(
+    data: dict[str, str], steps: int, out: pathlib.Path, init: str | None = None
+) -> tuple[str, float]:
+    """(path, wall seconds) of the SFT warm start trained on the task's teacher, from `init`
+    (None: the config's model, the quick start's warm start)."""
     c = load_config_file("sft_arithmetic_tools")
+    if init is not None:
+        c.model.path = init
     c.data.train_files = data["sft"]
     c.trainer.total_training_steps = steps
     c.trainer.default_local_dir = str(out / "sft")
@@ -98,54 +142,66 @@ def curve(path: pathlib.Path) -> dict:
     }
 
 
-def run(sft_steps: int, steps: int, lr: float, warm: str | None, out: pathlib.Path) -> dict:
+def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     from hybridjax.trainer.trainer import RLTrainer
 
-    data = write_task(str(out / "data"))
-    sft_s = None
+    task = ToolTaskConfig(tool_p=args.tool_p, sloppy_p=args.sloppy_p)
+    data = write_task(str(out / "data"), task=task)
+    warm, sft_s = args.warm_start, None
     if warm is None:
-        warm, sft_s = warm_start(data, sft_steps, out)
+        warm, sft_s = warm_start(data, args.sft_steps, out, args.sft_from)
     c = load_config_file("arithmetic_tools")
     c.data.train_files, c.data.val_files = data["train"], data["test"]
     c.actor_rollout_ref.model.path = warm
-    c.actor_rollout_ref.actor.optim.lr = lr
-    c.trainer.total_training_steps = steps
+    c.actor_rollout_ref.actor.optim.lr = args.lr
+    c.trainer.total_training_steps = max(args.steps, 1)
     c.trainer.val_before_train = False  # measured here, with the tool-use rates
     c.trainer.test_freq = -1
     c.trainer.default_local_dir = str(out / "grpo")
     c.trainer.logger = ("jsonl",)
+    summary = {
+        "task": {"tool_p": task.tool_p, "sloppy_p": task.sloppy_p, "hard_p": task.hard_p},
+        "sft_from": args.sft_from,
+        "sft_steps": args.sft_steps if sft_s is not None else None,
+        "sft_wall_s": None if sft_s is None else round(sft_s, 1),
+        "grpo_steps": args.steps,
+        "grpo_lr": args.lr,
+    }
     trainer = RLTrainer(c)
     try:
+        tic = time.perf_counter()
+        summary["sampled_warm_start_hard"] = sampled_hard(trainer)
+        summary["sampled_check_wall_s"] = round(time.perf_counter() - tic, 1)
+        print("sampled:", json.dumps(summary["sampled_warm_start_hard"]), flush=True)
         before = evaluate(trainer)
         print("before:", json.dumps(before), flush=True)
-        tic = time.perf_counter()
-        trainer.fit()
-        grpo_s = time.perf_counter() - tic
-        after = evaluate(trainer)
-        print("after:", json.dumps(after), flush=True)
+        summary["greedy_held_out"] = {"before": before}
+        if args.steps > 0:
+            tic = time.perf_counter()
+            trainer.fit()
+            summary["grpo_wall_s"] = round(time.perf_counter() - tic, 1)
+            summary["greedy_held_out"]["after"] = evaluate(trainer)
+            print("after:", json.dumps(summary["greedy_held_out"]["after"]), flush=True)
     finally:
         trainer.close()
-    return {
-        "sft_steps": sft_steps if sft_s is not None else None,
-        "sft_wall_s": None if sft_s is None else round(sft_s, 1),
-        "grpo_steps": steps,
-        "grpo_lr": lr,
-        "grpo_wall_s": round(grpo_s, 1),
-        "greedy_held_out": {"before": before, "after": after},
-        "training": curve(out / "grpo" / "logs" / "metrics.jsonl"),
-    }
+    if args.steps > 0:
+        summary["training"] = curve(out / "grpo" / "logs" / "metrics.jsonl")
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tool_p", type=float, default=ToolTaskConfig.tool_p)
+    parser.add_argument("--sloppy_p", type=float, default=ToolTaskConfig.sloppy_p)
     parser.add_argument("--sft_steps", type=int, default=120)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="GRPO steps (0: measure only)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warm_start", default=None, help="an SFT warm start (skips the SFT)")
+    parser.add_argument("--sft_from", default=None, help="the SFT's initial model (a directory)")
     parser.add_argument("--results", default="results")
     args = parser.parse_args()
     out = results_dir(args.results)
-    summary = run(args.sft_steps, args.steps, args.lr, args.warm_start, out)
+    summary = run(args, out)
     (out / "tool_arithmetic.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     print(f"written to {os.path.join(out, 'tool_arithmetic.json')}")

@@ -19,9 +19,8 @@ writes three files (seeded, so the same command always writes the same rows):
   `hybridjax.tools.ToolExecutor`, errors included), and `hybridjax.sft` trains on the assistant
   turns only.
 
-With `tool_p` < 0.5 and `sloppy_p` > 0.5 a student fine-tuned on it, greedily decoded, mostly
-answers hard problems directly (and wrong), and when it calls the tool, calls it sloppily:
-reinforcement learning has two clear things to learn, when to call and how.
+Copying the tool's 3- or 4-digit result into `#### n` is itself learned from the teacher's
+successful calls, so the teacher calls often (`tool_p` 0.6) and mostly well (`sloppy_p` 0.3).
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ class ToolTaskConfig:
     hard_p: float = 0.5
     min_hard: int = 11
     max_hard: int = 99
-    tool_p: float = 0.4
-    sloppy_p: float = 0.6
+    tool_p: float = 0.6
+    sloppy_p: float = 0.3
 
     def __post_init__(self):
         for name in ("hard_p", "tool_p", "sloppy_p"):

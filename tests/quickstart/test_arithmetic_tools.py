@@ -22,7 +22,8 @@ TOKENIZER = "hybridjax/assets/tokenizers/gsm8k_bpe"
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("tools")
-    return write_task(str(out), seed=5, train_size=400, test_size=40)
+    task = ToolTaskConfig(tool_p=0.4, sloppy_p=0.6)
+    return write_task(str(out), seed=5, train_size=400, test_size=40, task=task)
 
 
 def test_split_and_teacher(written):

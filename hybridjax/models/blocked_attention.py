@@ -15,134 +15,130 @@ O(n²) memory") with the forward and backward passes of FlashAttention-2 (Dao 20
 
 Nothing of size T×T exists at any point, neither the mask nor the logits nor anything saved
 for the backward: scratch is O(B·H·T·block), residuals are q, k, v, the ids, the output and
-the log-sum-exp. The arithmetic is the dense path's (every block is computed, masked ones
-included): the saving is memory, not work. Being plain `jnp`, it runs on every backend and its
-numerics are tested on CPU against the dense path; it is the GPU and TPU path of
-`hybridjax.models.attention.self_attention` (see there and the README for why not cuDNN,
-a Pallas kernel or splash attention).
+the log-sum-exp. The queries are split into chunks of QUERY_CHUNK tokens (at most
+MAX_QUERY_CHUNKS) and a chunk scans only the key blocks up to its own last token, since keys
+after a query are masked (causal by index): that skips about half of the logits, softmax and
+products. Masked blocks below the diagonal are still computed (the shapes are static). Being
+plain `jnp`, it runs on every backend and its numerics are tested on CPU against the dense
+path; it is the GPU and TPU path of `hybridjax.models.attention.self_attention` (see there and
+the README for why not cuDNN, a Pallas kernel or splash attention).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_BLOCK = 128
+DEFAULT_BLOCK = 128  # keys per scan step
+QUERY_CHUNK = 512  # queries per chunk (each chunk scans the key blocks up to its end)
+MAX_QUERY_CHUNKS = 8  # a scan pair per chunk is compiled: bounds the program's size
 NEG_INF = -1e30
 
 
-def visible(
-    segment_ids_q, prefix_ids_q, positions_q, index_q, segment_ids_k, positions_k, index_k,
-    valid_k, window,
-):  # fmt: skip
+def visible(q_ids, k_ids, q_index, k_index, window):
     """Boolean B×Tq×Tk: query i sees key j iff j is valid, j ≤ i by buffer index, j is in i's
-    segment or i's prefix segment, and (with a window) pos_i − pos_j < window. The same rule
-    as `attention.packed_attention_mask`, for one block of keys. Args are B×Tq (queries) and
-    B×Tk (keys); `index_*` are buffer indices (Tq / Tk,)."""
-    seg_k = segment_ids_k[:, None, :]
-    same = (seg_k == segment_ids_q[:, :, None]) | (seg_k == prefix_ids_q[:, :, None])
-    mask = same & (index_k[None, None, :] <= index_q[None, :, None]) & valid_k[:, None, :]
+    segment or i's prefix segment, and (with a window) pos_i − pos_j < window: the rule of
+    `attention.packed_attention_mask`, for a block of queries and keys.
+
+    q_ids: (segment ids, prefix ids, positions), each B×Tq.  k_ids: (segment ids, positions,
+    valid), each B×Tk.  q_index, k_index: buffer indices, (Tq,) and (Tk,)."""
+    seg_q, prefix_q, pos_q = q_ids
+    seg_k, pos_k, valid_k = (x[:, None, :] for x in k_ids)
+    same = (seg_k == seg_q[:, :, None]) | (seg_k == prefix_q[:, :, None])
+    mask = same & (k_index[None, None, :] <= q_index[None, :, None]) & valid_k
     if window is not None:
-        mask &= positions_q[:, :, None] - positions_k[:, None, :] < window
+        mask &= pos_q[:, :, None] - pos_k < window
     return mask
 
 
-def _blocks(x, block):
-    """B×S×… → (S/block)×B×block×… (S a multiple of `block`)."""
-    b, s = x.shape[:2]
-    return jnp.moveaxis(x.reshape(b, s // block, block, *x.shape[2:]), 1, 0)
-
-
-def _key_blocks(k, v, ids, block):
-    """Key-side inputs split into blocks of `block` keys, the last one padded with invalid keys."""
-    segment_ids, _, positions, valid = ids
+def _key_blocks(k, v, k_ids, block):
+    """k, v, the key ids and their buffer indices, split into (S/block) blocks of `block` keys
+    on a new leading axis (the scan's), the last block padded with invalid keys."""
     pad = -k.shape[1] % block
-    widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-    k, v, segment_ids, positions, valid = (
-        jnp.pad(x, widths(x)) for x in (k, v, segment_ids, positions, valid)
-    )
-    index = jnp.arange(k.shape[1]).reshape(-1, block)
-    return tuple(_blocks(x, block) for x in (k, v, segment_ids, positions, valid)) + (index,)
+    index = jnp.arange(k.shape[1] + pad)
+    arrays = (k, v, *k_ids)
+    arrays = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays]
+    blocks = [jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0) for x in arrays]
+    return (*blocks, index.reshape(-1, block))
 
 
-def _logits_and_mask(q, ids, blk, window, scale):
-    """Scaled float32 logits B×K×T×G×block of every query against key block `blk`, and its
-    mask broadcast to that shape."""
-    segment_ids, prefix_ids, positions, _ = ids
-    kb, _, seg_k, pos_k, valid_k, index_k = blk
-    s = jnp.einsum("btkgd,bskd->bktgs", q, kb, preferred_element_type=jnp.float32) * scale
-    index_q = jnp.arange(q.shape[1])
-    mask = visible(
-        segment_ids, prefix_ids, positions, index_q, seg_k, pos_k, index_k, valid_k, window
-    )
-    return s, mask[:, None, :, None, :]
+def _logits_and_mask(q, q_ids, q_offset, blk, window):
+    """Scaled float32 logits B×K×Tq×G×block of the queries (B×Tq×K×G×D) against key block
+    `blk`, and the block's mask broadcast to that shape."""
+    kb, _, seg_k, pos_k, valid_k, k_index = blk
+    s = jnp.einsum("btkgd,bskd->bktgs", q, kb, preferred_element_type=jnp.float32)
+    q_index = q_offset + jnp.arange(q.shape[1])
+    mask = visible(q_ids, (seg_k, pos_k, valid_k), q_index, k_index, window)
+    return s * q.shape[-1] ** -0.5, mask[:, None, :, None, :]
 
 
-def _forward(q, k, v, ids, window, block):
+def _grouped(q, kv):
     b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scale = d**-0.5
+    return q.reshape(b, t, kv, h // kv, d)
+
+
+def _forward(q, k, v, q_ids, k_ids, q_offset, window, block):
+    q = _grouped(q, k.shape[2])
 
     def step(carry, blk):
-        m, l, acc = carry
-        s, mask = _logits_and_mask(q, ids, blk, window, scale)
-        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
+        row_max, denom, numer = carry
+        s, mask = _logits_and_mask(q, q_ids, q_offset, blk, window)
+        new_max = jnp.maximum(row_max, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
+        p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+        alpha = jnp.exp(row_max - new_max)
         pv = jnp.einsum(
             "bktgs,bskd->bktgd", p.astype(v.dtype), blk[1], preferred_element_type=jnp.float32
         )
-        return (m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv), None
+        return (new_max, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * numer + pv), None
 
-    stats = jnp.full((b, kv, t, h // kv), NEG_INF, jnp.float32)
-    init = (stats, jnp.zeros_like(stats), jnp.zeros((b, kv, t, h // kv, d), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, ids, block))
-    has_key = l > 0  # a query with no visible key (an empty slot) gets 0, never NaN
-    out = (acc / jnp.where(has_key, l, 1.0)[..., None]).astype(q.dtype)
-    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), 0.0)
-    return out, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, ids, window, block):
-    return _forward(q, k, v, ids, window, block)[0]
+    b, t, kv, g, d = q.shape
+    stats = jnp.full((b, kv, t, g), NEG_INF, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((b, kv, t, g, d), jnp.float32))
+    (row_max, denom, numer), _ = jax.lax.scan(step, init, _key_blocks(k, v, k_ids, block))
+    has_key = denom > 0  # a query with no visible key (an empty slot) gets 0, never NaN
+    denom = jnp.where(has_key, denom, 1.0)
+    out = (numer / denom[..., None]).astype(q.dtype)
+    return out, jnp.where(has_key, row_max + jnp.log(denom), 0.0)
 
 
-def _attention_fwd(q, k, v, ids, window, block):
-    out, lse = _forward(q, k, v, ids, window, block)
-    return out, (q, k, v, ids, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, q_ids, k_ids, q_offset, window, block):
+    return _forward(q, k, v, q_ids, k_ids, q_offset, window, block)[0]
 
 
-def _attention_bwd(window, block, residuals, d_out):
-    q, k, v, ids, out, lse = residuals
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scale = d**-0.5
+def _attention_fwd(q, k, v, q_ids, k_ids, q_offset, window, block):
+    out, lse = _forward(q, k, v, q_ids, k_ids, q_offset, window, block)
+    return out, (q, k, v, q_ids, k_ids, out, lse)
+
+
+def _attention_bwd(q_offset, window, block, residuals, d_out):
+    q, k, v, q_ids, k_ids, out, lse = residuals
+    qg = _grouped(q, k.shape[2])
     d_out = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)  # D = rowsum(dO ∘ O)
 
     def step(dq, blk):
         kb, vb = blk[0], blk[1]
-        s, mask = _logits_and_mask(qg, ids, blk, window, scale)
+        s, mask = _logits_and_mask(qg, q_ids, q_offset, blk, window)
         p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
         dv = jnp.einsum("bktgs,bktgd->bskd", p, d_out)
         dp = jnp.einsum("bktgd,bskd->bktgs", d_out, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None]) * scale
+        ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
         dq = dq + jnp.einsum("bktgs,bskd->bktgd", ds, kb, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bktgs,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros((b, kv, t, h // kv, d), jnp.float32)
-    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_blocks(k, v, ids, block))
-    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, : k.shape[1]]
+    dq0 = jnp.zeros(qg.shape[:1] + (qg.shape[2], qg.shape[1]) + qg.shape[3:], jnp.float32)
+    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_blocks(k, v, k_ids, block))
+    b, s = k.shape[:2]
+    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :s]
     dq = dq.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), ids)  # int/bool ids
-    return dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), zeros
+    ids_zero = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), (q_ids, k_ids))
+    return dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), *ids_zero
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -157,7 +153,7 @@ def blocked_attention(
     positions_BxT: jax.Array,
     valid_BxT: jax.Array,
     sliding_window: int | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
 ) -> jax.Array:
     """Softmax(q·kᵀ/√D)·v of T tokens over themselves under the packed mask (`visible`),
     H query heads sharing K = H/G key/value heads (GQA); differentiable in q, k, v.
@@ -170,11 +166,20 @@ def blocked_attention(
       positions_BxT: int32 position ids (used by the sliding window only).
       valid_BxT: bool, False on empty slots (never seen as keys).
       sliding_window: keys at most this many positions back, or None.
-      block: keys per scan step (static); scratch is O(B·H·T·block).
+      block: keys per scan step (static, default DEFAULT_BLOCK); scratch is O(B·H·T·block).
     Returns:
       B×K×T×G×D in q's dtype (query head h = k·G + g), the layout of
       `attention.grouped_attention`. A query that sees no key gets 0.
     """
-    ids = (segment_ids_BxT, prefix_ids_BxT, positions_BxT, valid_BxT.astype(bool))
-    block = max(min(block, k_BxTxKxD.shape[1]), 1)
-    return _attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, ids, sliding_window, block)
+    t = q_BxTxHxD.shape[1]
+    block = max(min(block or DEFAULT_BLOCK, t), 1)
+    n = max(min(MAX_QUERY_CHUNKS, -(-t // QUERY_CHUNK)), 1)
+    bounds = sorted({min(-(-t * i // n // block) * block, t) for i in range(n + 1)})
+    valid = valid_BxT.astype(bool)
+    outs = []
+    for lo, hi in itertools.pairwise(bounds):  # chunk [lo, hi) sees keys [0, hi)
+        q_ids = tuple(x[:, lo:hi] for x in (segment_ids_BxT, prefix_ids_BxT, positions_BxT))
+        k_ids = tuple(x[:, :hi] for x in (segment_ids_BxT, positions_BxT, valid))
+        kv = (k_BxTxKxD[:, :hi], v_BxTxKxD[:, :hi])
+        outs.append(_attention(q_BxTxHxD[:, lo:hi], *kv, q_ids, k_ids, lo, sliding_window, block))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)

@@ -48,13 +48,13 @@ def packed_buffers(seed: int, group_sizes=(1, 8, 3, 5, 2, 1)):
     return buf["segment_ids"], buf["prefix_ids"], buf["positions"], buf["valid"]
 
 
-def _qkv(shape, seed):
+def random_qkv(shape, seed):
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (*shape, H, D))
     return q, *(jax.random.normal(key, (*shape, KV, D)) for key in keys[1:])
 
 
-def _loss(mask):
+def attention_loss(mask):
     """A scalar of the valid queries' outputs, and those outputs B×T×H×D."""
     w = jax.random.normal(jax.random.key(9), mask.positions.shape + (H, D))
 
@@ -74,14 +74,14 @@ def test_blocked_equals_dense_on_packed_shared_prompt_buffers(
     seed, window, block, chunk, monkeypatch
 ):
     ids = packed_buffers(seed)
-    q, k, v = _qkv(ids[0].shape, seed)
+    q, k, v = random_qkv(ids[0].shape, seed)
     dense = SelfAttentionMask.create(ids[2], ids[3], ids[:2], window, impl="jnp")
-    (_, out_dense), g_dense = _loss(dense)(q, k, v)
+    (_, out_dense), g_dense = attention_loss(dense)(q, k, v)
     monkeypatch.setattr("hybridjax.models.blocked_attention.DEFAULT_BLOCK", block)
     monkeypatch.setattr("hybridjax.models.blocked_attention.QUERY_CHUNK", chunk)
     blocked = SelfAttentionMask.create(ids[2], ids[3], ids[:2], window, impl="blocked")
     assert blocked.bias is None  # nothing T×T
-    (_, out), g = _loss(blocked)(q, k, v)
+    (_, out), g = attention_loss(blocked)(q, k, v)
     np.testing.assert_allclose(out, out_dense, **TOL)
     for a, b in zip(g, g_dense, strict=True):
         np.testing.assert_allclose(a, b, **TOL)
@@ -94,11 +94,15 @@ def test_blocked_equals_dense_on_padded_rows(monkeypatch):
     valid[0, :20], valid[1, -9:], valid[2, :3], valid[2, -1], valid[3] = False, False, 0, 0, 0
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
     valid = jnp.asarray(valid)
-    q, k, v = _qkv(valid.shape, 3)
+    q, k, v = random_qkv(valid.shape, 3)
     monkeypatch.setattr("hybridjax.models.blocked_attention.DEFAULT_BLOCK", 8)
     monkeypatch.setattr("hybridjax.models.blocked_attention.QUERY_CHUNK", 16)  # 3 chunks
-    (_, out_dense), g_dense = _loss(SelfAttentionMask.create(positions, valid, impl="jnp"))(q, k, v)
-    (_, out), g = _loss(SelfAttentionMask.create(positions, valid, impl="blocked"))(q, k, v)
+    (_, out_dense), g_dense = attention_loss(
+        SelfAttentionMask.create(positions, valid, impl="jnp")
+    )(q, k, v)
+    (_, out), g = attention_loss(SelfAttentionMask.create(positions, valid, impl="blocked"))(
+        q, k, v
+    )
     np.testing.assert_allclose(out, out_dense, **TOL)
     for a, b in zip(g, g_dense, strict=True):
         np.testing.assert_allclose(a, b, **TOL)

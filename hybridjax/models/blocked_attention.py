@@ -55,12 +55,12 @@ def visible(q_ids, k_ids, q_index, k_index, window):
     return mask
 
 
-def _key_blocks(k, v, k_ids, block):
-    """k, v, the key ids and their buffer indices, split into (S/block) blocks of `block` keys
-    on a new leading axis (the scan's), the last block padded with invalid keys."""
-    pad = -k.shape[1] % block
-    index = jnp.arange(k.shape[1] + pad)
-    arrays = (k, v, *k_ids)
+def _key_blocks(k, v, k_ids, kv_len, block):
+    """The first `kv_len` keys, values, key ids and buffer indices, split into blocks of
+    `block` keys on a new leading axis (the scan's), the last block padded with invalid keys."""
+    pad = -kv_len % block
+    index = jnp.arange(kv_len + pad)
+    arrays = [x[:, :kv_len] for x in (k, v, *k_ids)]
     arrays = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays]
     blocks = [jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0) for x in arrays]
     return (*blocks, index.reshape(-1, block))
@@ -81,7 +81,7 @@ def _grouped(q, kv):
     return q.reshape(b, t, kv, h // kv, d)
 
 
-def _forward(q, k, v, q_ids, k_ids, q_offset, window, block):
+def _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
     q = _grouped(q, k.shape[2])
 
     def step(carry, blk):
@@ -98,24 +98,28 @@ def _forward(q, k, v, q_ids, k_ids, q_offset, window, block):
     b, t, kv, g, d = q.shape
     stats = jnp.full((b, kv, t, g), NEG_INF, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros((b, kv, t, g, d), jnp.float32))
-    (row_max, denom, numer), _ = jax.lax.scan(step, init, _key_blocks(k, v, k_ids, block))
+    blocks = _key_blocks(k, v, k_ids, kv_len, block)
+    (row_max, denom, numer), _ = jax.lax.scan(step, init, blocks)
     has_key = denom > 0  # a query with no visible key (an empty slot) gets 0, never NaN
     denom = jnp.where(has_key, denom, 1.0)
     out = (numer / denom[..., None]).astype(q.dtype)
     return out, jnp.where(has_key, row_max + jnp.log(denom), 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, q_ids, k_ids, q_offset, window, block):
-    return _forward(q, k, v, q_ids, k_ids, q_offset, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
+    """Queries q_offset … q_offset + Tq − 1 (q: B×Tq×H×D) over the first `kv_len` of the
+    keys. k, v and their ids are passed whole, not sliced, so every query chunk's residuals
+    share one copy of them."""
+    return _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block)[0]
 
 
-def _attention_fwd(q, k, v, q_ids, k_ids, q_offset, window, block):
-    out, lse = _forward(q, k, v, q_ids, k_ids, q_offset, window, block)
+def _attention_fwd(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
+    out, lse = _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block)
     return out, (q, k, v, q_ids, k_ids, out, lse)
 
 
-def _attention_bwd(q_offset, window, block, residuals, d_out):
+def _attention_bwd(q_offset, kv_len, window, block, residuals, d_out):
     q, k, v, q_ids, k_ids, out, lse = residuals
     qg = _grouped(q, k.shape[2])
     d_out = d_out.astype(jnp.float32)
@@ -133,9 +137,14 @@ def _attention_bwd(q_offset, window, block, residuals, d_out):
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(qg.shape[:1] + (qg.shape[2], qg.shape[1]) + qg.shape[3:], jnp.float32)
-    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_blocks(k, v, k_ids, block))
+    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_blocks(k, v, k_ids, kv_len, block))
     b, s = k.shape[:2]
-    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :s]
+    unblock = (
+        lambda x: jnp.pad(  # blocks → B×S×K×D, zero after kv_len
+            jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :kv_len],
+            [(0, 0), (0, s - kv_len), (0, 0), (0, 0)],
+        )
+    )
     dq = dq.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
     ids_zero = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), (q_ids, k_ids))
     return dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), *ids_zero
@@ -175,11 +184,12 @@ def blocked_attention(
     block = max(min(block or DEFAULT_BLOCK, t), 1)
     n = max(min(MAX_QUERY_CHUNKS, -(-t // QUERY_CHUNK)), 1)
     bounds = sorted({min(-(-t * i // n // block) * block, t) for i in range(n + 1)})
-    valid = valid_BxT.astype(bool)
+    k_ids = (segment_ids_BxT, positions_BxT, valid_BxT.astype(bool))
     outs = []
     for lo, hi in itertools.pairwise(bounds):  # chunk [lo, hi) sees keys [0, hi)
         q_ids = tuple(x[:, lo:hi] for x in (segment_ids_BxT, prefix_ids_BxT, positions_BxT))
-        k_ids = tuple(x[:, :hi] for x in (segment_ids_BxT, positions_BxT, valid))
-        kv = (k_BxTxKxD[:, :hi], v_BxTxKxD[:, :hi])
-        outs.append(_attention(q_BxTxHxD[:, lo:hi], *kv, q_ids, k_ids, lo, sliding_window, block))
+        kv = (k_BxTxKxD, v_BxTxKxD)
+        outs.append(
+            _attention(q_BxTxHxD[:, lo:hi], *kv, q_ids, k_ids, lo, hi, sliding_window, block)
+        )
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)

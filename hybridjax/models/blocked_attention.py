@@ -55,25 +55,23 @@ def visible(q_ids, k_ids, q_index, k_index, window):
     return mask
 
 
-def _key_blocks(k, v, k_ids, kv_len, block):
-    """The first `kv_len` keys, values, key ids and buffer indices, split into blocks of
-    `block` keys on a new leading axis (the scan's), the last block padded with invalid keys."""
-    pad = -kv_len % block
-    index = jnp.arange(kv_len + pad)
-    arrays = [x[:, :kv_len] for x in (k, v, *k_ids)]
-    arrays = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays]
+def _key_blocks(k, v, k_ids, block):
+    """Keys, values, key ids and buffer indices split into blocks of `block` keys on a new
+    leading axis (the loops'), the last block padded with invalid keys."""
+    pad = -k.shape[1] % block
+    index = jnp.arange(k.shape[1] + pad)
+    arrays = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (k, v, *k_ids)]
     blocks = [jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0) for x in arrays]
     return (*blocks, index.reshape(-1, block))
 
 
-def _logits_and_mask(q, q_ids, q_offset, blk, window):
-    """Scaled float32 logits B×K×Tq×G×block of the queries (B×Tq×K×G×D) against key block
-    `blk`, and the block's mask broadcast to that shape."""
-    kb, _, seg_k, pos_k, valid_k, k_index = blk
+def _logits_and_mask(q, q_ids, q_index, blocks, j, window):
+    """Scaled float32 logits B×K×Tq×G×block of the queries (B×Tq×K×G×D, buffer indices
+    q_index) against key block j, the block's mask broadcast to that shape, and the block."""
+    kb, vb, seg_k, pos_k, valid_k, k_index = (x[j] for x in blocks)
     s = jnp.einsum("btkgd,bskd->bktgs", q, kb, preferred_element_type=jnp.float32)
-    q_index = q_offset + jnp.arange(q.shape[1])
     mask = visible(q_ids, (seg_k, pos_k, valid_k), q_index, k_index, window)
-    return s * q.shape[-1] ** -0.5, mask[:, None, :, None, :]
+    return s * q.shape[-1] ** -0.5, mask[:, None, :, None, :], kb, vb
 
 
 def _grouped(q, kv):
@@ -81,73 +79,84 @@ def _grouped(q, kv):
     return q.reshape(b, t, kv, h // kv, d)
 
 
-def _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
-    q = _grouped(q, k.shape[2])
-
-    def step(carry, blk):
-        row_max, denom, numer = carry
-        s, mask = _logits_and_mask(q, q_ids, q_offset, blk, window)
-        new_max = jnp.maximum(row_max, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
-        p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
-        alpha = jnp.exp(row_max - new_max)
-        pv = jnp.einsum(
-            "bktgs,bskd->bktgd", p.astype(v.dtype), blk[1], preferred_element_type=jnp.float32
-        )
-        return (new_max, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * numer + pv), None
-
-    b, t, kv, g, d = q.shape
-    stats = jnp.full((b, kv, t, g), NEG_INF, jnp.float32)
-    init = (stats, jnp.zeros_like(stats), jnp.zeros((b, kv, t, g, d), jnp.float32))
-    blocks = _key_blocks(k, v, k_ids, kv_len, block)
-    (row_max, denom, numer), _ = jax.lax.scan(step, init, blocks)
-    has_key = denom > 0  # a query with no visible key (an empty slot) gets 0, never NaN
-    denom = jnp.where(has_key, denom, 1.0)
-    out = (numer / denom[..., None]).astype(q.dtype)
-    return out, jnp.where(has_key, row_max + jnp.log(denom), 0.0)
+def _chunks(q, q_ids, bounds):
+    """(lo, hi, the queries [lo, hi) B×Tc×K×G×D, their ids) per query chunk."""
+    for lo, hi in itertools.pairwise(bounds):
+        yield lo, hi, q[:, lo:hi], tuple(x[:, lo:hi] for x in q_ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
-    """Queries q_offset … q_offset + Tq − 1 (q: B×Tq×H×D) over the first `kv_len` of the
-    keys. k, v and their ids are passed whole, not sliced, so every query chunk's residuals
-    share one copy of them."""
-    return _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block)[0]
+def _forward(q, k, v, q_ids, k_ids, window, block, bounds):
+    blocks = _key_blocks(k, v, k_ids, block)
+    outs, lses = [], []
+    for lo, hi, qc, ids in _chunks(_grouped(q, k.shape[2]), q_ids, bounds):
+        q_index = lo + jnp.arange(hi - lo)
+
+        def step(j, carry, qc=qc, ids=ids, q_index=q_index):
+            row_max, denom, numer = carry
+            s, mask, _, vb = _logits_and_mask(qc, ids, q_index, blocks, j, window)
+            new_max = jnp.maximum(row_max, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
+            p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+            alpha = jnp.exp(row_max - new_max)
+            pv = jnp.einsum(
+                "bktgs,bskd->bktgd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+            )
+            return new_max, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * numer + pv
+
+        b, t, kv, g, d = qc.shape
+        stats = jnp.full((b, kv, t, g), NEG_INF, jnp.float32)
+        init = (stats, jnp.zeros_like(stats), jnp.zeros((b, kv, t, g, d), jnp.float32))
+        # the chunk [lo, hi) sees the key blocks up to its end: keys after hi are masked
+        row_max, denom, numer = jax.lax.fori_loop(0, -(-hi // block), step, init)
+        has_key = denom > 0  # a query with no visible key (an empty slot) gets 0, never NaN
+        denom = jnp.where(has_key, denom, 1.0)
+        outs.append((numer / denom[..., None]).astype(q.dtype))
+        lses.append(jnp.where(has_key, row_max + jnp.log(denom), 0.0))
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-def _attention_fwd(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block):
-    out, lse = _forward(q, k, v, q_ids, k_ids, q_offset, kv_len, window, block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, q_ids, k_ids, window, block, bounds):
+    return _forward(q, k, v, q_ids, k_ids, window, block, bounds)[0]
+
+
+def _attention_fwd(q, k, v, q_ids, k_ids, window, block, bounds):
+    out, lse = _forward(q, k, v, q_ids, k_ids, window, block, bounds)
     return out, (q, k, v, q_ids, k_ids, out, lse)
 
 
-def _attention_bwd(q_offset, kv_len, window, block, residuals, d_out):
+def _attention_bwd(window, block, bounds, residuals, d_out):
     q, k, v, q_ids, k_ids, out, lse = residuals
-    qg = _grouped(q, k.shape[2])
+    blocks = _key_blocks(k, v, k_ids, block)
     d_out = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)  # D = rowsum(dO ∘ O)
+    # dK, dV accumulate over the chunks in one buffer each (blocks × B × block × K × D)
+    dk = dv = jnp.zeros(blocks[0].shape, jnp.float32)
+    dqs = []
+    for lo, hi, qc, ids in _chunks(_grouped(q, k.shape[2]), q_ids, bounds):
+        q_index = lo + jnp.arange(hi - lo)
+        do, dl, lse_c = d_out[:, :, lo:hi], delta[:, :, lo:hi], lse[:, :, lo:hi]
 
-    def step(dq, blk):
-        kb, vb = blk[0], blk[1]
-        s, mask = _logits_and_mask(qg, q_ids, q_offset, blk, window)
-        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
-        dv = jnp.einsum("bktgs,bktgd->bskd", p, d_out)
-        dp = jnp.einsum("bktgd,bskd->bktgs", d_out, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
-        dq = dq + jnp.einsum("bktgs,bskd->bktgd", ds, kb, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bktgs,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
-        return dq, (dk, dv)
+        def step(j, carry, qc=qc, ids=ids, q_index=q_index, do=do, dl=dl, lse_c=lse_c):
+            dq, dk, dv = carry
+            s, mask, kb, vb = _logits_and_mask(qc, ids, q_index, blocks, j, window)
+            p = jnp.where(mask, jnp.exp(s - lse_c[..., None]), 0.0)
+            dp = jnp.einsum("bktgd,bskd->bktgs", do, vb, preferred_element_type=jnp.float32)
+            ds = p * (dp - dl[..., None]) * q.shape[-1] ** -0.5
+            dq = dq + jnp.einsum("bktgs,bskd->bktgd", ds, kb, preferred_element_type=jnp.float32)
+            dk = dk.at[j].add(jnp.einsum("bktgs,btkgd->bskd", ds, qc))
+            dv = dv.at[j].add(jnp.einsum("bktgs,bktgd->bskd", p, do))
+            return dq, dk, dv
 
-    dq0 = jnp.zeros(qg.shape[:1] + (qg.shape[2], qg.shape[1]) + qg.shape[3:], jnp.float32)
-    dq, (dk, dv) = jax.lax.scan(step, dq0, _key_blocks(k, v, k_ids, kv_len, block))
+        dq0 = jnp.zeros(do.shape, jnp.float32)
+        dq, dk, dv = jax.lax.fori_loop(0, -(-hi // block), step, (dq0, dk, dv))
+        dqs.append(dq)
     b, s = k.shape[:2]
-    unblock = (
-        lambda x: jnp.pad(  # blocks → B×S×K×D, zero after kv_len
-            jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :kv_len],
-            [(0, 0), (0, s - kv_len), (0, 0), (0, 0)],
-        )
+    unblock = lambda x, like: (
+        jnp.moveaxis(x, 0, 1).reshape(b, -1, *like.shape[2:])[:, :s].astype(like.dtype)
     )
-    dq = dq.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
+    dq = jnp.concatenate(dqs, axis=2).transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
     ids_zero = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), (q_ids, k_ids))
-    return dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), *ids_zero
+    return dq, unblock(dk, k), unblock(dv, v), *ids_zero
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -183,13 +192,7 @@ def blocked_attention(
     t = q_BxTxHxD.shape[1]
     block = max(min(block or DEFAULT_BLOCK, t), 1)
     n = max(min(MAX_QUERY_CHUNKS, -(-t // QUERY_CHUNK)), 1)
-    bounds = sorted({min(-(-t * i // n // block) * block, t) for i in range(n + 1)})
+    bounds = tuple(sorted({min(-(-t * i // n // block) * block, t) for i in range(n + 1)}))
+    q_ids = (segment_ids_BxT, prefix_ids_BxT, positions_BxT)
     k_ids = (segment_ids_BxT, positions_BxT, valid_BxT.astype(bool))
-    outs = []
-    for lo, hi in itertools.pairwise(bounds):  # chunk [lo, hi) sees keys [0, hi)
-        q_ids = tuple(x[:, lo:hi] for x in (segment_ids_BxT, prefix_ids_BxT, positions_BxT))
-        kv = (k_BxTxKxD, v_BxTxKxD)
-        outs.append(
-            _attention(q_BxTxHxD[:, lo:hi], *kv, q_ids, k_ids, lo, hi, sliding_window, block)
-        )
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    return _attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_ids, k_ids, sliding_window, block, bounds)

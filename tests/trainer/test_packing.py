@@ -407,8 +407,8 @@ def test_attention_pair_cost_of_a_model():
     from hybridjax.models.config import ModelConfig
     from hybridjax.trainer.packing import attention_pair_cost
 
-    config = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    shape = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    config = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, **shape)
     # 12·d·H·layers FLOPs per pair vs 6·N per token: 2·64·4·4 / N, N = 4 layers × (attention
     # 196,608 + MLP 528,384 + norms 512) + final norm 256 + LM head 262,144 = 3,164,416
     assert matmul_params(config) == 3_164_416

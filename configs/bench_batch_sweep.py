@@ -17,7 +17,7 @@ def get_config():
         # the pool the CPU engine allocates (256 full sequences), not a share of the device
         plan_overrides=json.dumps({"actor_rollout_ref.rollout.num_pages": 768}),
         batches="16,64,256",  # measured (prompts per step; × rollout.n 8)
-        plan_batches="16,64,256,1024,4096",  # planned (multiples of the mini-batch, 16)
+        plan_batches="16,64,256,1024,4096,16384",  # planned (multiples of the mini-batch)
         devices=1,
         device_memory_gb=0.4,  # a 400 MB device: where this config runs out of memory
         measure=True,

@@ -235,6 +235,7 @@ def plan_memory(
     devices: int | None = None,
     capacity_bytes: int | None = None,
     target: str = "gpu",
+    compile_stages: bool = True,
 ) -> MemoryPlan:
     """Plans `cfg` on the first `devices` devices of this process (all by default).
 
@@ -246,8 +247,12 @@ def plan_memory(
         host's physical memory split over its local devices.
       target: the backend the run will use, "gpu" (KV pool from gpu_memory_utilization,
         Pallas decode) or "cpu" (pool of max_num_seqs full sequences, jnp decode).
+      compile_stages: compile every device stage for XLA's outputs, donated bytes and CPU
+        scratch (seconds to many minutes for large models); False: outputs from shapes (a
+        forward pass returns the batch plus one B×R float32 field; an update donates its
+        state) and no `xla_cpu_scratch`.
     Returns:
-      the MemoryPlan. Compiles every device stage once (seconds to minutes for large models).
+      the MemoryPlan.
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
@@ -344,11 +349,17 @@ def plan_memory(
     mesh_shape = dict(train.shape)
 
     def stage(name, fn, args, batch, used, count):
-        m = compiled_memory(fn, *args)
-        xla_scratch[name] = m["scratch"]
+        if compile_stages:
+            m = compiled_memory(fn, *args)
+            xla_scratch[name] = m["scratch"]
+            outputs = m["outputs"] - m["aliased"]
+        else:  # see the docstring
+            updates = name.startswith("update")
+            outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
+            m = {"outputs": outputs}
         others = {k: v for k, v in resident.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
-        new = {f"{name} outputs": m["outputs"] - m["aliased"]}
+        new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
         plans.append(StagePlan(name, others | mine | new))
         log.info("planned %s: XLA %s, counted %s", name, m, count)
@@ -523,7 +534,7 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     capacity = int(f.device_memory_gb * GB)
-    plan = plan_memory(cfg, actor_config, f.devices, capacity, target=f.target)
+    plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
     print(plan.report())
     if f.json:
         summary = {"num_params": actor_config.num_params(), **plan.to_dict()}
@@ -542,5 +553,11 @@ if __name__ == "__main__":
     flags.DEFINE_float("device_memory_gb", 80.0, "memory of one device, GB (10^9 bytes)")
     flags.DEFINE_enum("target", "gpu", ["gpu", "cpu"], "backend the run will use")
     flags.DEFINE_string("json", "", "also write the plan here as JSON")
+    flags.DEFINE_bool(
+        "xla",
+        True,
+        "compile each stage (XLA's outputs, donated bytes, CPU scratch as a reference); "
+        "--noxla counts from shapes only, in seconds",
+    )
     flags.mark_flag_as_required("config")
     app.run(main)

@@ -25,8 +25,11 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
 * gradients (updates): the accumulator over micro-batches and one micro-batch's gradient,
   each the size of the trainable parameters' shards (= AdamW's moments / 2).
 * optimizer step (updates): optax's update tree, one copy of the trainable parameters'
-  shards; the new parameters and moments are written in place of the old ones (loop carry;
-  the non-finite check of `trainer.update` selects elementwise in the same fusion).
+  shards (the new parameters and moments are written in place of the old ones: loop carry,
+  and the non-finite check of `trainer.update` selects elementwise in the same fusion). It
+  runs after the last micro-batch's backward has freed its buffers, so an update's peak is
+  gradients + the larger of the two phases; the component is what the optimizer phase needs
+  beyond the backward's gathered weights, activations and logits (often 0).
 
 What this leaves out: XLA CPU's own buffers (it fuses less and keeps more intermediates; its
 memory analysis is reported beside the count as `xla_cpu_scratch`), allocator fragmentation,
@@ -152,5 +155,6 @@ def stage_bytes(
     out = {"gathered weights": gathered, "activations": activations, "logits": logits}
     if update:
         out["gradients"] = opt_state_bytes  # accumulator + one micro-batch's (AdamW: 2 moments)
-        out["optimizer step"] = opt_state_bytes // 2
+        backward = gathered + activations + logits
+        out["optimizer step"] = max(opt_state_bytes // 2 - backward, 0)
     return out

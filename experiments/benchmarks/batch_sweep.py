@@ -2,9 +2,9 @@
 batch where device memory runs out.
 
 For each `data.train_batch_size` in `batches` (prompts; × rollout.n responses):
-* planned: `python -m hybridjax.plan` of `plan_config` at that batch on `devices` devices of
-  `device_memory_gb` (peak per device, the stage that needs it, fits or not), in its own
-  process (simulated CPU devices);
+* planned: `python -m hybridjax.plan --noxla` of `plan_config` at that batch on `devices`
+  devices of `device_memory_gb` (peak per device, the stage that needs it, fits or not), in
+  its own process (simulated CPU devices);
 * measured (`measure`): the `throughput` benchmark of `trainer_config` at that batch (steps/hour,
   tokens/s, peak host memory), one process per point, each with its results under
   `<out_dir>/points/`. On this CPU only small batches of a small model are affordable, so the
@@ -63,6 +63,7 @@ def plan_point(cfg, batch: int, out: pathlib.Path) -> dict:
     cmd = [sys.executable, "-m", "hybridjax.plan", f"--config={cfg.plan_config}"]
     cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     cmd += [f"--devices={cfg.devices}", f"--device_memory_gb={cfg.device_memory_gb}"]
+    cmd += ["--noxla"]  # the counted plan; XLA's CPU reference is not needed for a verdict
     done = _run([*cmd, f"--json={path}"], cfg.timeout_s)
     if not path.is_file():  # exit 1 = does not fit, with the JSON written; else it failed
         raise RuntimeError(f"plan at batch {batch} failed:\n{done.stderr[-3000:]}")

@@ -304,7 +304,7 @@ def test_generation_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
+def test_memory_planner_update_is_within_a_quarter_of_the_measured_cpu_peak(tmp_path):
     cfg = ConfigDict(
         dict(
             benchmark="memory",
@@ -324,9 +324,12 @@ def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
     (point,) = s["points"]
     for stage in ("old_log_prob", "update_actor"):
         assert point[stage]["measured_bytes"] > 0
-    # the update's scratch dominates its peak; a small forward's peak is mostly the runtime's
-    # one-off allocations of a first execution (README: Memory planner)
-    assert abs(point["update_actor"]["error"]) < 0.35, point["update_actor"]
+    # the update's live bytes (gradients, optimizer step, activations) dominate its peak
+    assert abs(point["update_actor"]["error"]) < 0.25, point["update_actor"]
+    # a small forward's peak also holds the runtime's one-off allocations of a first
+    # execution, which the count leaves out (README: Memory planner)
+    forward = point["old_log_prob"]
+    assert 0 < forward["predicted_bytes"] <= forward["measured_bytes"], forward
 
 
 @pytest.mark.slow

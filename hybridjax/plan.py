@@ -18,7 +18,7 @@ step of one loop iteration). The peak of a stage is
 XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 `xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
-float32 logits and of the gathered embedding, against 40 GB counted).
+float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
 logits) and drops what `fsdp_config.*_offload` moves to host while it runs; `reshard` holds a
 second copy of the rollout weights while the new one lands (`hybridjax.sharding.update_weights`).

@@ -223,7 +223,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     finally:
         trainer.close()
     summary = summarize(metrics, cfg.warmup, trainer, peak)
-    summary["peak_memory_bytes"] = peak_memory_bytes()
+    summary["peak_memory_bytes"] = peak_memory_bytes(metrics)
     if spec is not None:
         summary["workload"] = spec["name"]
     (out_dir / "steps.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))

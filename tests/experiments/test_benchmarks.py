@@ -207,7 +207,7 @@ def test_throughput_smoke(tmp_path):
     peak = stages["update_actor"]["host_peak_rss_bytes"]
     assert s["stage_peak_memory_bytes"]["update_actor"] == peak
     assert s["stability"]["steps"] == 1 and s["communication"]["reshard_bytes"] > 0
-    assert s["peak_memory_bytes"]["host"] > 0
+    assert s["peak_memory_bytes"]["host"] >= max(s["stage_peak_memory_bytes"].values())
     assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
     for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
         assert np.isfinite(s[key]) and s[key] > 0, key

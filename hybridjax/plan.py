@@ -27,8 +27,9 @@ The KV pool is sized as the engine sizes it: `rollout.num_pages`, else
 allocated through every stage (verl instead frees vLLM's cache after each rollout).
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
-(see the README for the error measured on CPU). `trainer.check_memory=True` runs the same plan
-on the run's own devices in the up-front config check.
+(see the README for the error measured on CPU). `trainer.check_memory=True` runs the same plan,
+without compiling (`compile_stages=False`), on the run's own devices in the up-front config
+check.
 """
 
 from __future__ import annotations
@@ -496,7 +497,8 @@ def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
     """`trainer.check_memory`: the plan on this process's devices, as config problems (empty
     when it fits). The plan itself is logged."""
     target = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
-    plan = plan_memory(cfg, actor_config, n_devices, target=target)
+    # counted from shapes, without compiling every stage a second time (the run compiles them)
+    plan = plan_memory(cfg, actor_config, n_devices, target=target, compile_stages=False)
     log.info("memory plan:\n%s", plan.report())
     if plan.fits:
         return []

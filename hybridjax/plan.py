@@ -472,8 +472,8 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
         if pool > 0.2 * s.peak and s.name != "gen":
             short = plan.worst.peak - plan.capacity
             fit = ""
-            if r.num_pages <= 0 and pool > short:
-                frac = r.gpu_memory_utilization * (pool - short) / pool
+            frac = r.gpu_memory_utilization * (pool - short) / pool
+            if r.num_pages <= 0 and frac >= 0.05:  # below that the pool is all but gone
                 fit = f" (rollout.gpu_memory_utilization={math.floor(frac * 100) / 100:.2f} fits)"
             add(
                 "pool",

@@ -6,15 +6,28 @@
   profile plugin or Perfetto) and under cProfile, and draws the host time of that step as a
   flame graph (`host_profile.svg`, with `flameprof` from the `bench` extra; the raw
   `host_profile.pstats` is always written).
+* `StageMemory` (with `StageClock`) adds each stage's peak memory to its record: the device's
+  `peak_bytes_in_use` / `bytes_in_use` where the backend reports them (GPU, TPU), else (CPU)
+  the process's peak resident set since the previous stage ended (VmHWM, reset through
+  `/proc/self/clear_refs` at each stage's end).
+* `CompiledStages` compiles each jitted device stage of `hybridjax.trainer.step` once more for
+  the arguments it is called with and keeps XLA's memory analysis (arguments, outputs,
+  donated, scratch per device) and the collectives of the partitioned program
+  (`collective_bytes`: the result bytes of every all-reduce, all-gather, reduce-scatter,
+  all-to-all and collective-permute per device, each instruction counted once, also when it
+  sits in a loop body that runs several times).
 * `stability` summarises step times: min / median / p95 / max / std (seed 000's figures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import logging
+import math
 import pathlib
 import pstats
+import re
 import statistics
 
 import numpy as np
@@ -27,18 +40,20 @@ class StageClock(logging.Handler):
 
     def __init__(self):
         super().__init__(logging.DEBUG)
-        self.events: list[tuple[str, float, float]] = []
+        self.events: list[tuple[str, float, float, dict]] = []
+        self.memory = StageMemory()
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg.startswith("stage "):
             name, start, end = record.args
-            self.events.append((name, float(start), float(end)))
+            self.events.append((name, float(start), float(end), self.memory.sample()))
 
     def take(self, origin: float) -> list[dict]:
-        """The events since the last call, as seconds after `origin`; clears them."""
+        """The events since the last call, as seconds after `origin`, each with its memory
+        (`StageMemory.sample`); clears them."""
         out = [
-            {"stage": n, "start_s": round(s - origin, 6), "end_s": round(e - origin, 6)}
-            for n, s, e in self.events
+            {"stage": n, "start_s": round(s - origin, 6), "end_s": round(e - origin, 6), **mem}
+            for n, s, e, mem in self.events
         ]
         self.events = []
         return out
@@ -54,6 +69,136 @@ class StageClock(logging.Handler):
         logger = logging.getLogger(STEP_LOGGER)
         logger.removeHandler(self)
         logger.setLevel(self._level)
+
+
+class StageMemory:
+    """Peak memory per stage (see the module docstring); `sample()` at each stage's end."""
+
+    def __init__(self):
+        self._reset()
+
+    @staticmethod
+    def _reset() -> None:
+        with contextlib.suppress(OSError):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM back to the current resident set
+
+    def sample(self) -> dict[str, int]:
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            return {
+                "device_peak_bytes": int(stats["peak_bytes_in_use"]),
+                "device_bytes_in_use": int(stats.get("bytes_in_use", 0)),
+            }
+        out = {}
+        with contextlib.suppress(OSError), open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    out["host_peak_rss_bytes"] = int(line.split()[1]) * 1024
+        self._reset()
+        return out
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_DTYPE_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_INSTRUCTION = re.compile(
+    r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\("
+)
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes per device of each kind of collective in an optimised, partitioned HLO
+    module (`compiled.as_text()`), summed over its instructions (async `-start` ops once)."""
+    out = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.search(line)
+        if m is None:
+            continue
+        arrays = _ARRAY.findall(m.group(1))
+        if m.group(3) and m.group(2) in ("all-gather", "collective-permute"):
+            arrays = arrays[-1:]  # an async start's tuple holds (operand, result)
+        for dtype, dims in arrays:
+            shape = [int(d) for d in dims.split(",") if d]
+            out[m.group(2)] += math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+    return out
+
+
+# jitted function of `hybridjax.trainer.step` → the stage it runs in
+STEP_JITS = {
+    "_old_log_prob": "old_log_prob",
+    "_ref_log_prob": "ref",
+    "_values": "values",
+    "_update_critic": "update_critic",
+    "_update_actor": "update_actor",
+}
+
+
+class CompiledStages:
+    """While entered, the jitted device stages of `hybridjax.trainer.step` are compiled once
+    more per new argument signature (before the call: the update donates its state) and
+    `self.stages[name]` keeps XLA's memory analysis and `collective_bytes` (bytes per device).
+    Costs one extra compile per stage."""
+
+    def __init__(self):
+        self.stages: dict[str, dict] = {}
+        self._seen: set = set()
+
+    def _wrap(self, name: str, fn):
+        def call(*args):
+            key = (name, str(jax_shapes(args)))
+            if key not in self._seen:
+                self._seen.add(key)
+                compiled = fn.lower(*args).compile()
+                m = compiled.memory_analysis()
+                self.stages[STEP_JITS[name]] = {
+                    "argument_bytes": m.argument_size_in_bytes,
+                    "output_bytes": m.output_size_in_bytes,
+                    "donated_bytes": m.alias_size_in_bytes,
+                    "scratch_bytes": m.temp_size_in_bytes,
+                    "collective_bytes": collective_bytes(compiled.as_text()),
+                }
+            return fn(*args)
+
+        return call
+
+    def annotate(self, events: list[dict], metrics: dict) -> list[dict]:
+        """`StageClock.take` events with their stage's compiled figures (`compiled`), and the
+        re-layout's bytes (`perf/reshard_bytes` of the step's `metrics`) on `reshard`."""
+        out = []
+        for e in events:
+            e = dict(e)
+            if e["stage"] in self.stages:
+                e["compiled"] = self.stages[e["stage"]]
+            if e["stage"] == "reshard" and "perf/reshard_bytes" in metrics:
+                e["reshard_bytes"] = metrics["perf/reshard_bytes"]
+            out.append(e)
+        return out
+
+    def __enter__(self) -> CompiledStages:
+        from hybridjax.trainer import step
+
+        self._saved = {n: getattr(step, n) for n in STEP_JITS}
+        for n, fn in self._saved.items():
+            setattr(step, n, self._wrap(n, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from hybridjax.trainer import step
+
+        for n, fn in self._saved.items():
+            setattr(step, n, fn)
+
+
+def jax_shapes(tree) -> list:
+    """(shape, dtype) of every array leaf, the rest by type: a jit cache key of sorts."""
+    import jax
+
+    leaf = lambda x: (getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__)))
+    return [leaf(x) for x in jax.tree.leaves(tree)]
 
 
 def profile_step(fn, out_dir: pathlib.Path):

@@ -8,7 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.benchmarks.recording import StageClock, profile_step, stability
+from experiments.benchmarks.recording import (
+    StageClock,
+    collective_bytes,
+    profile_step,
+    stability,
+)
 from experiments.gpu import check
 from hybridjax.trainer.pipeline import timed
 
@@ -34,10 +39,28 @@ def test_stage_clock_records_each_timed_block_in_order():
         events = clock.take(origin)
     assert [e["stage"] for e in events] == ["gen", "update_actor"]
     assert events[0]["start_s"] == 0.0 and events[0]["end_s"] <= events[1]["start_s"]
+    # CPU keeps no device statistics: the resident peak since the previous stage ended
+    assert all(e["host_peak_rss_bytes"] > 0 for e in events)
     assert set(timing) == {"gen", "update_actor"} and clock.take(origin) == []
     with timed(timing, "after"):  # detached: nothing recorded
         pass
     assert clock.events == []
+
+
+def test_collective_bytes_of_an_hlo_module_by_hand():
+    hlo = """
+  %all-reduce.2 = (f32[32]{0}, f32[32,32]{1,0}) all-reduce(%wrapped_reduce, %dot), channel_id=1
+  %ags = (bf16[4,8]{1,0}, bf16[32,8]{1,0}) all-gather-start(bf16[4,8]{1,0} %c), dimensions={0}
+  %agd = bf16[32,8]{1,0} all-gather-done(%ags)
+  %ag = f32[16]{0} all-gather(f32[2]{0} %d), dimensions={0}
+  %rs = f32[2,3]{1,0} reduce-scatter(f32[16,3]{1,0} %e), dimensions={0}
+  %sum = f32[16]{0} add(f32[16]{0} %ag, f32[16]{0} %ag)
+"""
+    got = collective_bytes(hlo)
+    assert got["all-reduce"] == (32 + 32 * 32) * 4  # both results of the tuple
+    assert got["all-gather"] == 32 * 8 * 2 + 16 * 4  # an async start: its result only
+    assert got["reduce-scatter"] == 2 * 3 * 4
+    assert got["all-to-all"] == got["collective-permute"] == 0
 
 
 def test_profile_step_writes_trace_pstats_and_flame_graph(tmp_path):
@@ -68,3 +91,28 @@ def test_check_reads_junit_counts_and_the_printed_results_folder(tmp_path):
     assert check._last_results_dir(f"INFO noise\n{folder}\n") == folder
     assert check._last_results_dir("no folder here") is None
     assert check._last_results_dir("I1201 a log line " + "x" * 5000) is None  # never a path
+
+
+def test_check_selects_every_gpu_marked_test_by_marker():
+    # check.sh runs `pytest -m gpu tests`: a GPU test added anywhere under tests/ (a module's
+    # `pytestmark` or a decorated test) is run by the check without editing it
+    assert check.GPU_TESTS == ("-m", "gpu", "tests")
+    marked = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "mark.gpu" in p.read_text()
+    )
+    assert "tests/gpu/test_gpu.py" in marked
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"gpu: ' in pyproject  # a declared marker: `-m gpu` selects it without a warning
+
+
+def test_check_sets_the_plan_beside_the_measured_stage_peaks():
+    steps = {
+        "plan": {"plan": {"stages": {"gen": {"peak_bytes": 5}, "update_actor": {"peak_bytes": 9}}}},
+        "throughput": {"summary": {"stage_peak_memory_bytes": {"update_actor": 7, "step": 8}}},
+    }
+    assert check.plan_vs_measured(steps) == {
+        "update_actor": {"planned_bytes": 9, "measured_bytes": 7}
+    }
+    assert check.plan_vs_measured({}) == {}

@@ -13,9 +13,11 @@ On a CPU host every simulated device shares the same cores, so overlap gains at 
 cores leave idle; the numbers are what the host measured. The same config runs unchanged on a
 GPU machine (`devices=0`: the platform's devices).
 
-Config keys (`placement`): trainer_config (a trainer config file, default the quick start),
-overrides (JSON object of dotted trainer keys → values), rollout_devices, warmup, steps,
-devices (simulated CPU devices, applied by `run.py` before JAX starts; 0 = the platform's).
+Config keys (`placement`): workload (a peer workload, `experiments/peers/workload.py`: "a", "b"
+(102M), "qs", "tiny"; "" = use trainer_config), trainer_config (a trainer config file, default
+the quick start), overrides (JSON object of dotted trainer keys → values), modes (comma-separated
+subset of `MODES`; "" = all), rollout_devices, warmup, steps, devices (simulated CPU devices,
+applied by `run.py` before JAX starts; 0 = the platform's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pathlib
 import statistics
 import time
 
-from experiments.benchmarks.throughput import load_trainer_config
+from experiments.benchmarks.throughput import load_trainer_config, workload_trainer_config
 
 log = logging.getLogger(__name__)
 # run name -> (trainer.rollout_mode, rollout on its own pool). `sync_split` is the control: the
@@ -39,7 +41,11 @@ MODES = {
 
 
 def _trainer_config(cfg, name: str, out_dir: pathlib.Path, n_devices: int):
-    c = load_trainer_config(cfg.trainer_config)
+    if cfg.get("workload"):
+        c, _ = workload_trainer_config(cfg.workload)
+        c.data.val_files = ""  # the benchmark does not validate
+    else:
+        c = load_trainer_config(cfg.trainer_config)
     c.update_from_flattened_dict(json.loads(cfg.overrides or "{}"))
     t = c.trainer
     mode, split = MODES[name]
@@ -110,17 +116,28 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
             f"placement.rollout_devices ({cfg.rollout_devices}) must leave devices for training "
             f"(of {n_devices})"
         )
-    runs = {name: _run_mode(cfg, name, out_dir, n_devices) for name in MODES}
+    names = [m.strip() for m in cfg.get("modes", "").split(",") if m.strip()] or list(MODES)
+    unknown = sorted(set(names) - set(MODES))
+    if unknown:
+        raise ValueError(f"placement.modes: unknown {unknown} (valid: {list(MODES)})")
+    runs = {name: _run_mode(cfg, name, out_dir, n_devices) for name in names}
     rate = lambda name: runs[name]["steps_per_hour"]
-    return {
+    summary = {
         "devices": n_devices,
         "warmup": cfg.warmup,
-        "trainer_config": cfg.trainer_config,
+        "steps": cfg.steps,
+        "workload": cfg.get("workload", ""),
+        "trainer_config": "" if cfg.get("workload") else cfg.trainer_config,
         "host_cpus": _cpus(),
         "runs": runs,
-        "speedup_one_step_off": rate("one_step_off") / rate("sync"),
-        "speedup_of_the_overlap": rate("one_step_off") / rate("sync_split"),
     }
+    for key, (fast, slow) in {
+        "speedup_one_step_off": ("one_step_off", "sync"),
+        "speedup_of_the_overlap": ("one_step_off", "sync_split"),
+    }.items():
+        if fast in runs and slow in runs:
+            summary[key] = rate(fast) / rate(slow)
+    return summary
 
 
 def _cpus() -> int:

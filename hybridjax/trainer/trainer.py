@@ -101,11 +101,30 @@ class RLTrainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)
-        reward_mesh = None  # the reward model on its own pool (placement.reward_model)
-        if self.placement.roles["reward_model"] != self.placement.roles["actor"]:
-            reward_mesh = self.placement.train_mesh("reward_model")
+        # ref, critic, reward model on pools of their own (placement.<role>): their meshes,
+        # the batch axes their inputs move to, and the stage config of their data parallelism
+        role_meshes = {
+            role: self.placement.train_mesh(role)
+            for role in ("ref", "critic", "reward_model")
+            if self.placement.roles[role] != self.placement.roles["actor"]
+        }
+        self.pool_batch_shardings = {
+            role: NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+            for role, mesh in role_meshes.items()
+        }
+        self.role_stage_cfgs = {
+            role: build.stage_config(cfg, self.total_steps, mesh.shape["data"] * mesh.shape["fsdp"])
+            for role, mesh in role_meshes.items()
+            if role in ("ref", "critic")
+        }
         self.models = build.build_models(
-            cfg, self.actor_config, self.meshes.train, sc, self.use_ref, reward_mesh
+            cfg,
+            self.actor_config,
+            self.meshes.train,
+            sc,
+            self.use_ref,
+            role_meshes,
+            self.role_stage_cfgs.get("critic"),
         )
         rollout = cfg.actor_rollout_ref.rollout
         self.gen_dtype = to_dtype(rollout.dtype)
@@ -125,11 +144,13 @@ class RLTrainer:
             self.pipeline = self.pipeline.replace(
                 "gen", Stage("gen", self._gen_ahead, writes=step.GENERATED)
             )
-        rm_sharding = None
-        if reward_mesh is not None:
-            rm_sharding = NamedSharding(reward_mesh, PartitionSpec(("data", "fsdp")))
         self.reward = RewardStage.from_config(
-            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp, rm_sharding
+            cfg,
+            self.tokenizer,
+            self.models.reward_model,
+            self.batch_sharding,
+            dp,
+            self.pool_batch_shardings.get("reward_model"),
         )
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
@@ -151,6 +172,11 @@ class RLTrainer:
     @property
     def critic_state(self):
         return self.models.critic_state
+
+    def stage_config_of(self, role: str):
+        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing follow
+        that pool's data parallelism; the actor's `stage_cfg` when they share a pool."""
+        return self.role_stage_cfgs.get(role, self.stage_cfg)
 
     def _generation_params(self) -> tuple[Any, int]:
         """The actor's weights re-laid into the rollout pool's generation layout, as this

@@ -5,8 +5,11 @@ on the split pools), which separates the gain of the overlap from that of the pl
 Each mode runs `warmup + steps` RL steps of `RLTrainer`; reported per mode: steps/hour, tokens/s
 (the medians of the timed steps' `timing_s/step` and `perf/total_num_tokens`), the stage times,
 `timing_s/wait_rollout|wait_update`, `async/staleness_*`, and a timeline of every step: the
-generation of each batch and the training of each step on the wall clock (`timeline.png`,
-one row per pool), which shows what overlaps. The split run puts the rollout on
+generation of each batch, its reward scoring (submit to scores done: rule functions on host
+threads, a reward model on its pool) and the training of each step on the wall clock
+(`timeline.png`, one row per pool and one for scoring), which shows what overlaps. With a
+rollout ahead, batch k+1 is scored on the rollout thread as soon as it is generated, while
+step k trains. The split run puts the rollout on
 `rollout_devices` devices and training (actor, reference, critic, reward model) on the rest.
 
 On a CPU host every simulated device shares the same cores, so overlap gains at most what the
@@ -87,6 +90,8 @@ def _run_mode(cfg, name: str, out_dir: pathlib.Path, n_devices: int) -> dict:
         if trainer.rollout_ahead is not None:
             for _, n, start, end in trainer.rollout_ahead.events:
                 spans.append(("rollout pool", "gen", n, start, end))
+        for _, n, start, end in trainer.reward.events:  # rule functions (+ reward model)
+            spans.append(("reward scoring", "reward", n, start, end))
     finally:
         trainer.close()
     timed = steps[cfg.warmup :]
@@ -157,7 +162,7 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
 
     runs = summary["runs"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.6 + 1.2 * len(runs)), sharex=True)
-    colors = {"gen": "C1", "train": "C0"}
+    colors = {"gen": "C1", "train": "C0", "reward": "C2"}
     for ax, (mode, run) in zip(axes, runs.items(), strict=True):
         timed = [s for s in run["timeline"] if s["step"] > summary["warmup"]]
         origin = min(s["start"] for s in timed if s["stage"] == "train")
@@ -174,7 +179,8 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
             fontsize=9,
         )
     axes[-1].set_xlabel(
-        "seconds from the first timed step (g = generation of batch k, t = training step k)"
+        "seconds from the first timed step (g = generation of batch k, r = its scoring, "
+        "t = training step k)"
     )
     fig.tight_layout()
     fig.savefig(out_dir / "timeline.png", dpi=100)

@@ -23,6 +23,9 @@ decoupled preset, chosen because both passes already exist in the step and the c
 the update against the current policy, not against a stale one.
 
 The trainer replaces the pipeline's `gen` stage by one that takes the batch from the thread.
+Where the pipeline allows it (`RLTrainer._can_score_ahead`), the generate function also starts
+scoring the batch before handing it over, so rewards of batch k+1 are computed while step k
+trains.
 Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/rollout_gen` (the
 generation itself, on the rollout pool), `timing_s/wait_rollout` (the trainer blocked on the
 batch), `timing_s/wait_update` (the rollout pool idle, waiting for the next request's weights).

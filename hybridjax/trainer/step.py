@@ -154,11 +154,16 @@ def _gen(batch, ctx: StepContext, greedy: bool = False):
 
 
 def _reward(batch, ctx: StepContext, baseline: bool = False):
-    """Starts scoring (rule functions in threads, the reward model queued on the device); the
-    finish fills `token_level_scores` (and `reward_baselines`: each prompt's greedy score)."""
+    """Starts scoring (rule functions in threads, the reward model queued on the device), or
+    takes the scoring the rollout thread started as soon as it generated the batch
+    (`ctx.scoring`); the finish fills `token_level_scores` (and `reward_baselines`: each
+    prompt's greedy score)."""
     reward = ctx.trainer.reward
-    pending = reward.submit(batch, ctx.host)
-    greedy = reward.submit(*ctx.greedy) if baseline else None
+    if ctx.scoring is not None:
+        pending, greedy = ctx.scoring
+    else:
+        pending = reward.submit(batch, ctx.host, ctx.step)
+        greedy = reward.submit(*ctx.greedy, ctx.step) if baseline else None
 
     def finish(batch, ctx: StepContext):
         token_scores, ctx.reward = reward.collect(pending)

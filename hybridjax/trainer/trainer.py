@@ -152,6 +152,7 @@ class RLTrainer:
             dp,
             self.pool_batch_shardings.get("reward_model"),
         )
+        self.score_ahead = self._can_score_ahead()
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
         )
@@ -210,7 +211,11 @@ class RLTrainer:
 
         def generate(prompts, n):
             batch, host, greedy = self._rollout(prompts, n)
-            return (prompts, batch, host, greedy), len(host.response_lengths)
+            scoring = None
+            if self.score_ahead:  # scores while the actor trains the step before
+                greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
+                scoring = (self.reward.submit(batch, host, n), greedy_scoring)
+            return (prompts, batch, host, greedy, scoring), len(host.response_lengths)
 
         self._data_states = []  # loader state before each batch drawn ahead, oldest first
 
@@ -221,6 +226,23 @@ class RLTrainer:
         return RolloutAhead(
             generate, self.engine.update_weights, next_prompts, lag, self.total_steps
         )
+
+    def _can_score_ahead(self) -> bool:
+        """Whether the rollout thread starts scoring each batch right after generating it, so
+        the rule functions (and a reward model on its own pool) score batch k+1 while step k
+        trains: with a rollout ahead, when the pipeline's `reward` stage is the default one and
+        directly follows `gen` (no stage in between may change the batch), and a reward model
+        on devices has a pool other than the actor's (else its forward would share the devices
+        of the actor's update). The scores are the same either way."""
+        if self.rollout_ahead is None or "reward" not in self.pipeline.names:
+            return False
+        i = self.pipeline.names.index("reward")
+        default = self.pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
+        after_gen = i > 0 and self.pipeline.names[i - 1] == "gen"
+        model_apart = self.models.reward_model is None or "reward_model" in (
+            self.pool_batch_shardings
+        )
+        return default and after_gen and model_apart
 
     def _rollout(self, prompts, n: int):
         """One batch of samples (+ greedy responses when the estimator needs a baseline), on
@@ -248,7 +270,7 @@ class RLTrainer:
         ctx.timing["wait_update"] = rollout.timing["wait_update"]
         self.policy_versions = rollout.versions
         ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
-        ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
+        ctx.prompts, batch, ctx.host, ctx.greedy, ctx.scoring = rollout.output
         if self.multi_turn is not None:
             h = ctx.host
             ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)

@@ -6,6 +6,7 @@ first on weights one update newer than the ones that sampled it, with rollout IS
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -36,8 +37,18 @@ def _config(data, run_dir, split: bool, **changes):
     return c
 
 
-def _steps(config, steps: int):
+def _steps(config, steps: int, score_ahead: bool | None = None):
     trainer = RLTrainer(config)
+    if score_ahead is not None:
+        trainer.score_ahead = score_ahead
+    trainer.scored_on = []  # the thread that started each batch's scoring
+    submit = trainer.reward.submit
+
+    def spy(batch, host, step=0):
+        trainer.scored_on.append((step, threading.current_thread().name))
+        return submit(batch, host, step)
+
+    trainer.reward.submit = spy
     try:
         metrics = [trainer.train_step(n) for n in range(1, steps + 1)]
         params = [
@@ -107,7 +118,21 @@ def test_one_step_off_lags_by_exactly_one(data, tmp_path):
             "algorithm.rollout_is_threshold": 2.0,
         },
     )
-    trainer, metrics, _ = _steps(off, 3)
+    trainer, metrics, params = _steps(off, 3)
+    assert trainer.score_ahead
+    # each batch is scored on the rollout thread as soon as it is generated (batch k+1 while
+    # step k trains); the same steps as scoring in the reward stage, bit for bit
+    # (batch 4 may be requested too: the run has more steps)
+    assert trainer.scored_on[:3] == [(1, "rollout"), (2, "rollout"), (3, "rollout")]
+    assert {1, 2, 3} <= {n for _, n, _, _ in trainer.reward.events}
+    gen_end = {n: end for _, n, _, end in trainer.rollout_ahead.events}
+    assert all(start >= gen_end[n] for _, n, start, _ in trainer.reward.events)
+    later, later_metrics, later_params = _steps(off, 3, score_ahead=False)
+    assert later.scored_on == [(1, "MainThread"), (2, "MainThread"), (3, "MainThread")]
+    for a, b in zip(metrics, later_metrics, strict=True):
+        assert _numbers(a) == _numbers(b)
+    for a, b in zip(params, later_params, strict=True):
+        np.testing.assert_array_equal(a, b)
     assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
     assert [m["async/staleness_mean"] for m in metrics] == [0, 1, 1]
     np.testing.assert_array_equal(trainer.policy_versions, 1)  # step 3 sampled by version 1

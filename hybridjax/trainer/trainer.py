@@ -152,7 +152,8 @@ class RLTrainer:
             dp,
             self.pool_batch_shardings.get("reward_model"),
         )
-        self.score_ahead = self._can_score_ahead()
+        if self.rollout_ahead is not None:
+            self.rollout_ahead.score_enabled = self._can_score_ahead()
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
         )
@@ -211,11 +212,12 @@ class RLTrainer:
 
         def generate(prompts, n):
             batch, host, greedy = self._rollout(prompts, n)
-            scoring = None
-            if self.score_ahead:  # scores while the actor trains the step before
-                greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
-                scoring = (self.reward.submit(batch, host, n), greedy_scoring)
-            return (prompts, batch, host, greedy, scoring), len(host.response_lengths)
+            return (prompts, batch, host, greedy), len(host.response_lengths)
+
+        def score(output, n):  # while the actor trains the step before
+            _, batch, host, greedy = output
+            greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
+            return self.reward.submit(batch, host, n), greedy_scoring
 
         self._data_states = []  # loader state before each batch drawn ahead, oldest first
 
@@ -224,7 +226,7 @@ class RLTrainer:
             return next(self.train_loader)
 
         return RolloutAhead(
-            generate, self.engine.update_weights, next_prompts, lag, self.total_steps
+            generate, self.engine.update_weights, next_prompts, lag, self.total_steps, score
         )
 
     def _can_score_ahead(self) -> bool:
@@ -270,7 +272,8 @@ class RLTrainer:
         ctx.timing["wait_update"] = rollout.timing["wait_update"]
         self.policy_versions = rollout.versions
         ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
-        ctx.prompts, batch, ctx.host, ctx.greedy, ctx.scoring = rollout.output
+        ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
+        ctx.scoring = rollout.scoring
         if self.multi_turn is not None:
             h = ctx.host
             ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)

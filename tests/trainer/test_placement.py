@@ -40,7 +40,7 @@ def _config(data, run_dir, split: bool, **changes):
 def _steps(config, steps: int, score_ahead: bool | None = None):
     trainer = RLTrainer(config)
     if score_ahead is not None:
-        trainer.score_ahead = score_ahead
+        trainer.rollout_ahead.score_enabled = score_ahead
     trainer.scored_on = []  # the thread that started each batch's scoring
     submit = trainer.reward.submit
 
@@ -119,7 +119,7 @@ def test_one_step_off_lags_by_exactly_one(data, tmp_path):
         },
     )
     trainer, metrics, params = _steps(off, 3)
-    assert trainer.score_ahead
+    assert trainer.rollout_ahead.score_enabled
     # each batch is scored on the rollout thread as soon as it is generated (batch k+1 while
     # step k trains); the same steps as scoring in the reward stage, bit for bit
     # (batch 4 may be requested too: the run has more steps)

@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
-from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
+from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
 from hybridjax.models.config import to_dtype
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
@@ -64,6 +64,7 @@ class RLTrainer:
 
     def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None, read_only: bool = False):
         self.cfg = cfg
+        num_compiles()  # starts counting: `perf/num_compiles` includes this run's first compiles
         self.n_devices = jax.device_count()
         validate_config(cfg, self.n_devices)  # before any file is read or model built
         self.tokenizer = build.load_tokenizer(cfg)

@@ -98,7 +98,7 @@ class RLTrainer:
             if t.total_training_steps > 0
             else len(self.train_loader) * t.total_epochs
         )
-        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp)
+        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp, self.actor_config)
         self.use_critic = cfg.critic.enable
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)

@@ -114,7 +114,9 @@ class RLTrainer:
             for role, mesh in role_meshes.items()
         }
         self.role_stage_cfgs = {
-            role: build.stage_config(cfg, self.total_steps, mesh.shape["data"] * mesh.shape["fsdp"])
+            role: build.stage_config(
+                cfg, self.total_steps, mesh.shape["data"] * mesh.shape["fsdp"], self.actor_config
+            )
             for role, mesh in role_meshes.items()
             if role in ("ref", "critic")
         }

@@ -14,7 +14,10 @@ JSONL / TensorBoard (`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`
 `actor_rollout_ref.model.path` loads.
 
 Input: parquet or jsonl files with a prompt column (a list of `{role, content}` messages, or a
-plain string taken as one user message) and a response column (a string).
+plain string taken as one user message) and a response column: a string, or a list of messages
+(the assistant turns are joined). A list whose assistant turns are answered by `tool` messages
+is a multi-turn trajectory: it is laid out as the multi-turn rollout builds it and the loss
+covers the assistant turns only (`response_tokens`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from hybridjax.sharding import (
     init_sharded,
 )
 from hybridjax.sharding.rules import sharding_fn
+from hybridjax.tools.chat import tool_response_text
 from hybridjax.trainer import offline
 from hybridjax.trainer.build import init_train_state
 from hybridjax.trainer.forward import response_log_probs
@@ -162,9 +166,8 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
                 )
         response = record[response_key]
         if isinstance(response, list):  # TRL's conversational form: the assistant's turn(s)
-            turns = [m for m in response if isinstance(m, dict) and m.get("role") == "assistant"]
-            response = "".join(str(m.get("content", "")) for m in turns) if turns else None
-        if not isinstance(response, str):
+            response = _conversation(response, f"{path}, row {i}, column {response_key!r}")
+        if not isinstance(response, str | tuple):
             raise InputFileError(
                 f"{path}, row {i}, column {response_key!r}: expected a string or a list of "
                 "messages with an assistant turn"
@@ -173,12 +176,60 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
     return rows
 
 
+def _conversation(messages: list, where: str) -> str | tuple[tuple[str, str], ...] | None:
+    """The assistant turns' text joined, or, when tool messages answer them (a multi-turn
+    trajectory), the ("assistant" | "tool", content) messages in order, ending with an
+    assistant turn. None without an assistant turn."""
+    turns = [m for m in messages if isinstance(m, dict) and m.get("role") in ("assistant", "tool")]
+    if not any(m["role"] == "assistant" for m in turns):
+        return None
+    if all(m["role"] == "assistant" for m in turns):
+        return "".join(str(m.get("content", "")) for m in turns)
+    roles = [m["role"] for m in turns]
+    if roles[0] != "assistant" or roles[-1] != "assistant":
+        raise InputFileError(f"{where}: a trajectory starts and ends with an assistant turn")
+    return tuple((m["role"], str(m.get("content", ""))) for m in turns)
+
+
+def response_tokens(
+    tokenizer: Tokenizer, response: str | tuple[tuple[str, str], ...]
+) -> tuple[list[int], list[float]]:
+    """Token ids of a response and their loss mask, the final EOS included.
+
+    A string is one assistant turn (mask 1). A trajectory (`read_rows`) is laid out token in,
+    token out as the multi-turn rollout builds it (`hybridjax.rollout.agent_loop`): each
+    assistant turn's tokens and the EOS that ends it (mask 1), then the tool messages that answer
+    it rendered once with the chat template's tool role (`tool_response_text`, mask 0), so the
+    model learns its calls and answers, never the tools' responses.
+    """
+    eos = tokenizer.eos_token_id
+    if isinstance(response, str):
+        ids = tokenizer.encode(response) + [eos]
+        return ids, [1.0] * len(ids)
+    ids, mask = [], []
+    k = 0
+    while k < len(response):
+        if response[k][0] == "assistant":
+            part, value = tokenizer.encode(response[k][1]) + [eos], 1.0
+            k += 1
+        else:
+            contents = []
+            while response[k][0] == "tool":
+                contents.append(response[k][1])
+                k += 1
+            part, value = tokenizer.encode(tool_response_text(tokenizer, contents)), 0.0
+        ids += part
+        mask += [value] * len(part)
+    return ids, mask
+
+
 def tokenize_pairs(
     pairs: list[tuple[Any, str]], tokenizer: Tokenizer, max_length: int, truncation: str, path=""
 ) -> dict[str, np.ndarray]:
     """Right-padded `input_ids`, `attention_mask`, `loss_mask` (N×max_length, int32/float32).
 
-    `loss_mask` is 1 on response tokens and the EOS after them, 0 on the prompt and padding.
+    `loss_mask` is 1 on response tokens and the EOS after them, 0 on the prompt, on the tool
+    messages of multi-turn responses (`response_tokens`) and on padding.
     Raises:
       ValueError: a pair is longer than `max_length` under `truncation="error"` (names the row).
     """
@@ -190,19 +241,23 @@ def tokenize_pairs(
     loss = np.zeros((n, max_length), np.float32)
     prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p, _ in pairs]
     prompt_ids = tokenizer.encode_batch([tokenizer.render_chat(m) for m in prompts])
-    response_ids = tokenizer.encode_batch([r for _, r in pairs])
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        seq = p + r + [eos]
+    if all(isinstance(r, str) for _, r in pairs):  # one batched call for plain responses
+        encoded = tokenizer.encode_batch([r for _, r in pairs])
+        responses = [(r + [eos], [1.0] * (len(r) + 1)) for r in encoded]
+    else:
+        responses = [response_tokens(tokenizer, r) for _, r in pairs]
+    for i, (p, (r, r_mask)) in enumerate(zip(prompt_ids, responses, strict=True)):
+        seq, seq_mask = p + r, [0.0] * len(p) + r_mask
         if len(seq) > max_length:
             if truncation == "error":
                 raise InputFileError(
                     f"{path} row {i}: {len(seq)} tokens > data.max_length={max_length}; "
                     "raise it or set data.truncation=right"
                 )
-            seq = seq[:max_length]
+            seq, seq_mask = seq[:max_length], seq_mask[:max_length]
         ids[i, : len(seq)] = seq
         attention[i, : len(seq)] = 1
-        loss[i, len(p) : len(seq)] = 1.0
+        loss[i, : len(seq)] = seq_mask
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
 
 

@@ -3,8 +3,8 @@
 Steps, each a subprocess with a time limit; a failing step is recorded and the next one runs:
 
 1. `env`: JAX version, backend and devices, `nvidia-smi` (when present);
-2. `tests`: the `gpu`-marked tests (`tests/gpu`: Pallas paged attention, cuDNN attention,
-   bfloat16 parity against float32 and `transformers`) with `jax_platforms=cuda,cpu`;
+2. `tests`: the `gpu`-marked tests (`tests/gpu`: Pallas paged attention, blocked training
+   attention, bfloat16 parity against float32 and `transformers`) with `jax_platforms=cuda,cpu`;
 3. `plan`: `python -m hybridjax.plan` of `configs/gpu_check.py` on simulated CPU devices;
 4. `throughput`: the RL-step benchmark on `configs/gpu_check.py` (a random Qwen2.5-0.5B-shaped
    actor, GRPO, bfloat16), with the device's peak memory;

@@ -21,6 +21,21 @@ from hybridjax.tools.parser import ParseError, get_parser
 _SYSTEM = [{"role": "system", "content": "x"}]
 
 
+def tool_response_text(tokenizer: Tokenizer, contents: list[str]) -> str:
+    """The text that follows an assistant turn (ended by its EOS token) whose calls answered
+    `contents`: the chat template's text for [system, tool messages] with the generation prompt,
+    less its text for [system], preceded by what the template writes after an end-of-turn
+    token (ChatML: "\n"). Raises ValueError when the template renders the system message
+    differently in context (no such split exists)."""
+    prefix = tokenizer.render_chat(_SYSTEM, add_generation_prompt=False)
+    eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
+    separator = prefix[prefix.rfind(eos) + len(eos) :] if eos and eos in prefix else ""
+    full = tokenizer.render_chat(_SYSTEM + [{"role": "tool", "content": c} for c in contents])
+    if not full.startswith(prefix):
+        raise ValueError("the chat template renders the system message differently in context")
+    return separator + full[len(prefix) :]
+
+
 class ChatTools:
     """Parses, executes and renders tool calls for one tokenizer.
 
@@ -34,10 +49,6 @@ class ChatTools:
         self.tokenizer = tokenizer
         self.executor = executor
         self.parser = get_parser(format)
-        prefix = tokenizer.render_chat(_SYSTEM, add_generation_prompt=False)
-        eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
-        self._prefix = prefix
-        self._separator = prefix[prefix.rfind(eos) + len(eos) :] if eos and eos in prefix else ""
 
     def parse(self, turn_ids: list[int]) -> list[ToolCall | ParseError]:
         return self.parser(self.tokenizer.decode(turn_ids, skip_special_tokens=False))
@@ -53,10 +64,7 @@ class ChatTools:
 
     def render_text(self, results: list[ToolResult]) -> str:
         """The text appended after an assistant turn that called tools."""
-        full = self.tokenizer.render_chat(_SYSTEM + self.messages(results))
-        if not full.startswith(self._prefix):
-            raise ValueError("the chat template renders the system message differently in context")
-        return self._separator + full[len(self._prefix) :]
+        return tool_response_text(self.tokenizer, [r.text for r in results])
 
     def render(self, calls, results: list[ToolResult]) -> list[int]:
         return self.tokenizer.encode(self.render_text(results))

@@ -14,15 +14,21 @@ each row's `extra_info` gains the trajectory for the reward function:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
+import yaml
 
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rollout import Engine, SamplingParams
 from hybridjax.rollout.agent_loop import MultiTurnOutput, generate_multi_turn
 from hybridjax.tools import ParseError, ToolExecutor, load_tools
 from hybridjax.tools.chat import ChatTools
+from hybridjax.tools.executor import TRUNCATE_SIDES
+from hybridjax.tools.parser import PARSERS
+
+KEY = "actor_rollout_ref.rollout.multi_turn"
 
 
 @dataclasses.dataclass
@@ -103,6 +109,53 @@ class MultiTurn:
             info.update(num_turns=int(out.num_turns[row]), messages=messages, tool_calls=calls)
             rows.append(info)
         return rows
+
+
+def config_problems(c: Any) -> list[str]:
+    """Problems of `actor_rollout_ref.rollout.multi_turn` for the start-up check, one line each
+    naming its key: limits below 1, an unknown call format or truncation side; with `enable`, a
+    missing or unreadable tool config file (unknown tool classes, bad entries, two tools of one
+    name) and settings multi-turn rollouts cannot run with; without it, a tool config that would
+    be ignored."""
+    mt, rollout, problems = c.actor_rollout_ref.rollout.multi_turn, c.actor_rollout_ref.rollout, []
+    for key in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length"):
+        if mt[key] < 1:
+            problems.append(f"{KEY}.{key}: must be >= 1 (got {mt[key]!r})")
+    if mt.tool_workers < 1:
+        problems.append(f"{KEY}.tool_workers: must be >= 1 (got {mt.tool_workers!r})")
+    if not mt.tool_timeout_s > 0:
+        problems.append(f"{KEY}.tool_timeout_s: must be > 0 seconds (got {mt.tool_timeout_s!r})")
+    if mt.format not in PARSERS:
+        problems.append(f"{KEY}.format: one of {sorted(PARSERS)} (got {mt.format!r})")
+    if mt.tool_response_truncate_side not in TRUNCATE_SIDES:
+        problems.append(
+            f"{KEY}.tool_response_truncate_side: one of {TRUNCATE_SIDES} "
+            f"(got {mt.tool_response_truncate_side!r})"
+        )
+    if not mt.enable:
+        if mt.tool_config_path:
+            problems.append(
+                f"{KEY}.tool_config_path is set ({mt.tool_config_path!r}) but {KEY}.enable is "
+                "False: the tools would be ignored; enable multi-turn or clear the path"
+            )
+        return problems
+    if rollout.ignore_eos:
+        problems.append(
+            f"{KEY}.enable needs actor_rollout_ref.rollout.ignore_eos=False: an assistant turn "
+            "ends at EOS, where its tool calls are read"
+        )
+    path = mt.tool_config_path
+    if not path:
+        problems.append(f"{KEY}.tool_config_path: empty; {KEY}.enable needs a tool config file")
+    elif not os.path.isfile(path):
+        problems.append(f"{KEY}.tool_config_path: no such file {path!r}")
+    else:
+        try:
+            ToolExecutor(load_tools(path)).close()  # tool classes exist, names are unique
+        except (ValueError, OSError, yaml.YAMLError) as err:
+            first = str(err).strip().splitlines()[0]
+            problems.append(f"{KEY}.tool_config_path: {first}")
+    return problems
 
 
 def multi_turn_metrics(num_turns, tool_calls, tool_errors, row_mask) -> dict[str, float]:

@@ -1,12 +1,12 @@
 """Start-of-run config validation: every problem found, reported in one message.
 
 Checks, in order: unknown keys (against `base_config()`), value types, ranges and choices
-(dtypes, attention kernels, reward error policy, rollout engine), divisibility of the batch
-sizes, lengths, the paths a run reads or writes (data files, `trainer.resume_mode`,
-`trainer.default_local_dir`) and the custom reward function (the file imports, the function
-exists and accepts verl's arguments). Registries (advantage estimators, policy losses) are
-asked for their valid names, so the check never disagrees with what the step can run. It runs
-before any model is built.
+(dtypes, attention kernels, reward error policy, rollout engine, multi-turn limits and tool
+config file), divisibility of the batch sizes, lengths, the paths a run reads or writes (data
+files, `trainer.resume_mode`, `trainer.default_local_dir`) and the custom reward function (the
+file imports, the function exists and accepts verl's arguments). Registries (advantage
+estimators, policy losses) are asked for their valid names, so the check never disagrees with
+what the step can run. It runs before any model is built.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, poo
 from hybridjax.trainer import step
 from hybridjax.trainer.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
 from hybridjax.trainer.config import base_config
+from hybridjax.trainer.multi_turn import config_problems as multi_turn_problems
 from hybridjax.trainer.packing import packing_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -520,6 +521,7 @@ def validate(
                 problems.append(f"{key}: {why} (got {value!r})")
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += packing_problems(cfg)
+        problems += multi_turn_problems(cfg)
         problems += _pool_problems(cfg, n_devices, model_configs)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)

@@ -123,3 +123,74 @@ def test_sft_choices_are_checked_before_anything_runs(key, value, tmp_path):
     with pytest.raises(ConfigError, match=rf"{key}: one of .*got '{value}'"):
         run_sft(c)
     assert not (tmp_path / "run").exists()
+
+
+MT = "actor_rollout_ref.rollout.multi_turn"
+CALCULATOR = str(REPO / "configs" / "tools" / "calculator.yaml")
+
+
+def _one_problem(**changes) -> str:
+    """The single line the check reports for `changes`."""
+    message = _problems(**changes)
+    assert message.startswith("invalid config (1 problem):\n  "), message
+    return message.splitlines()[1].strip()
+
+
+def test_multi_turn_with_the_calculator_passes():
+    validate(_config(**{f"{MT}.enable": True, f"{MT}.tool_config_path": CALCULATOR}), 8)
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("max_assistant_turns", -1, f"{MT}.max_assistant_turns: must be >= 1 (got -1)"),
+        ("max_parallel_calls", 0, f"{MT}.max_parallel_calls: must be >= 1 (got 0)"),
+        ("max_tool_response_length", 0, f"{MT}.max_tool_response_length: must be >= 1"),
+        ("tool_workers", 0, f"{MT}.tool_workers: must be >= 1"),
+        ("tool_timeout_s", 0.0, f"{MT}.tool_timeout_s: must be > 0 seconds"),
+        ("format", "json", f"{MT}.format: one of ['hermes'] (got 'json')"),
+        ("tool_response_truncate_side", "top", f"{MT}.tool_response_truncate_side: one of"),
+    ],
+)
+def test_multi_turn_limits_and_choices_name_the_key(key, value, needle):
+    line = _one_problem(
+        **{f"{MT}.enable": True, f"{MT}.tool_config_path": CALCULATOR, f"{MT}.{key}": value}
+    )
+    assert line.startswith(needle), line
+
+
+def test_multi_turn_tool_config_file_problems(tmp_path):
+    on = {f"{MT}.enable": True}
+    assert (
+        _one_problem(**on) == f"{MT}.tool_config_path: empty; {MT}.enable needs a tool config file"
+    )
+    missing = str(tmp_path / "tools.yaml")
+    line = _one_problem(**on, **{f"{MT}.tool_config_path": missing})
+    assert line == f"{MT}.tool_config_path: no such file {missing!r}"
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("tools:\n  - class_name: web_search\n")
+    line = _one_problem(**on, **{f"{MT}.tool_config_path": str(unknown)})
+    assert line.startswith(f"{MT}.tool_config_path: {unknown}: tools[0]: class_name 'web_search'")
+    assert "['calculator', 'python']" in line
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("tools:\n  - class_name: calculator\n  - class_name: calculator\n")
+    line = _one_problem(**on, **{f"{MT}.tool_config_path": str(twice)})
+    assert line == f"{MT}.tool_config_path: two tools are named 'calculator'"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tools: [\n")
+    assert _one_problem(**on, **{f"{MT}.tool_config_path": str(broken)}).startswith(
+        f"{MT}.tool_config_path: "
+    )
+
+
+def test_multi_turn_incompatible_or_ignored_settings():
+    line = _one_problem(
+        **{
+            f"{MT}.enable": True,
+            f"{MT}.tool_config_path": CALCULATOR,
+            "actor_rollout_ref.rollout.ignore_eos": True,
+        }
+    )
+    assert line.startswith(f"{MT}.enable needs actor_rollout_ref.rollout.ignore_eos=False")
+    line = _one_problem(**{f"{MT}.tool_config_path": CALCULATOR})
+    assert line.startswith(f"{MT}.tool_config_path is set") and "enable is False" in line

@@ -14,7 +14,7 @@ from hybridjax.rollout.agent_loop import generate_multi_turn
 PROMPTS = make_prompts((5, 9, 1, 12), seed=3)
 STOP = (11, 23, 35, 47, 59, 71, 83)  # end of an assistant turn (a chat model's EOS)
 CONFIG = RolloutConfig(
-    page_size=4, max_num_seqs=4, prompt_length=16, response_length=40, decode_steps_per_call=4
+    page_size=32, max_num_seqs=2, prompt_length=16, response_length=40, decode_steps_per_call=4
 )
 
 

@@ -13,7 +13,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridjax.data import gsm8k
 from hybridjax.models.config import ModelConfig
-from hybridjax.models.decoder import CausalLM
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 from hybridjax.tools import ToolCall, ToolExecutor
@@ -23,6 +22,7 @@ from hybridjax.trainer.forward import response_log_probs
 from hybridjax.trainer.generation import generate_batch
 from hybridjax.trainer.multi_turn import MultiTurn, multi_turn_metrics
 from hybridjax.trainer.trainer import RLTrainer
+from tests.rollout.rollout_testing import make_model
 from tests.trainer.tiny_run import GSM8K_JSONL, read_metrics, tiny_config
 
 TOKENIZER = "hybridjax/assets/tokenizers/gsm8k_bpe"
@@ -48,9 +48,9 @@ def test_multi_turn_batch_masks_log_probs_and_extra_info():
         num_key_value_heads=2,
         eos_token_id=tok.eos_token_id,
     )
-    model = CausalLM(config, nnx.Rngs(0))
+    model = make_model(config)  # weights from numpy: no initializer compiles
     engine = Engine(
-        model, RolloutConfig(page_size=8, max_num_seqs=4, prompt_length=32, response_length=40)
+        model, RolloutConfig(page_size=32, max_num_seqs=4, prompt_length=24, response_length=40)
     )
     tools = CallsEveryTurn(tok, ToolExecutor([CalculatorTool()]))
     multi_turn = MultiTurn(tools, max_assistant_turns=3, max_parallel_calls=1, tool_threads=2)

@@ -36,6 +36,12 @@ def test_shipped_configs_are_valid_on_8_devices(name, tmp_path):
     validate(config, 8, ACTOR)
 
 
+def test_calculator_tool_demonstration_config_is_valid_on_one_device(tmp_path):
+    config = _load("arithmetic_tools", tmp_path)  # a CPU config: one device, like the quick start
+    assert config.actor_rollout_ref.rollout.multi_turn.enable
+    validate(config, 1, ACTOR)
+
+
 def test_recipes_keep_verl_quick_start_values():
     ppo, grpo = load_config_file("gsm8k_ppo"), load_config_file("gsm8k_grpo")
     assert ppo.data.train_batch_size == 256

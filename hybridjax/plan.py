@@ -264,7 +264,7 @@ def plan_memory(
     meshes = make_meshes(MeshConfig.from_config(cfg), available[:devices])
     train, gen = meshes.train, meshes.generate
     dp = train.shape["data"] * train.shape["fsdp"]
-    sc = build.stage_config(cfg, max(cfg.trainer.total_training_steps, 1), dp)
+    sc = build.stage_config(cfg, max(cfg.trainer.total_training_steps, 1), dp, actor_config)
     use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
     a = cfg.actor_rollout_ref
 

@@ -109,7 +109,7 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
     actor_config = build.actor_model_config(c, build.load_tokenizer(c))
     p = plan.plan_memory(c, actor_config, 1, capacity_bytes=1 << 40, target="cpu")
     meshes = make_meshes(MeshConfig.from_config(c), jax.devices()[:1])
-    sc = build.stage_config(c, 1, 1)
+    sc = build.stage_config(c, 1, 1, actor_config)
     models = build.build_models(c, actor_config, meshes.train, sc, False)
     rows = c.data.train_batch_size * c.actor_rollout_ref.rollout.n
     sharding = NamedSharding(meshes.train, PartitionSpec(("data", "fsdp")))

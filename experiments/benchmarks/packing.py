@@ -107,12 +107,14 @@ def _model(name: str):
     from hybridjax.models.hf_io import load_pretrained
 
     if name == "qs":
-        return nnx.split(load_pretrained(str(QS_MODEL)))
-    config = ModelConfig(vocab_size=1024, attention_bias=True, **PEERS[name]["model"])
-    return nnx.split(CausalLM(config, nnx.Rngs(0)))
+        model = load_pretrained(str(QS_MODEL))
+    else:
+        config = ModelConfig(vocab_size=1024, attention_bias=True, **PEERS[name]["model"])
+        model = CausalLM(config, nnx.Rngs(0))
+    return (*nnx.split(model), model.config)
 
 
-def _stage_config(spec: dict, variant: str):
+def _stage_config(spec: dict, variant: str, model_config):
     from hybridjax.trainer import build
     from hybridjax.trainer.config import base_config
 
@@ -126,7 +128,7 @@ def _stage_config(spec: dict, variant: str):
     c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = rows  # one micro-batch, as qs
     c.algorithm.adv_estimator = "grpo"
     c.update_from_flattened_dict(VARIANTS[variant])
-    return build.stage_config(c, total_steps=10, data_parallel=1)
+    return build.stage_config(c, total_steps=10, data_parallel=1, actor=model_config)
 
 
 def measure_update(name: str, repeats: int) -> dict:
@@ -135,11 +137,14 @@ def measure_update(name: str, repeats: int) -> dict:
     from hybridjax.trainer import stages
 
     spec = WORKLOADS[name]
-    graphdef, params = _model(spec["model"])
+    graphdef, params, model_config = _model(spec["model"])
     vocab = params["model"]["embed_tokens"][...].shape[0]
     batch, spec, tokens = make_batch(spec, vocab)
     update = jax.jit(stages.update_actor, static_argnums=(0, 4))
-    runs, cfgs = {v: [] for v in VARIANTS}, {v: _stage_config(spec, v) for v in VARIANTS}
+    runs, cfgs = (
+        {v: [] for v in VARIANTS},
+        {v: _stage_config(spec, v, model_config) for v in VARIANTS},
+    )
     states = {v: stages.init_train_state(params, cfgs[v].actor_optim) for v in VARIANTS}
     first = {}
     for variant in VARIANTS:  # warm-up: compile + one call

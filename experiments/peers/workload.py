@@ -16,6 +16,8 @@ Workloads (issue 9):
      (compute-bound regime).
   qs  the quick-start model and task (`configs/quickstart.py`; needs its shipped assets): the
       3.4M-parameter SFT warm start (4 layers, width 256), responses up to 16 tokens.
+  c  the 3.4M random model of `a`, GSM8K prompts as they come, 8 samples per prompt, responses
+     up to 256 tokens ending at EOS (long, ragged responses; prompts shared by 8 samples).
   tiny  a 1-layer model, 16-token prompts, 8-token responses (smoke tests only).
 
 Runs in the project's virtualenv (hybridjax writes the checkpoint with its HF exporter;
@@ -77,6 +79,22 @@ WORKLOADS = {
         fixed_response_length=False,
         steps=12,
         warmup=3,
+    ),
+    # Long ragged responses and large groups: a's model and prompts, n = 8, up to 256 tokens.
+    "c": dict(
+        model=dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        prompt_length=None,
+        response_length=256,
+        fixed_response_length=False,
+        n=8,
+        steps=6,
+        warmup=2,
     ),
     # Test-sized: a smoke test of the harness and the benchmarks, not a measurement.
     "tiny": dict(

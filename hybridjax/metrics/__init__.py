@@ -3,7 +3,7 @@ console/JSONL/TensorBoard/wandb sinks."""
 
 from hybridjax.metrics.batch import compute_data_metrics
 from hybridjax.metrics.flops import matmul_params, measure_peak_flops, training_flops
-from hybridjax.metrics.perf import compute_perf_metrics, max_memory_allocated_gb
+from hybridjax.metrics.perf import compute_perf_metrics, max_memory_allocated_gb, num_compiles
 from hybridjax.metrics.tracking import LOGGERS, Tracking, console_line
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "matmul_params",
     "max_memory_allocated_gb",
     "measure_peak_flops",
+    "num_compiles",
     "training_flops",
 ]

@@ -1,4 +1,4 @@
-"""`perf/*` metrics of a step: tokens, throughput per device, actor MFU, peak memory."""
+"""`perf/*` metrics of a step: tokens, throughput per device, actor MFU, peak memory, compiles."""
 
 from __future__ import annotations
 
@@ -10,6 +10,30 @@ import numpy as np
 
 from hybridjax.metrics.flops import training_flops
 from hybridjax.models.config import ModelConfig
+
+# JAX reports the duration of every XLA backend compilation under this event name.
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = {"count": 0, "seconds": 0.0, "listening": False}
+
+
+def _on_event_duration(event: str, duration_s: float, **_) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _compiles["count"] += 1
+        _compiles["seconds"] += duration_s
+
+
+def num_compiles() -> tuple[int, float]:
+    """(XLA compilations, their total seconds) in this process since the first call.
+
+    Counts every backend compile of every jitted program (training stages, rollout prefill and
+    decode buckets, re-layout, small utility programs), through `jax.monitoring`; a cache hit
+    (same program, same shapes) is not a compile. A count that keeps growing after the first
+    steps means shapes that change from step to step (a recompile per step).
+    """
+    if not _compiles["listening"]:
+        jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+        _compiles["listening"] = True
+    return _compiles["count"], _compiles["seconds"]
 
 
 def max_memory_allocated_gb() -> float:
@@ -42,17 +66,21 @@ def compute_perf_metrics(
     Returns:
       `perf/total_num_tokens`, `perf/time_per_step` (s), `perf/throughput` (tokens/s/device),
       `perf/mfu/actor` (achieved / peak FLOP/s over the update_actor stage, in [0, 1] ideally),
-      `perf/max_memory_allocated_gb`.
+      `perf/max_memory_allocated_gb`, `perf/num_compiles` and `perf/compile_time_s` (XLA
+      compilations in the process so far and their seconds, `num_compiles`).
     """
     tokens = float(np.sum(seq_lens))
     step_time = timing_s["step"]
     update_time = timing_s.get("update_actor", 0.0)
     flops = training_flops(actor_config, seq_lens) * ppo_epochs
     mfu = flops / (update_time * n_devices * peak_flops) if update_time > 0 and peak_flops else 0.0
+    compiles, compile_s = num_compiles()
     return {
         "perf/total_num_tokens": tokens,
         "perf/time_per_step": step_time,
         "perf/throughput": tokens / (step_time * n_devices),
         "perf/mfu/actor": mfu,
         "perf/max_memory_allocated_gb": max_memory_allocated_gb(),
+        "perf/num_compiles": float(compiles),
+        "perf/compile_time_s": compile_s,
     }

@@ -52,7 +52,8 @@ class PackingConfig:
     """How one role's pass is packed (static).
 
     row_length: tokens of one buffer row (≥ P + R); attention is dense within a row, so its
-      cost per token grows with it, and a group shares one prompt only within a row.
+      cost per token grows with it, and a group shares one prompt only within a row
+      (`row_responses` sizes it).
     rows: buffer rows per device per step: the token budget of a micro-batch is
       rows × row_length per device.
     pieces: data-parallel size D (data × fsdp); B must be a multiple of it.
@@ -66,22 +67,49 @@ class PackingConfig:
 
     @classmethod
     def for_budget(
-        cls, token_budget: int, prompt_len: int, response_len: int, group_size: int, **kw
+        cls,
+        token_budget: int,
+        prompt_len: int,
+        response_len: int,
+        group_size: int,
+        pair_cost: float = 0.0,
+        **kw,
     ) -> PackingConfig:
-        """Rows of min(P + n·R, 2·(P + R)) tokens (never shorter than P + R, never longer
-        than the budget), and as many rows per step as a quarter of `token_budget` (tokens per
-        device) holds, at least one.
-
-        Row length: a group sharing one prompt needs P + n·R tokens, but attention is dense
-        within a row, so past 2·(P + R) a longer row costs more attention than the prompt
-        copies it saves. Steps of a quarter budget: the loop's count follows the tokens
-        present, so an almost empty micro-batch costs one small step, not the whole budget.
+        """Rows of P + k·R tokens (a prompt copy and k of its group's n responses), k chosen
+        by `row_responses`; never shorter than P + R, never longer than the budget (P + R
+        without sharing). Each loop step holds as many rows as a quarter of `token_budget`
+        (tokens per device), at least one: the loop's count follows the tokens present, so
+        an almost empty micro-batch costs one small step, not the whole budget.
         """
         seq = prompt_len + response_len
-        share = kw.get("share_prompts", True)
-        want = min(prompt_len + group_size * response_len, 2 * seq) if share else seq
-        row = max(min(want, token_budget), seq)
+        row = seq
+        if kw.get("share_prompts", True):
+            k = row_responses(prompt_len, response_len, group_size, pair_cost, token_budget)
+            row = max(min(prompt_len + k * response_len, token_budget), seq)
         return cls(row_length=row, rows=max(token_budget // row // STEPS_PER_BUDGET, 1), **kw)
+
+
+def row_responses(
+    prompt_len: int, response_len: int, group_size: int, pair_cost: float, token_budget: int
+) -> int:
+    """How many responses k (1 ≤ k ≤ n) a buffer row is sized for: the k of least estimated
+    cost for a group at full lengths, ⌈n/k⌉ rows of L = P + k·R tokens, each costing
+    L + `pair_cost`·L² token-equivalents (every token's matmuls, plus attention, which is dense
+    within a row: L² query-key pairs). Few long responses per row on small models with long
+    responses (attention dominates), a whole group per row otherwise (one prompt copy).
+    Rows longer than `token_budget` are not considered (k = 1 always is). Ties: smaller k.
+
+    `pair_cost` is one query-key pair's work in units of one token's
+    (`trainer.packing.attention_pair_cost`: 2·head_dim·heads·layers / matmul parameters,
+    ≈ 1/(6·hidden) for a standard decoder); 0 → a whole group per row when it fits.
+    """
+
+    def cost(k: int) -> float:
+        length = prompt_len + k * response_len
+        return -(-group_size // k) * (length + pair_cost * length**2)
+
+    fits = [k for k in range(1, group_size + 1) if prompt_len + k * response_len <= token_budget]
+    return min(fits or [1], key=cost)
 
 
 @jax.tree_util.register_dataclass

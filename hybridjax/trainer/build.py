@@ -39,7 +39,7 @@ from hybridjax.sharding import (
     sharding_fn,
 )
 from hybridjax.trainer.optim import OptimConfig, make_optimizer
-from hybridjax.trainer.packing import packing_configs
+from hybridjax.trainer.packing import attention_pair_cost, packing_configs
 from hybridjax.trainer.stages import StageConfig
 from hybridjax.trainer.update import TrainState, UpdateConfig
 
@@ -247,11 +247,16 @@ def recompute_old_log_prob(cfg: ConfigDict) -> bool:
     return mode == "true"
 
 
-def stage_config(cfg: ConfigDict, total_steps: int, data_parallel: int) -> StageConfig:
-    """The frozen config of the jitted stages (see `StageConfig`)."""
+def stage_config(
+    cfg: ConfigDict, total_steps: int, data_parallel: int, actor: ModelConfig | None = None
+) -> StageConfig:
+    """The frozen config of the jitted stages (see `StageConfig`). `actor` sizes the packed
+    buffer rows of every training-side pass (`trainer.packing.attention_pair_cost`; the
+    critic is taken to be of the actor's shape); None: a whole group per row."""
     a = cfg.actor_rollout_ref
     sizes = batch_sizes(cfg, data_parallel)
-    packed = packing_configs(cfg, data_parallel)
+    pair_cost = attention_pair_cost(actor) if actor is not None else 0.0
+    packed = packing_configs(cfg, data_parallel, pair_cost)
     actor_loss = dict(a.actor.to_dict())
     for key in ("loss_scale_factor", "clip_ratio_low", "clip_ratio_high"):  # 0: not set
         if actor_loss.get(key, 0) <= 0:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
+from hybridjax.metrics.flops import matmul_params
+from hybridjax.models.config import ModelConfig
 from hybridjax.models.packing import PackingConfig
 
 PASSES = ("old_log_prob", "update_actor", "ref", "values", "update_critic", "reward_model")
@@ -94,9 +96,20 @@ def packing_problems(cfg: ConfigDict) -> list[str]:
     return problems
 
 
-def packing_configs(cfg: ConfigDict, data_parallel: int) -> dict[str, PackingConfig | None]:
+def attention_pair_cost(model: ModelConfig) -> float:
+    """One query-key pair of attention in units of one token's matmul work, forward and
+    backward alike: 12·head_dim·heads·layers FLOPs per pair against 6·N per token
+    (`metrics.flops.training_flops`, N = `matmul_params`), so 2·head_dim·heads·layers / N."""
+    per_pair = model.resolved_head_dim * model.num_attention_heads * model.num_hidden_layers
+    return 2.0 * per_pair / matmul_params(model)
+
+
+def packing_configs(
+    cfg: ConfigDict, data_parallel: int, pair_cost: float = 0.0
+) -> dict[str, PackingConfig | None]:
     """pass → its `PackingConfig`, or None where `use_remove_padding` is off (see the table in
-    the module docstring). Rows of P + n·R tokens, capped by the budget (`for_budget`)."""
+    the module docstring). Rows sized by `models.packing.row_responses` with `pair_cost`
+    (`attention_pair_cost` of the model; 0: a whole group per row), capped by the budget."""
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
     n = cfg.actor_rollout_ref.rollout.n
     out = {}
@@ -106,6 +119,6 @@ def packing_configs(cfg: ConfigDict, data_parallel: int) -> dict[str, PackingCon
             continue
         tokens = _get(cfg, budget) if _get(cfg, dynamic) else _get(cfg, rows) * (p + r)
         out[name] = PackingConfig.for_budget(
-            tokens, p, r, n, pieces=data_parallel, share_prompts=bool(_get(cfg, share))
+            tokens, p, r, n, pair_cost, pieces=data_parallel, share_prompts=bool(_get(cfg, share))
         )
     return out

@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
-from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops
+from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
 from hybridjax.models.config import to_dtype
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
@@ -64,6 +64,7 @@ class RLTrainer:
 
     def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None, read_only: bool = False):
         self.cfg = cfg
+        num_compiles()  # starts counting: `perf/num_compiles` includes this run's first compiles
         self.n_devices = jax.device_count()
         validate_config(cfg, self.n_devices)  # before any file is read or model built
         self.tokenizer = build.load_tokenizer(cfg)
@@ -97,7 +98,7 @@ class RLTrainer:
             if t.total_training_steps > 0
             else len(self.train_loader) * t.total_epochs
         )
-        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp)
+        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp, self.actor_config)
         self.use_critic = cfg.critic.enable
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)

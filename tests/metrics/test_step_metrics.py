@@ -87,3 +87,23 @@ def test_tracking_writes_jsonl_tensorboard_and_console(tmp_path, capsys):
     )
     with pytest.raises(ValueError, match="unknown loggers \\['mlflow'\\]"):
         Tracking(("mlflow",), str(tmp_path), 1)
+
+
+def test_num_compiles_counts_new_shapes_not_cache_hits():
+    import jax
+
+    from hybridjax.metrics import num_compiles
+
+    a, b, c = (jax.device_put(np.full(n, v, np.float32)) for n, v in ((3, 1), (3, 0), (5, 1)))
+    start, _ = num_compiles()
+    f = jax.jit(lambda x: x * 3.0 + 1.0)
+    f(a).block_until_ready()
+    first, _ = num_compiles()
+    f(b).block_until_ready()  # same shape: the compiled program is reused
+    same, _ = num_compiles()
+    f(c).block_until_ready()  # a new shape compiles again
+    new_shape, seconds = num_compiles()
+    assert first == start + 1
+    assert same == first
+    assert new_shape == first + 1
+    assert seconds > 0.0

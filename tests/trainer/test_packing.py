@@ -412,7 +412,7 @@ def test_packing_keys_are_read_and_checked():
     c.actor_rollout_ref.ref.use_prefix_sharing = False
     c.critic.model.use_remove_padding = False
     configs = packing_configs(c, data_parallel=2)
-    # rows of min(P + n·R, 2·(P + R)) = 384 tokens, a quarter budget per step: 4096 // 384 // 4
+    # no model given: a whole group per row, P + n·R = 384 tokens; a quarter budget per step
     assert configs["update_actor"] == packing.PackingConfig(384, 2, 2, True)
     assert configs["ref"].share_prompts is False and configs["ref"].row_length == 288
     assert configs["values"] is None and configs["update_critic"] is None
@@ -424,3 +424,35 @@ def test_packing_keys_are_read_and_checked():
     assert any(
         "critic.use_dynamic_bsz: needs critic.model.use_remove_padding" in p for p in problems
     )
+
+
+def test_row_length_minimises_token_and_attention_work():
+    # cost of a group at full lengths: ceil(n/k) rows of L = P + k·R, each L + pair_cost·L²
+    # quick-start shape (P 29, R 16, n 4, 3.4M model: pair_cost 1/1672): k = 1..4 cost
+    # 184.8, 126.5, 161.1, 98.2 → the whole group in a row of 93
+    assert packing.row_responses(29, 16, 4, 1 / 1672, 1440) == 4
+    assert packing.PackingConfig.for_budget(1440, 29, 16, 4, 1 / 1672) == packing.PackingConfig(
+        93, 3
+    )
+    # GSM8K prompts with 256-token responses on the same model (P 185, n 8): k = 1, 2, 3, 4, 8
+    # cost 4536, 4047, 4625, 4313, 5465 → rows of a prompt and 2 responses (697 tokens)
+    assert packing.row_responses(185, 256, 8, 1 / 1543, 28224) == 2
+    # attention free (pair_cost 0): the whole group, unless the budget caps the row; then the
+    # fewest tokens among the rows that fit: k = 2 (4 rows, 2,788) beats k = 3 (3 rows, 2,859)
+    assert packing.row_responses(185, 256, 8, 0.0, 100_000) == 8
+    assert packing.row_responses(185, 256, 8, 0.0, 1000) == 2
+    # without sharing a row is one sequence
+    assert packing.PackingConfig.for_budget(1440, 29, 16, 4, share_prompts=False).row_length == 45
+
+
+def test_attention_pair_cost_of_a_model():
+    from hybridjax.metrics import matmul_params
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.trainer.packing import attention_pair_cost
+
+    config = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    # 12·d·H·layers FLOPs per pair vs 6·N per token: 2·64·4·4 / N, N = 4 layers × (attention
+    # 196,608 + MLP 528,384 + norms 512) + final norm 256 + LM head 262,144 = 3,164,416
+    assert matmul_params(config) == 3_164_416
+    assert attention_pair_cost(config) == pytest.approx(2048 / 3_164_416)

@@ -113,6 +113,7 @@ _DTYPE_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _INSTRUCTION = re.compile(
     r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\("
 )
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -174,7 +175,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     module (`compiled.as_text()`), summed over its instructions (async `-start` ops once)."""
     out = dict.fromkeys(COLLECTIVES, 0)
     for line in hlo_text.splitlines():
-        m = _INSTRUCTION.search(line)
+        m = _INSTRUCTION.search(_COMMENT.sub("", line))  # tuples of 6+: `/*index=5*/`
         if m is None:
             continue
         arrays = _ARRAY.findall(m.group(1))

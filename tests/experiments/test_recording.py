@@ -65,6 +65,10 @@ def test_collective_bytes_of_an_hlo_module_by_hand():
     assert got["all-gather"] == 32 * 8 * 2 + 16 * 4  # an async start: its result only
     assert got["reduce-scatter"] == 2 * 3 * 4
     assert got["all-to-all"] == got["collective-permute"] == 0
+    # a tuple of six or more results marks every fifth with a comment holding `=`
+    six = ", ".join(["f32[4]{0}"] * 5) + ", /*index=5*/f32[8,2]{1,0}"
+    line = f"  %all-reduce.88 = ({six}) all-reduce(%a, %b), channel_id=3, to_apply=%add"
+    assert collective_bytes(line)["all-reduce"] == (5 * 4 + 8 * 2) * 4
 
 
 def test_collective_time_of_trace_events_by_hand(tmp_path):

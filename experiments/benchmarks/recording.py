@@ -3,9 +3,12 @@
 * `StageClock` collects the `stage <name> <start> <end>` lines `hybridjax.trainer.pipeline.timed`
   logs at DEBUG level, so each step's log entry can carry when each stage ran.
 * `profile_step` runs one step under the JAX profiler (`trace/`, open it with TensorBoard's
-  profile plugin or Perfetto) and under cProfile, and draws the host time of that step as a
-  flame graph (`host_profile.svg`, with `flameprof` from the `bench` extra; the raw
-  `host_profile.pstats` is always written).
+  profile plugin or Perfetto; `trace/**/perfetto_trace.json.gz` is the same trace as Chrome
+  trace-event JSON) and under cProfile, and draws the host time of that step as a flame graph
+  (`host_profile.svg`, with `flameprof` from the `bench` extra; the raw `host_profile.pstats`
+  is always written).
+* `collective_time_s` sums the durations of the collective instructions of a profiled step's
+  trace (`trace_events` reads it) per kind and per stage span.
 * `StageMemory` (with `StageClock`) adds each stage's peak memory to its record: the device's
   `peak_bytes_in_use` / `bytes_in_use` where the backend reports them (GPU, TPU), else (CPU)
   the process's peak resident set since the previous stage ended (VmHWM, reset through
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import gzip
+import json
 import logging
 import math
 import pathlib
 import pstats
 import re
 import statistics
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -107,7 +113,61 @@ _DTYPE_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _INSTRUCTION = re.compile(
     r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\("
 )
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+_COLLECTIVE_EVENT = re.compile(r"(" + "|".join(COLLECTIVES) + r")(-start|-done)?(\.\d+)?")
+
+
+def collective_time_s(
+    events: list[dict], stages: Iterable[str], devices: int
+) -> dict[str, dict[str, float]]:
+    """Seconds per device spent in each kind of collective, per stage span, of a profiled step.
+
+    Args:
+      events: Chrome trace events (`trace_events`): dicts with `ph`, `name`, `ts` and `dur`
+        (microseconds). The runtime names each executed HLO instruction's event after it
+        (`all-reduce.3`; asynchronous pairs `all-gather-start.1` / `all-gather-done.1` both
+        count); other events are ignored.
+      stages: names of the stage spans (`hybridjax.trainer.pipeline.timed` ranges: `gen`,
+        `reshard`, `update_actor`, `step`, ...).
+      devices: how many devices ran the step; each runs its own copy of every collective.
+
+    Returns:
+      `{stage: {kind: seconds}}` for each stage with a span in `events`: the summed durations
+      of the collective events that start inside one of the stage's spans, divided by
+      `devices`; `kind` runs over `COLLECTIVES`. Spans nest (`step` holds every stage), so
+      `step` is the whole step's figure. On the CPU runtime a collective's event includes the
+      wait for the slowest device to reach it.
+    """
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in stages:
+            spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    out = {name: dict.fromkeys(COLLECTIVES, 0.0) for name in spans}
+    for e in events:
+        m = _COLLECTIVE_EVENT.fullmatch(e.get("name", ""))
+        if e.get("ph") != "X" or m is None:
+            continue
+        for name, ranges in spans.items():
+            if any(start <= e["ts"] <= end for start, end in ranges):
+                out[name][m.group(1)] += e["dur"] * 1e-6 / devices
+    return out
+
+
+def trace_events(trace_dir: pathlib.Path) -> list[dict]:
+    """The events of the newest `perfetto_trace.json.gz` under `trace_dir` (written by
+    `profile_step`; Chrome trace-event JSON, times in microseconds).
+
+    Raises:
+      FileNotFoundError: no such file under `trace_dir`.
+    """
+    found = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(found[-1], "rt") as f:
+        return json.load(f)["traceEvents"]
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -115,7 +175,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     module (`compiled.as_text()`), summed over its instructions (async `-start` ops once)."""
     out = dict.fromkeys(COLLECTIVES, 0)
     for line in hlo_text.splitlines():
-        m = _INSTRUCTION.search(line)
+        m = _INSTRUCTION.search(_COMMENT.sub("", line))  # tuples of 6+: `/*index=5*/`
         if m is None:
             continue
         arrays = _ARRAY.findall(m.group(1))
@@ -202,12 +262,13 @@ def jax_shapes(tree) -> list:
 
 
 def profile_step(fn, out_dir: pathlib.Path):
-    """Runs `fn()` under the JAX profiler (`out_dir/trace`) and cProfile; writes
-    `host_profile.pstats` and, with flameprof installed, `host_profile.svg`. Returns fn()."""
+    """Runs `fn()` under the JAX profiler (`out_dir/trace`, with `perfetto_trace.json.gz`) and
+    cProfile; writes `host_profile.pstats` and, with flameprof installed, `host_profile.svg`.
+    Returns fn()."""
     import jax
 
     profiler = cProfile.Profile()
-    with jax.profiler.trace(str(out_dir / "trace")):
+    with jax.profiler.trace(str(out_dir / "trace"), create_perfetto_trace=True):
         profiler.enable()
         try:
             result = fn()

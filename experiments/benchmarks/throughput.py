@@ -23,7 +23,8 @@ warmup, steps, profile (run the last step under the JAX profiler and cProfile: `
 `host_profile.svg`). `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
 
 Besides `summary.json` (which adds `stability`: min/median/p95/max/std of the timed steps,
-`communication`: bytes and seconds of the re-layout, and `peak_memory_bytes`), the run writes
+`communication`: bytes and seconds of the re-layout, collective bytes per stage and, for the
+profiled step, collective seconds per stage and kind; and `peak_memory_bytes`), the run writes
 `steps.jsonl`: every step's metrics with `bench/stages`, when each stage started and ended,
 its peak memory (`recording.StageMemory`), for the jitted device stages XLA's memory analysis
 and collective bytes per device (`compiled`, `recording.CompiledStages`), and the re-layout's
@@ -99,21 +100,30 @@ def measure(trainer, warmup: int, steps: int, out_dir: pathlib.Path | None = Non
     """Runs `warmup + steps` trainer steps; returns each step's metrics plus host wall/CPU time
     (`bench/wall_s`, `bench/cpu_s`), its start (`bench/start_s`, seconds after the first step
     began) and when each stage ran (`bench/stages`: stage, start_s, end_s on the same clock).
-    With `out_dir`, the last step runs under the profilers (`recording.profile_step`)."""
-    from experiments.benchmarks.recording import CompiledStages, StageClock, profile_step
+    With `out_dir`, the last step runs under the profilers (`recording.profile_step`) and
+    carries the seconds per device of its collectives per stage (`bench/collective_time_s`,
+    `recording.collective_time_s`)."""
+    from experiments.benchmarks import recording
 
     out, origin = [], time.time()
-    with StageClock() as clock, CompiledStages() as compiled:
+    with recording.StageClock() as clock, recording.CompiledStages() as compiled:
         for step in range(1, warmup + steps + 1):
             start, wall, cpu = time.time(), time.perf_counter(), time.process_time()
-            if out_dir is not None and step == warmup + steps:
-                metrics = profile_step(lambda s=step: trainer.train_step(s), out_dir)
+            profiled = out_dir is not None and step == warmup + steps
+            if profiled:
+                metrics = recording.profile_step(lambda s=step: trainer.train_step(s), out_dir)
             else:
                 metrics = trainer.train_step(step)
             metrics["bench/wall_s"] = time.perf_counter() - wall
             metrics["bench/cpu_s"] = time.process_time() - cpu
             metrics["bench/start_s"] = start - origin
             metrics["bench/stages"] = compiled.annotate(clock.take(origin), metrics)
+            if profiled:
+                events = recording.trace_events(out_dir / "trace")
+                names = {e["stage"] for e in metrics["bench/stages"]}
+                metrics["bench/collective_time_s"] = recording.collective_time_s(
+                    events, names, trainer.n_devices
+                )
             log.info("step %d: %s", step, json.dumps(metrics))
             out.append(metrics)
     return out
@@ -161,6 +171,8 @@ def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> d
                 for e in timed[-1]["bench/stages"]
                 if "compiled" in e
             },
+            # per device, from the profiled step's trace (`recording.collective_time_s`)
+            "collective_time_s": timed[-1].get("bench/collective_time_s", {}),
         },
         "stage_peak_memory_bytes": stage_peaks(timed),
     }

@@ -204,6 +204,11 @@ def test_throughput_smoke(tmp_path):
     assert update["collective_bytes"]["all-reduce"] > 0  # gradients summed over data shards
     assert stages["reshard"]["reshard_bytes"] == s["communication"]["reshard_bytes"]
     assert s["communication"]["collective_bytes"]["update_actor"] == update["collective_bytes"]
+    # seconds per device in collectives, from the profiled step's trace: the gradient
+    # all-reduce of the update is inside the step's span too
+    times = s["communication"]["collective_time_s"]
+    assert 0 < times["update_actor"]["all-reduce"] <= times["step"]["all-reduce"]
+    assert sum(times["step"].values()) < s["step_time_s"]
     peak = stages["update_actor"]["host_peak_rss_bytes"]
     assert s["stage_peak_memory_bytes"]["update_actor"] == peak
     assert s["stability"]["steps"] == 1 and s["communication"]["reshard_bytes"] > 0

@@ -1,6 +1,8 @@
 """What trainer benchmarks record: stage timestamps, the profiled step, stability figures; and
 the GPU check's own pieces (the shell script's syntax, its result parsing)."""
 
+import gzip
+import json
 import pathlib
 import subprocess
 
@@ -11,8 +13,10 @@ import pytest
 from experiments.benchmarks.recording import (
     StageClock,
     collective_bytes,
+    collective_time_s,
     profile_step,
     stability,
+    trace_events,
 )
 from experiments.gpu import check
 from hybridjax.trainer.pipeline import timed
@@ -61,6 +65,50 @@ def test_collective_bytes_of_an_hlo_module_by_hand():
     assert got["all-gather"] == 32 * 8 * 2 + 16 * 4  # an async start: its result only
     assert got["reduce-scatter"] == 2 * 3 * 4
     assert got["all-to-all"] == got["collective-permute"] == 0
+    # a tuple of six or more results marks every fifth with a comment holding `=`
+    six = ", ".join(["f32[4]{0}"] * 5) + ", /*index=5*/f32[8,2]{1,0}"
+    line = f"  %all-reduce.88 = ({six}) all-reduce(%a, %b), channel_id=3, to_apply=%add"
+    assert collective_bytes(line)["all-reduce"] == (5 * 4 + 8 * 2) * 4
+
+
+def test_collective_time_of_trace_events_by_hand(tmp_path):
+    span = lambda name, ts, dur: {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1}
+    events = [
+        span("step", 0.0, 1000.0),
+        span("update_actor", 100.0, 400.0),
+        span("reshard", 600.0, 100.0),
+        span("all-reduce.3", 150.0, 200.0),  # device 0, in update_actor (and step)
+        span("all-reduce.3", 160.0, 100.0),  # device 1
+        span("end: all-reduce.3", 350.0, 0.1),  # the runtime's end marker: not an instruction
+        span("all-gather-start.1", 610.0, 20.0),  # an async pair: both halves count
+        span("all-gather-done.1", 640.0, 40.0),
+        span("fusion.2", 620.0, 50.0),
+        span("reduce-scatter", 800.0, 60.0),  # step only
+        span("all-to-all", 1200.0, 80.0),  # outside every span: nowhere
+        {"ph": "i", "name": "all-reduce", "ts": 200.0},  # an instant, no duration
+        {"ph": "M", "name": "thread_name", "args": {"name": "python"}},
+    ]
+    got = collective_time_s(events, ["step", "update_actor", "reshard", "gen"], devices=2)
+    assert set(got) == {"step", "update_actor", "reshard"}  # `gen` has no span
+    us = 1e-6 / 2  # microseconds summed over 2 devices → seconds per device
+    assert got["update_actor"] == pytest.approx(
+        {"all-reduce": 300 * us, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0}
+        | {"collective-permute": 0}
+    )
+    assert got["reshard"]["all-gather"] == pytest.approx(60 * us)
+    assert sum(got["reshard"].values()) == pytest.approx(60 * us)
+    step = {k: v for k, v in got["step"].items() if v}
+    assert step == pytest.approx(
+        {"all-reduce": 300 * us, "all-gather": 60 * us, "reduce-scatter": 60 * us}
+    )
+    # read back from a profile folder's perfetto_trace.json.gz
+    folder = tmp_path / "plugins" / "profile" / "2026_01_01"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": events}, f)
+    assert trace_events(tmp_path) == events
+    with pytest.raises(FileNotFoundError, match="perfetto_trace.json.gz"):
+        trace_events(tmp_path / "plugins" / "profile" / "none")
 
 
 def test_profile_step_writes_trace_pstats_and_flame_graph(tmp_path):
@@ -69,6 +117,7 @@ def test_profile_step_writes_trace_pstats_and_flame_graph(tmp_path):
     assert (tmp_path / "host_profile.pstats").stat().st_size > 0
     assert (tmp_path / "host_profile.svg").read_text().lstrip().startswith("<")
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+    assert any(e.get("ph") == "X" for e in trace_events(tmp_path / "trace"))  # as JSON too
 
 
 def test_check_script_parses_and_refuses_unknown_arguments():

@@ -20,6 +20,7 @@ def get_config():
             benchmark="placement",
             results_root="results",
             placement=dict(
+                workload="",  # a peer workload ("b": 102M) instead of trainer_config
                 trainer_config=os.path.join(CONFIGS, "quickstart.py"),
                 # JSON: dotted trainer keys -> values; the quick start's micro-batches are sized
                 # for one device: 16 per device fits 8 devices and the 4 of the training pool
@@ -27,6 +28,7 @@ def get_config():
                     '{"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 16, '
                     '"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 16}'
                 ),
+                modes="",  # comma-separated subset of sync,sync_split,one_step_off; "": all
                 rollout_devices=4,
                 warmup=1,
                 steps=4,

@@ -5,24 +5,31 @@
 
 Every device stage of the RL step (`old_log_prob`, `ref`, `values`, `update_critic`,
 `update_actor`) is lowered and compiled for the run's training mesh from abstract inputs
-(`jax.ShapeDtypeStruct`s carrying their shardings; no weight is materialised), and XLA's
-memory analysis of the compiled program gives its per-device arguments, outputs, donated
-(aliased) bytes and scratch. The states every stage leaves resident (parameters, optimizer
-states, reference and reward models, the rollout's weights in the generation layout, the KV
-page pool, the batch) are summed from their shard shapes. The peak of a stage is
+(`jax.ShapeDtypeStruct`s carrying their shardings; no weight is materialised): XLA's memory
+analysis gives each program's outputs and donated (aliased) bytes. The states every stage
+leaves resident (parameters, optimizer states, reference and reward models, the rollout's
+weights in the generation layout, the KV page pool, the batch) are summed from their shard
+shapes. What a stage allocates while it runs is counted from shapes
+(`hybridjax.stage_bytes`: gathered weights, activations, logits, gradients, the optimizer
+step of one loop iteration). The peak of a stage is
 
-    resident states + stage outputs − donated bytes + stage scratch         (bytes per device)
+    resident states + stage outputs − donated bytes + counted live bytes   (bytes per device)
 
+XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
+`xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
+buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
+float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
 logits) and drops what `fsdp_config.*_offload` moves to host while it runs; `reshard` holds a
 second copy of the rollout weights while the new one lands (`hybridjax.sharding.update_weights`).
 The KV pool is sized as the engine sizes it: `rollout.num_pages`, else
-`gpu_memory_utilization` × (capacity − what is resident when the engine starts).
+`gpu_memory_utilization` × (capacity − what is resident when the engine starts); it stays
+allocated through every stage (verl instead frees vLLM's cache after each rollout).
 
-The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere;
-CPU programs differ from GPU ones in fusion and buffer reuse, so scratch is an estimate (see the
-README for the error measured on CPU). `trainer.check_memory=True` runs the same plan on the
-run's own devices in the up-front config check.
+The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
+(see the README for the error measured on CPU). `trainer.check_memory=True` runs the same plan,
+without compiling (`compile_stages=False`), on the run's own devices in the up-front config
+check.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
+
+from hybridjax.stage_bytes import LoopStep, stage_bytes
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -66,6 +75,9 @@ class MemoryPlan:
     kv_page_bytes: int  # one page over all layers, k and v, per device
     full_sequences: int  # full-length sequences the pool holds (max_num_seqs asks for more?)
     advice: tuple[str, ...]
+    # stage → XLA's CPU memory analysis: scratch of the program compiled here (reference only:
+    # the CPU compiler keeps buffers a GPU fusion does not; `hybridjax.stage_bytes`)
+    xla_cpu_scratch: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def worst(self) -> StagePlan:
@@ -85,6 +97,7 @@ class MemoryPlan:
             "kv_page_bytes": self.kv_page_bytes,
             "kv_full_sequences": self.full_sequences,
             "stages": {s.name: {"peak_bytes": s.peak, **s.consumers} for s in self.stages},
+            "xla_cpu_scratch_bytes": dict(self.xla_cpu_scratch),
             "advice": list(self.advice),
         }
 
@@ -223,6 +236,7 @@ def plan_memory(
     devices: int | None = None,
     capacity_bytes: int | None = None,
     target: str = "gpu",
+    compile_stages: bool = True,
 ) -> MemoryPlan:
     """Plans `cfg` on the first `devices` devices of this process (all by default).
 
@@ -234,8 +248,12 @@ def plan_memory(
         host's physical memory split over its local devices.
       target: the backend the run will use, "gpu" (KV pool from gpu_memory_utilization,
         Pallas decode) or "cpu" (pool of max_num_seqs full sequences, jnp decode).
+      compile_stages: compile every device stage for XLA's outputs, donated bytes and CPU
+        scratch (seconds to many minutes for large models); False: outputs from shapes (a
+        forward pass returns the batch plus one B×R float32 field; an update donates its
+        state) and no `xla_cpu_scratch`.
     Returns:
-      the MemoryPlan. Compiles every device stage once (seconds to minutes for large models).
+      the MemoryPlan.
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
@@ -312,7 +330,7 @@ def plan_memory(
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))
     updater = lambda f: jax.jit(f, static_argnums=(0, 4), donate_argnums=1)
 
-    plans = []
+    plans, xla_scratch = [], {}
     offload = offload_configs(cfg)
     off = {
         "actor params": offload["actor"].param_offload,
@@ -328,41 +346,64 @@ def plan_memory(
     decode = _decode_scratch(actor_config, r, gen.shape["data"], tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
-    def stage(name, fn, args, batch, used):
-        m = compiled_memory(fn, *args)
+    fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
+    mesh_shape = dict(train.shape)
+
+    def stage(name, fn, args, batch, used, count):
+        if compile_stages:
+            m = compiled_memory(fn, *args)
+            xla_scratch[name] = m["scratch"]
+            outputs = m["outputs"] - m["aliased"]
+        else:  # see the docstring
+            updates = name.startswith("update")
+            outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
+            m = {"outputs": outputs}
         others = {k: v for k, v in resident.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
-        new = {f"{name} outputs": m["outputs"] - m["aliased"], f"{name} scratch": m["scratch"]}
+        new = {f"{name} outputs": outputs}
+        new |= {f"{name} {k}": v for k, v in count.items()}
         plans.append(StagePlan(name, others | mine | new))
-        log.info("planned %s: %s", name, m)
+        log.info("planned %s: XLA %s, counted %s", name, m, count)
 
+    def count(kind, model_cfg, state, packing, micro_rows, head=True):
+        step = LoopStep.of(packing, max(micro_rows // dp, 1), prompt, response)
+        params = state.params if kind == "update" else state
+        opt = device_bytes(state.opt_state) if kind == "update" else 0
+        attention = "fused" if fused else "jnp"
+        return stage_bytes(kind, model_cfg, params, mesh_shape, step, attention, head, opt)
+
+    log_micro = sc.log_prob_micro_batch_size
     if sc.recompute_old_log_prob:
         args = (actor_def, actor_state.params, forward_batch, sc)
-        stage(
-            "old_log_prob",
-            forward(stages.compute_old_log_prob),
-            args,
-            forward_batch,
-            ["actor params"],
-        )
+        c = count("forward", actor_config, actor_state.params, sc.old_log_prob_packing, log_micro)
+        fn = forward(stages.compute_old_log_prob)
+        stage("old_log_prob", fn, args, forward_batch, ["actor params"], c)
     if use_ref:
         args = (actor_def, actor_state.params, forward_batch, sc)
-        stage("ref", forward(stages.compute_ref_log_prob), args, forward_batch, ["ref params"])
+        micro = sc.ref_log_prob_micro_batch_size or log_micro
+        c = count("forward", actor_config, actor_state.params, sc.ref_packing, micro)
+        fn = forward(stages.compute_ref_log_prob)
+        stage("ref", fn, args, forward_batch, ["ref params"], c)
     if critic_state is not None:
         args = (critic_def, critic_state.params, forward_batch, sc)
-        stage("values", forward(stages.compute_values), args, forward_batch, ["critic params"])
+        c = count("forward", critic_cfg, critic_state.params, sc.values_packing, log_micro, False)
+        stage("values", forward(stages.compute_values), args, forward_batch, ["critic params"], c)
         args = (critic_def, critic_state, update_batch, rng, sc)
         used = ["critic params", "critic optimizer state"]
-        stage("update_critic", updater(stages.update_critic), args, update_batch, used)
+        u = sc.critic_update
+        c = count("update", critic_cfg, critic_state, u.packing, u.micro_batch_size, False)
+        stage("update_critic", updater(stages.update_critic), args, update_batch, used, c)
     args = (actor_def, actor_state, update_batch, rng, sc)
     used = ["actor params", "actor optimizer state"]
-    stage("update_actor", updater(stages.update_actor), args, update_batch, used)
+    u = sc.actor_update
+    c = count("update", actor_config, actor_state, u.packing, u.micro_batch_size)
+    stage("update_actor", updater(stages.update_actor), args, update_batch, used, c)
     largest_leaf = max(device_bytes(x) for x in jax.tree.leaves(gen_params))
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
     plans.append(StagePlan("reshard", resident | reshard))
 
     full = pages // max(r.pages_per_seq, 1)
-    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, ())
+    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)
     return dataclasses.replace(plan, advice=tuple(advise(plan, cfg, train, devices)))
 
 
@@ -403,38 +444,41 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
                 f"mesh.train.data=1 mesh.train.fsdp={most} (now fsdp {fsdp}) splits params and "
                 f"optimizer states {most} ways (about {size(states * (1 - fsdp / most))} less)",
             )
-        scratch = c.get(f"{s.name} scratch", 0)
+        live = lambda *parts: sum(c.get(f"{s.name} {k}", 0) for k in parts)
+        scratch = live("activations", "logits")
         if s.name.startswith("update") and scratch > 0.2 * s.peak:
             role, key = (
                 (a.actor, "actor_rollout_ref.actor")
                 if s.name == "update_actor"
-                else (
-                    cfg.critic,
-                    "critic",
-                )
+                else (cfg.critic, "critic")
             )
-            if not a.model.enable_gradient_checkpointing:
+            if not a.model.enable_gradient_checkpointing and live("activations") > 0.1 * s.peak:
                 add(
                     "remat",
                     "actor_rollout_ref.model.enable_gradient_checkpointing=True (rematerialise "
-                    f"each layer; the update's scratch is {size(scratch)})",
+                    f"each layer; activations {size(live('activations'))})",
                 )
             if role.ppo_micro_batch_size_per_gpu > 1:
                 micro = role.ppo_micro_batch_size_per_gpu
                 add(
                     f"{key}.micro",
-                    f"{key}.ppo_micro_batch_size_per_gpu={micro // 2} (scratch {size(scratch)} "
-                    "grows about linearly with it)",
+                    f"{key}.ppo_micro_batch_size_per_gpu={micro // 2} (activations and logits, "
+                    f"{size(scratch)}, shrink about linearly with it)",
                 )
         if s.name in ("old_log_prob", "ref", "values") and scratch > 0.2 * s.peak:
             micro = max(r.log_prob_micro_batch_size_per_gpu // 2, 1)
             add("log_prob", f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}")
         pool = c.get("KV pool", 0)
         if pool > 0.2 * s.peak and s.name != "gen":
+            short = plan.worst.peak - plan.capacity
+            fit = ""
+            frac = r.gpu_memory_utilization * (pool - short) / pool
+            if r.num_pages <= 0 and frac >= 0.05:  # below that the pool is all but gone
+                fit = f" (rollout.gpu_memory_utilization={math.floor(frac * 100) / 100:.2f} fits)"
             add(
                 "pool",
                 f"the KV pool ({size(pool)}) stays allocated through every stage: lower "
-                "rollout.gpu_memory_utilization or set rollout.num_pages",
+                f"rollout.gpu_memory_utilization{fit} or set rollout.num_pages",
             )
         if s.name == "gen":
             for role, key in (
@@ -453,7 +497,8 @@ def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
     """`trainer.check_memory`: the plan on this process's devices, as config problems (empty
     when it fits). The plan itself is logged."""
     target = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
-    plan = plan_memory(cfg, actor_config, n_devices, target=target)
+    # counted from shapes, without compiling every stage a second time (the run compiles them)
+    plan = plan_memory(cfg, actor_config, n_devices, target=target, compile_stages=False)
     log.info("memory plan:\n%s", plan.report())
     if plan.fits:
         return []
@@ -491,7 +536,7 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     capacity = int(f.device_memory_gb * GB)
-    plan = plan_memory(cfg, actor_config, f.devices, capacity, target=f.target)
+    plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
     print(plan.report())
     if f.json:
         summary = {"num_params": actor_config.num_params(), **plan.to_dict()}
@@ -510,5 +555,11 @@ if __name__ == "__main__":
     flags.DEFINE_float("device_memory_gb", 80.0, "memory of one device, GB (10^9 bytes)")
     flags.DEFINE_enum("target", "gpu", ["gpu", "cpu"], "backend the run will use")
     flags.DEFINE_string("json", "", "also write the plan here as JSON")
+    flags.DEFINE_bool(
+        "xla",
+        True,
+        "compile each stage (XLA's outputs, donated bytes, CPU scratch as a reference); "
+        "--noxla counts from shapes only, in seconds",
+    )
     flags.mark_flag_as_required("config")
     app.run(main)

@@ -2,13 +2,21 @@
 batch where device memory runs out.
 
 For each `data.train_batch_size` in `batches` (prompts; × rollout.n responses):
-* planned: `python -m hybridjax.plan` of `plan_config` at that batch on `devices` devices of
-  `device_memory_gb` (peak per device, the stage that needs it, fits or not), in its own
-  process (simulated CPU devices);
+* planned: `python -m hybridjax.plan --noxla` of `plan_config` at that batch on `devices`
+  devices of `device_memory_gb` (peak per device, the stage that needs it, fits or not), in
+  its own process (simulated CPU devices);
 * measured (`measure`): the `throughput` benchmark of `trainer_config` at that batch (steps/hour,
   tokens/s, peak host memory), one process per point, each with its results under
   `<out_dir>/points/`. On this CPU only small batches of a small model are affordable, so the
   measured and planned sweeps may use different configs.
+
+Where memory runs out: the first planned batch whose peak per device exceeds
+`device_memory_gb`, the planner's verdict (`trainer.check_memory` refuses that config before
+it starts). On this CPU nothing runs out for real (the host has no device memory limit), so
+the measured points report the process's peak resident set per stage beside the plan instead
+(`stage_peak_memory_bytes`, which includes the runtime's own hundreds of MB). Micro-batches
+bound activations, so the batch adds only its own columns and the rollout's bookkeeping: the
+plan grows slowly and linearly with it (`bytes_per_prompt` in the summary).
 
 The measured points set `actor.ppo_mini_batch_size` to the batch (one on-policy update per
 step, as the quick start); the planned ones keep the config's mini-batch (verl's recipes fix it
@@ -55,6 +63,7 @@ def plan_point(cfg, batch: int, out: pathlib.Path) -> dict:
     cmd = [sys.executable, "-m", "hybridjax.plan", f"--config={cfg.plan_config}"]
     cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     cmd += [f"--devices={cfg.devices}", f"--device_memory_gb={cfg.device_memory_gb}"]
+    cmd += ["--noxla"]  # the counted plan; XLA's CPU reference is not needed for a verdict
     done = _run([*cmd, f"--json={path}"], cfg.timeout_s)
     if not path.is_file():  # exit 1 = does not fit, with the JSON written; else it failed
         raise RuntimeError(f"plan at batch {batch} failed:\n{done.stderr[-3000:]}")
@@ -81,6 +90,7 @@ def measure_point(cfg, batch: int, out: pathlib.Path) -> dict:
     folder = pathlib.Path(done.stdout.strip().splitlines()[-1])
     s = json.loads((folder / "summary.json").read_text())
     keys = ("steps_per_hour", "step_time_s", "tokens_per_s", "peak_memory_bytes")
+    keys += ("stage_peak_memory_bytes",)
     return {k: s[k] for k in keys} | {"results": str(folder)}
 
 
@@ -90,8 +100,11 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     planned = {b: plan_point(cfg, b, points) for b in _ints(cfg.plan_batches or cfg.batches)}
     measured = {b: measure_point(cfg, b, points) for b in _ints(cfg.batches)} if cfg.measure else {}
     too_big = [b for b, p in planned.items() if not p["fits"]]
+    (b0, p0), (b1, p1) = sorted(planned.items())[0], sorted(planned.items())[-1]
+    slope = (p1["peak_bytes"] - p0["peak_bytes"]) / (b1 - b0) if b1 > b0 else None
     return {
         "planned": planned,
+        "bytes_per_prompt": slope,  # growth of the planned peak per device, per prompt
         "measured": measured,
         "first_batch_out_of_memory": min(too_big) if too_big else None,
         "devices": cfg.devices,

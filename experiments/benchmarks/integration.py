@@ -11,9 +11,15 @@ prompt data from parquet against Arrow IPC.
    (pyarrow defaults, snappy) and as an Arrow IPC file (uncompressed); time to read the table
    (memory-mapped for both) and to materialise the `prompt` column as Python objects, file sizes.
 
+3. Reward service (`reward_parts`, comma-separated, "" = none): the parts of
+   `experiments.benchmarks.reward_service` run in this process: `rule` (a 5 ms rule function
+   in threads, worker processes, one and two reward servers; the built-in GSM8K check) and
+   `model` (a reward model in the trainer against one served on its own devices), each with
+   `reward_warmup` untimed and `reward_steps` timed steps (medians).
+
 The engine against HF generate and the re-layout (hybrid engine on vs off) are the
 `generation` and `reshard` benchmarks. Config keys (`integration`): model, repeats,
-loading_copies.
+loading_copies, reward_parts, reward_warmup, reward_steps.
 """
 
 from __future__ import annotations
@@ -135,7 +141,24 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
         log.info("checkpoint: %s", summary["checkpoint"])
         summary["loading"] = loading_times(cfg.loading_copies, cfg.repeats, work)
         log.info("loading: %s", summary["loading"])
+    summary["reward_service"] = reward_service_times(
+        cfg.reward_parts, cfg.reward_warmup, cfg.reward_steps
+    )
     return summary
+
+
+def reward_service_times(parts: str, warmup: int, steps: int) -> dict:
+    """The reward service's parts named in `parts` (see the module docstring)."""
+    from experiments.benchmarks import reward_service
+
+    known = {"rule": reward_service.rule_part, "model": reward_service.model_part}
+    names = [p for p in parts.split(",") if p]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"integration.reward_parts: unknown {unknown}; known: rule, model")
+    out = {name: known[name](warmup, steps) for name in names}
+    log.info("reward service: %s", out)
+    return out
 
 
 def plot(summary: dict, out_dir: pathlib.Path) -> None:
@@ -155,7 +178,9 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
         "parquet prompts": d["parquet"]["read_prompts_s"],
         "arrow IPC prompts": d["arrow_ipc"]["read_prompts_s"],
     }
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for part, rows in summary.get("reward_service", {}).items():
+        bars |= {f"reward {part} {k}": v["median_s"] for k, v in rows.items() if "median_s" in v}
+    fig, ax = plt.subplots(figsize=(6, 3.5 + 0.2 * max(len(bars) - 7, 0)))
     ax.barh(list(bars), list(bars.values()), color="C0")
     ax.set_xlabel("seconds (median)")
     fig.tight_layout()

@@ -157,13 +157,18 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
         if name == "old_log_prob":
             batch_old = result
         consumers = next(s for s in p.stages if s.name == name).consumers
-        predicted = consumers[f"{name} outputs"] + consumers[f"{name} scratch"]
+        counted = {k[len(name) + 1 :]: v for k, v in consumers.items() if k.startswith(name)}
+        predicted = sum(counted.values())  # outputs − donated + the counted live bytes
+        xla = counted["outputs"] + p.xla_cpu_scratch[name]
+        error = lambda x: x / measured - 1 if measured > 0 else None
         out[name] = {
             "predicted_bytes": predicted,
             "measured_bytes": measured,
             "measured_resident_bytes": resident,
-            "error": predicted / measured - 1 if measured > 0 else None,
-            "scratch_bytes": consumers[f"{name} scratch"],
+            "error": error(predicted),
+            "counted_bytes": counted,
+            "xla_cpu_predicted_bytes": xla,
+            "xla_cpu_error": error(xla),
         }
         log.info("%dx%d %s: %s", hidden, layers, name, out[name])
     return out

@@ -5,17 +5,22 @@ on the split pools), which separates the gain of the overlap from that of the pl
 Each mode runs `warmup + steps` RL steps of `RLTrainer`; reported per mode: steps/hour, tokens/s
 (the medians of the timed steps' `timing_s/step` and `perf/total_num_tokens`), the stage times,
 `timing_s/wait_rollout|wait_update`, `async/staleness_*`, and a timeline of every step: the
-generation of each batch and the training of each step on the wall clock (`timeline.png`,
-one row per pool), which shows what overlaps. The split run puts the rollout on
+generation of each batch, its reward scoring (submit to scores done: rule functions on host
+threads, a reward model on its pool) and the training of each step on the wall clock
+(`timeline.png`, one row per pool and one for scoring), which shows what overlaps. With a
+rollout ahead, batch k+1 is scored on the rollout thread as soon as it is generated, while
+step k trains. The split run puts the rollout on
 `rollout_devices` devices and training (actor, reference, critic, reward model) on the rest.
 
 On a CPU host every simulated device shares the same cores, so overlap gains at most what the
 cores leave idle; the numbers are what the host measured. The same config runs unchanged on a
 GPU machine (`devices=0`: the platform's devices).
 
-Config keys (`placement`): trainer_config (a trainer config file, default the quick start),
-overrides (JSON object of dotted trainer keys → values), rollout_devices, warmup, steps,
-devices (simulated CPU devices, applied by `run.py` before JAX starts; 0 = the platform's).
+Config keys (`placement`): workload (a peer workload, `experiments/peers/workload.py`: "a", "b"
+(102M), "qs", "tiny"; "" = use trainer_config), trainer_config (a trainer config file, default
+the quick start), overrides (JSON object of dotted trainer keys → values), modes (comma-separated
+subset of `MODES`; "" = all), rollout_devices, warmup, steps, devices (simulated CPU devices,
+applied by `run.py` before JAX starts; 0 = the platform's).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import pathlib
 import statistics
 import time
 
-from experiments.benchmarks.throughput import load_trainer_config
+from experiments.benchmarks.throughput import load_trainer_config, workload_trainer_config
 
 log = logging.getLogger(__name__)
 # run name -> (trainer.rollout_mode, rollout on its own pool). `sync_split` is the control: the
@@ -39,7 +44,11 @@ MODES = {
 
 
 def _trainer_config(cfg, name: str, out_dir: pathlib.Path, n_devices: int):
-    c = load_trainer_config(cfg.trainer_config)
+    if cfg.get("workload"):
+        c, _ = workload_trainer_config(cfg.workload)
+        c.data.val_files = ""  # the benchmark does not validate
+    else:
+        c = load_trainer_config(cfg.trainer_config)
     c.update_from_flattened_dict(json.loads(cfg.overrides or "{}"))
     t = c.trainer
     mode, split = MODES[name]
@@ -81,6 +90,8 @@ def _run_mode(cfg, name: str, out_dir: pathlib.Path, n_devices: int) -> dict:
         if trainer.rollout_ahead is not None:
             for _, n, start, end in trainer.rollout_ahead.events:
                 spans.append(("rollout pool", "gen", n, start, end))
+        for _, n, start, end in trainer.reward.events:  # rule functions (+ reward model)
+            spans.append(("reward scoring", "reward", n, start, end))
     finally:
         trainer.close()
     timed = steps[cfg.warmup :]
@@ -110,17 +121,28 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
             f"placement.rollout_devices ({cfg.rollout_devices}) must leave devices for training "
             f"(of {n_devices})"
         )
-    runs = {name: _run_mode(cfg, name, out_dir, n_devices) for name in MODES}
+    names = [m.strip() for m in cfg.get("modes", "").split(",") if m.strip()] or list(MODES)
+    unknown = sorted(set(names) - set(MODES))
+    if unknown:
+        raise ValueError(f"placement.modes: unknown {unknown} (valid: {list(MODES)})")
+    runs = {name: _run_mode(cfg, name, out_dir, n_devices) for name in names}
     rate = lambda name: runs[name]["steps_per_hour"]
-    return {
+    summary = {
         "devices": n_devices,
         "warmup": cfg.warmup,
-        "trainer_config": cfg.trainer_config,
+        "steps": cfg.steps,
+        "workload": cfg.get("workload", ""),
+        "trainer_config": "" if cfg.get("workload") else cfg.trainer_config,
         "host_cpus": _cpus(),
         "runs": runs,
-        "speedup_one_step_off": rate("one_step_off") / rate("sync"),
-        "speedup_of_the_overlap": rate("one_step_off") / rate("sync_split"),
     }
+    for key, (fast, slow) in {
+        "speedup_one_step_off": ("one_step_off", "sync"),
+        "speedup_of_the_overlap": ("one_step_off", "sync_split"),
+    }.items():
+        if fast in runs and slow in runs:
+            summary[key] = rate(fast) / rate(slow)
+    return summary
 
 
 def _cpus() -> int:
@@ -140,7 +162,7 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
 
     runs = summary["runs"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.6 + 1.2 * len(runs)), sharex=True)
-    colors = {"gen": "C1", "train": "C0"}
+    colors = {"gen": "C1", "train": "C0", "reward": "C2"}
     for ax, (mode, run) in zip(axes, runs.items(), strict=True):
         timed = [s for s in run["timeline"] if s["step"] > summary["warmup"]]
         origin = min(s["start"] for s in timed if s["stage"] == "train")
@@ -157,7 +179,8 @@ def plot(summary: dict, out_dir: pathlib.Path) -> None:
             fontsize=9,
         )
     axes[-1].set_xlabel(
-        "seconds from the first timed step (g = generation of batch k, t = training step k)"
+        "seconds from the first timed step (g = generation of batch k, r = its scoring, "
+        "t = training step k)"
     )
     fig.tight_layout()
     fig.savefig(out_dir / "timeline.png", dpi=100)

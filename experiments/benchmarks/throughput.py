@@ -23,8 +23,12 @@ warmup, steps, profile (run the last step under the JAX profiler and cProfile: `
 `host_profile.svg`). `devices` (simulated CPU devices) is applied by `run.py` before JAX starts.
 
 Besides `summary.json` (which adds `stability`: min/median/p95/max/std of the timed steps,
-`communication`: bytes and seconds of the re-layout, and `peak_memory_bytes`), the run writes
-`steps.jsonl`: every step's metrics with `bench/stages`, when each stage started and ended.
+`communication`: bytes and seconds of the re-layout, collective bytes per stage and, for the
+profiled step, collective seconds per stage and kind; and `peak_memory_bytes`), the run writes
+`steps.jsonl`: every step's metrics with `bench/stages`, when each stage started and ended,
+its peak memory (`recording.StageMemory`), for the jitted device stages XLA's memory analysis
+and collective bytes per device (`compiled`, `recording.CompiledStages`), and the re-layout's
+bytes on `reshard` (its time is the stage's).
 """
 
 from __future__ import annotations
@@ -96,21 +100,30 @@ def measure(trainer, warmup: int, steps: int, out_dir: pathlib.Path | None = Non
     """Runs `warmup + steps` trainer steps; returns each step's metrics plus host wall/CPU time
     (`bench/wall_s`, `bench/cpu_s`), its start (`bench/start_s`, seconds after the first step
     began) and when each stage ran (`bench/stages`: stage, start_s, end_s on the same clock).
-    With `out_dir`, the last step runs under the profilers (`recording.profile_step`)."""
-    from experiments.benchmarks.recording import StageClock, profile_step
+    With `out_dir`, the last step runs under the profilers (`recording.profile_step`) and
+    carries the seconds per device of its collectives per stage (`bench/collective_time_s`,
+    `recording.collective_time_s`)."""
+    from experiments.benchmarks import recording
 
     out, origin = [], time.time()
-    with StageClock() as clock:
+    with recording.StageClock() as clock, recording.CompiledStages() as compiled:
         for step in range(1, warmup + steps + 1):
             start, wall, cpu = time.time(), time.perf_counter(), time.process_time()
-            if out_dir is not None and step == warmup + steps:
-                metrics = profile_step(lambda s=step: trainer.train_step(s), out_dir)
+            profiled = out_dir is not None and step == warmup + steps
+            if profiled:
+                metrics = recording.profile_step(lambda s=step: trainer.train_step(s), out_dir)
             else:
                 metrics = trainer.train_step(step)
             metrics["bench/wall_s"] = time.perf_counter() - wall
             metrics["bench/cpu_s"] = time.process_time() - cpu
             metrics["bench/start_s"] = start - origin
-            metrics["bench/stages"] = clock.take(origin)
+            metrics["bench/stages"] = compiled.annotate(clock.take(origin), metrics)
+            if profiled:
+                events = recording.trace_events(out_dir / "trace")
+                names = {e["stage"] for e in metrics["bench/stages"]}
+                metrics["bench/collective_time_s"] = recording.collective_time_s(
+                    events, names, trainer.n_devices
+                )
             log.info("step %d: %s", step, json.dumps(metrics))
             out.append(metrics)
     return out
@@ -153,8 +166,28 @@ def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> d
         "communication": {
             "reshard_bytes": med("perf/reshard_bytes"),
             "reshard_s": med("timing_s/reshard"),
+            "collective_bytes": {  # per device, each collective instruction once
+                e["stage"]: e["compiled"]["collective_bytes"]
+                for e in timed[-1]["bench/stages"]
+                if "compiled" in e
+            },
+            # per device, from the profiled step's trace (`recording.collective_time_s`)
+            "collective_time_s": timed[-1].get("bench/collective_time_s", {}),
         },
+        "stage_peak_memory_bytes": stage_peaks(timed),
     }
+
+
+def stage_peaks(timed: list[dict]) -> dict[str, int]:
+    """Each stage's largest peak over the steps (`recording.StageMemory`: the device's running
+    peak where it keeps statistics, else the process's resident peak during the stage)."""
+    out: dict[str, int] = {}
+    for m in timed:
+        for e in m.get("bench/stages", []):
+            peak = e.get("device_peak_bytes", e.get("host_peak_rss_bytes"))
+            if peak is not None:
+                out[e["stage"]] = max(out.get(e["stage"], 0), peak)
+    return out
 
 
 def _median_seq_lens(timed: list[dict]) -> np.ndarray:
@@ -167,14 +200,16 @@ def _median_seq_lens(timed: list[dict]) -> np.ndarray:
     return np.full(rows, mean, dtype=np.float64)
 
 
-def peak_memory_bytes() -> dict:
+def peak_memory_bytes(metrics: list[dict] = ()) -> dict:
     """Peak memory so far: `device` (the first device's `peak_bytes_in_use`, where the backend
-    keeps statistics: GPU, TPU) and `host` (the process's peak resident set, VmHWM)."""
+    keeps statistics: GPU, TPU) and `host` (the process's peak resident set: VmHWM, or the
+    largest stage peak of `metrics`, since `recording.StageMemory` resets VmHWM per stage)."""
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
     with open("/proc/self/status") as f:
         hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    hwm = max([hwm, *stage_peaks(list(metrics)).values()])
     return {"device": stats.get("peak_bytes_in_use"), "host": hwm}
 
 
@@ -200,7 +235,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
     finally:
         trainer.close()
     summary = summarize(metrics, cfg.warmup, trainer, peak)
-    summary["peak_memory_bytes"] = peak_memory_bytes()
+    summary["peak_memory_bytes"] = peak_memory_bytes(metrics)
     if spec is not None:
         summary["workload"] = spec["name"]
     (out_dir / "steps.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))

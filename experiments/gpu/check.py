@@ -3,12 +3,17 @@
 Steps, each a subprocess with a time limit; a failing step is recorded and the next one runs:
 
 1. `env`: JAX version, backend and devices, `nvidia-smi` (when present);
-2. `tests`: the `gpu`-marked tests (`tests/gpu`: Pallas paged attention, cuDNN attention,
-   bfloat16 parity against float32 and `transformers`) with `jax_platforms=cuda,cpu`;
+2. `tests`: every `gpu`-marked test under `tests/`, selected by the marker, not by path
+   (`GPU_TESTS`; `tests/gpu`: Pallas paged attention, blocked training attention, bfloat16
+   parity against float32 and `transformers`; packed attention in `tests/trainer`; any GPU test
+   added elsewhere) with `jax_platforms=cuda,cpu`;
 3. `plan`: `python -m hybridjax.plan` of `configs/gpu_check.py` on simulated CPU devices;
 4. `throughput`: the RL-step benchmark on `configs/gpu_check.py` (a random Qwen2.5-0.5B-shaped
    actor, GRPO, bfloat16), with the device's peak memory;
-5. `generation`: the rollout engine against HF `generate` on the same shape.
+5. `generation`: the rollout engine against HF `generate` on the same shape;
+6. `plan_vs_measured`: per stage, the plan's peak beside the throughput run's measured peak
+   (the device's `peak_bytes_in_use` after the stage on GPU; the process's resident peak
+   during it on CPU).
 
 Everything lands in one JSON (`<out>/check.json`): each step's return code, seconds, the tail
 of its output and its numbers. `--dry-run` runs the same steps on CPU with tiny sizes (the
@@ -28,6 +33,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+GPU_TESTS = ("-m", "gpu", "tests")  # pytest selection: the marker over the whole test tree
 
 
 def step(name: str, cmd: list[str], env: dict, timeout: int, log_dir: pathlib.Path) -> dict:
@@ -103,7 +109,7 @@ def main() -> None:
 
     xml = out / "tests.xml"
     test_env = env | {"HYBRIDJAX_TEST_PLATFORMS": "cpu" if dry else "cuda,cpu"}
-    tests = [py, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={xml}"]
+    tests = [py, "-m", "pytest", "-q", *GPU_TESTS, f"--junitxml={xml}"]
     steps["tests"] = step("tests", tests, test_env, 1200, out) | _junit_counts(xml)
 
     if not (ROOT / "data/gsm8k/train.parquet").is_file():
@@ -143,10 +149,23 @@ def main() -> None:
             steps[name]["results"] = str(folder)
             steps[name]["summary"] = json.loads((folder / "summary.json").read_text())
 
+    report["plan_vs_measured"] = plan_vs_measured(steps)
     report["ok"] = all(s["rc"] == 0 for s in steps.values())
     (out / "check.json").write_text(json.dumps(report, indent=2, default=str))
     print(out / "check.json")
     sys.exit(0 if report["ok"] else 1)
+
+
+def plan_vs_measured(steps: dict) -> dict:
+    """stage → {planned_bytes, measured_bytes} where both the plan and the throughput run
+    have the stage (see the module docstring)."""
+    plan = steps.get("plan", {}).get("plan", {}).get("stages", {})
+    measured = steps.get("throughput", {}).get("summary", {}).get("stage_peak_memory_bytes", {})
+    return {
+        name: {"planned_bytes": plan[name]["peak_bytes"], "measured_bytes": measured[name]}
+        for name in plan
+        if name in measured
+    }
 
 
 if __name__ == "__main__":

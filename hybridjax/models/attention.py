@@ -1,4 +1,9 @@
-"""Dot-product attention with grouped-query heads, and the dense KV cache.
+"""Dot-product attention with grouped-query heads, its masks, and the dense KV cache.
+
+Full-sequence passes (training, log-probs, values) call `self_attention` under a
+`SelfAttentionMask`; the implementation is chosen by backend (`attention_backend`): the dense
+jnp path on CPU, the blocked path (`hybridjax.models.blocked_attention`, memory linear in
+tokens) on GPU and TPU.
 
 A KV cache is any pytree with the method
 
@@ -17,6 +22,8 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+
+from hybridjax.models.blocked_attention import blocked_attention
 
 NEG_INF = -1e30
 
@@ -60,35 +67,91 @@ def packed_attention_mask(
     return mask
 
 
-def attention_backend(dtype) -> str:
+def attention_backend() -> str:
     """The self-attention implementation of full-sequence passes on this backend.
 
-    * "cudnn" on GPU for bfloat16/float16 (`jax.nn.dot_product_attention`, cuDNN flash
-      attention: logits are never materialised per head; the mask travels as one B×T×T bias,
-      since cuDNN's segment offsets cannot express a shared prefix);
-    * "jnp" everywhere else (CPU, float32 on GPU, which cuDNN flash rejects, and TPU: splash
-      attention takes segment ids but its masks are static, so a data-dependent shared-prefix
-      relation does not fit it). `grouped_attention` is also the test oracle.
+    * "jnp" on CPU: `grouped_attention` under one dense B×T×T bias built once per forward
+      (fastest there; also the reference every other path is tested against);
+    * "blocked" on GPU and TPU: `blocked_attention.blocked_attention`, the mask computed per
+      key block from per-token ids, so memory grows with tokens, not tokens² (both dtypes).
+
+    Not taken: cuDNN flash attention (`jax.nn.dot_product_attention`) expresses segments only
+    as equal ids or sequence offsets, so a response seeing its group's prompt needs a
+    materialised B×T×T bias (memory ∝ T²). Splash attention (TPU) likewise masks by equal
+    segment ids and static masks; the prefix part as a second call merged by log-sum-exp
+    needs the gradient of its log-sum-exp, which splash does not provide (its vjp raises
+    "Higher-order AD not supported" with `save_residuals`). See the README.
     """
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return "cudnn"
-    return "jnp"
+    return "jnp" if jax.default_backend() == "cpu" else "blocked"
 
 
-def fused_attention(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SelfAttentionMask:
+    """Who sees whom in a full-sequence pass, built once per forward (`create`) and shared by
+    every layer: per-token ids, B×T each, plus the dense bias when `impl` is "jnp".
+
+    segment_ids, prefix_ids: int32 (a padded batch: zeros, one segment per row).
+    positions: int32 position ids.  valid: bool, False on padding / empty slots.
+    bias: float32 B×T×T additive bias (`attention_bias`), or None (the "blocked" path).
+    """
+
+    segment_ids: jax.Array
+    prefix_ids: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    bias: jax.Array | None
+    sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
+    impl: str = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def create(
+        cls,
+        positions_BxT: jax.Array,
+        valid_BxT: jax.Array,
+        segments: tuple[jax.Array, jax.Array] | None = None,
+        sliding_window: int | None = None,
+        impl: str | None = None,
+    ) -> SelfAttentionMask:
+        """The mask of a padded batch (`segments` None: causal, positions increasing along
+        each row over valid tokens) or of a packed buffer (`segments` = (segment ids, prefix
+        ids), `packed_attention_mask`). `impl`: "jnp" or "blocked", default
+        `attention_backend()`. Raises ValueError on another `impl`."""
+        impl = impl or attention_backend()
+        if impl not in ("jnp", "blocked"):
+            raise ValueError(f"unknown attention impl {impl!r}; expected 'jnp' or 'blocked'")
+        zeros = jnp.zeros(positions_BxT.shape, jnp.int32)
+        segment_ids, prefix_ids = segments if segments is not None else (zeros, zeros)
+        bias = None
+        if impl == "jnp" and segments is not None:
+            mask = packed_attention_mask(
+                segment_ids, prefix_ids, positions_BxT, valid_BxT, sliding_window
+            )
+            bias = attention_bias(mask)
+        elif impl == "jnp":
+            mask = attention_mask(positions_BxT, positions_BxT, valid_BxT, sliding_window)
+            bias = attention_bias(mask)
+        return cls(segment_ids, prefix_ids, positions_BxT, valid_BxT, bias, sliding_window, impl)
+
+
+def self_attention(
     q_BxTxHxD: jax.Array,
-    k_BxSxKxD: jax.Array,
-    v_BxSxKxD: jax.Array,
-    bias_BxTxS: jax.Array,
-    implementation: str,
+    k_BxTxKxD: jax.Array,
+    v_BxTxKxD: jax.Array,
+    mask: SelfAttentionMask,
+    query_chunks: int = 1,
 ) -> jax.Array:
-    """`jax.nn.dot_product_attention` (GQA, scale 1/√D) with an additive bias; B×T×H×D in q's
-    dtype. `implementation` "cudnn" (GPU) or "xla" (the same numerics, used by the tests)."""
-    dtype = q_BxTxHxD.dtype
-    bias = jnp.maximum(bias_BxTxS, jnp.finfo(dtype).min)[:, None].astype(dtype)
-    return jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, bias=bias, implementation=implementation
-    )
+    """Attention of T tokens over themselves under `mask`, by the backend `mask.impl`:
+    `grouped_attention` under the dense bias ("jnp", skipping the blocks above the diagonal
+    in `query_chunks`), or `blocked_attention` ("blocked", memory linear in T). Returns
+    B×K×T×G×D in q's dtype (query head h = k·G + g); outputs at invalid queries are garbage.
+    """
+    if mask.impl == "blocked":
+        return blocked_attention(
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask.segment_ids, mask.prefix_ids,
+            mask.positions, mask.valid, mask.sliding_window,
+        )  # fmt: skip
+    return grouped_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask.bias, query_chunks)
 
 
 def attention_bias(mask_BxTxS: jax.Array) -> jax.Array:

@@ -24,19 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridjax.models.attention import (
-    attention_backend,
-    attention_bias,
-    attention_mask,
-    fused_attention,
-    grouped_attention,
-    packed_attention_mask,
-)
+from hybridjax.models.attention import SelfAttentionMask, self_attention
 from hybridjax.models.config import ModelConfig, to_dtype
 
 INIT_STD = 0.02
-# Full-sequence attention splits the queries into up to MAX_QUERY_CHUNKS chunks of at least
-# MIN_QUERY_CHUNK tokens and skips the key blocks above the diagonal (`grouped_attention`):
+# Full-sequence attention on the jnp path splits the queries into up to MAX_QUERY_CHUNKS chunks
+# of at least MIN_QUERY_CHUNK tokens and skips the key blocks above the diagonal
+# (`attention.grouped_attention`):
 # measured forward+backward of one attention block at 32×249 tokens, one thread: 325 ms
 # unsplit, 294 ms in 2 chunks, 289 ms in 4, 303 ms in 6.
 MAX_QUERY_CHUNKS = 4
@@ -118,8 +112,8 @@ class Attention(nnx.Module):
 
     Projections are stored per head: q (D,H,Dh), k/v (D,K,Dh), o (H,Dh,D). With `cache` the new
     keys and values go through `cache.attend` (dense or paged); without, the T tokens attend to each
-    other under `bias` B×T×T (the causal, padding and sliding-window mask as an additive bias,
-    `attention_bias`).
+    other under `mask` (a `SelfAttentionMask`: causal, padding, segments, sliding window), by the
+    backend's implementation (`attention.self_attention`).
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -143,27 +137,20 @@ class Attention(nnx.Module):
             y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
         return y
 
-    def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, rope, bias, cache=None, layer=0):
+    def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, rope, mask, cache=None, layer=0):
         q = apply_rope(self._project(x_BxTxD, "q"), rope)
         k = apply_rope(self._project(x_BxTxD, "k"), rope)
         v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
-        if cache is None and attention_backend(dtype) != "jnp":
-            try:  # cuDNN rejects some shapes at trace time: then the jnp path below
-                out = fused_attention(q, k, v, bias, attention_backend(dtype))
-                return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dtype)), cache
-            except (ValueError, NotImplementedError, RuntimeError):
-                pass
+        o = self.o_proj[...].astype(dtype)
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
             chunks = min(MAX_QUERY_CHUNKS, max(q.shape[1] // MIN_QUERY_CHUNK, 1))
-            out = grouped_attention(q, k, v, bias, chunks).astype(dtype)
+            out = self_attention(q, k, v, mask, chunks).astype(dtype)
             kv = self.config.num_key_value_heads
-            o = self.o_proj[...].astype(dtype)
             o = o.reshape(kv, o.shape[0] // kv, *o.shape[1:])
             return jnp.einsum("bktgh,kghd->btd", out, o), cache
         out, cache = cache.attend(layer, q, k, v, positions_BxT, token_mask_BxT)
-        o = self.o_proj[...].astype(dtype)
         return jnp.einsum("bthk,hkd->btd", out.astype(dtype), o), cache
 
 
@@ -204,9 +191,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, h, positions, token_mask, rope, bias, cache=None, layer=0):
+    def __call__(self, h, positions, token_mask, rope, mask, cache=None, layer=0):
         a, cache = self.self_attn(
-            self.input_layernorm(h), positions, token_mask, rope, bias, cache, layer
+            self.input_layernorm(h), positions, token_mask, rope, mask, cache, layer
         )
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), cache
@@ -232,31 +219,27 @@ class Transformer(nnx.Module):
         Without a cache, positions must increase along each row over valid tokens (see the
         module docstring); outputs at padding positions are garbage. `segments` (int32
         segment ids, prefix segment ids), each B×T, marks a packed buffer: attention follows
-        `packed_attention_mask` instead.
+        `attention.packed_attention_mask` instead.
         """
         dtype = to_dtype(self.config.dtype)
         h = jnp.take(self.embed_tokens[...], input_ids_BxT, axis=0).astype(dtype)
         rope = rope_tables(positions_BxT, rope_frequencies(self.config))
         token_mask_BxT = token_mask_BxT.astype(bool)
-        bias = None
-        window = self.config.sliding_window
-        if segments is not None:  # one mask for every layer; with a cache, the cache masks
-            mask = packed_attention_mask(*segments, positions_BxT, token_mask_BxT, window)
-            bias = attention_bias(mask)
-        elif cache is None:
-            mask = attention_mask(positions_BxT, positions_BxT, token_mask_BxT, window)
-            bias = attention_bias(mask)
+        mask = None  # one mask for every layer; with a cache, the cache masks
+        if cache is None:
+            window = self.config.sliding_window
+            mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window)
         for i, layer in enumerate(self.layers):
             if self.config.remat and cache is None:
                 # jax.checkpoint over the layer's split state: nnx.remat on the module fails
                 # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error
                 graphdef, state = nnx.split(layer)
                 run = lambda st, x: nnx.merge(graphdef, st)(
-                    x, positions_BxT, token_mask_BxT, rope, bias
+                    x, positions_BxT, token_mask_BxT, rope, mask
                 )[0]
                 h = jax.checkpoint(run)(state, h)
             else:
-                h, cache = layer(h, positions_BxT, token_mask_BxT, rope, bias, cache, i)
+                h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i)
         return self.norm(h), cache
 
 

@@ -16,7 +16,9 @@ Pools live in one process for now (several pools under `jax.distributed` are ref
 Between pools, data and weights move by `jax.device_put` into the destination's shardings; JAX
 dispatches asynchronously, so work on disjoint pools overlaps while the controller does not
 block. `sync_weights` re-lays the actor's weights from the training pool into the rollout pool's
-generation layout (within one pool it is `update_weights`, a jitted re-layout).
+generation layout (within one pool it is `update_weights`, a jitted re-layout); `move_rows`
+sends per-row batch arrays to another pool's batch axes (the reference and critic passes on
+their own pools: inputs there, per-token outputs back).
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ from hybridjax.sharding.reshard import update_weights
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
 DEFAULT_POOL = "global_pool"
 POOL_KEYS = {"n_devices", "train", "generate"}
-# Roles that run on the actor's pool in this version: their stages read the batch where the
-# actor's stages leave it (moving the batch to another pool and back is not wired yet).
-WITH_ACTOR = ("ref", "critic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +154,26 @@ def pool_sizes(cfg: Any, n_devices: int) -> tuple[dict[str, int], list[str]]:
     return sizes, problems
 
 
+_UNUSED = {
+    "ref": "no KL term: actor.use_kl_loss and algorithm.use_kl_in_reward are off",
+    "critic": "critic.enable is off",
+    "reward_model": "no reward model on devices: reward_model.enable off or model.path empty",
+}
+
+
+def used_roles(cfg: Any) -> set[str]:
+    """The roles that run on devices with this config: actor and rollout always, `ref` with a
+    KL term, `critic` with `critic.enable`, `reward_model` with a loaded (not served) model."""
+    used = {"actor", "rollout"}
+    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        used.add("ref")
+    if cfg.critic.enable:
+        used.add("critic")
+    if cfg.reward_model.enable and cfg.reward_model.model.path:
+        used.add("reward_model")
+    return used
+
+
 def placement_problems(cfg: Any, n_devices: int) -> list[str]:
     """Every pool / placement problem of `cfg` on `n_devices` devices, each naming the pool and
     its roles: pool sizes (see `pool_sizes`), mesh shapes against pool sizes, roles that must
@@ -176,11 +195,14 @@ def placement_problems(cfg: Any, n_devices: int) -> list[str]:
                     f"{layout} mesh: {err}"
                 )
     actor_pool = cfg.placement.actor
-    for role in WITH_ACTOR:
-        if cfg.placement[role] != actor_pool:
+    used = used_roles(cfg)
+    for name in sizes:
+        roles = [r for r in ROLES if cfg.placement[r] == name]
+        if roles and not set(roles) & used:
             problems.append(
-                f"placement.{role} = {cfg.placement[role]!r}: {role} runs on the actor's pool "
-                f"({actor_pool!r}) in this version"
+                f"resource_pool.{name} ({sizes[name]} devices) holds only {roles}, which this "
+                f"config does not use ({'; '.join(_UNUSED[r] for r in roles)}): place "
+                f"{'them' if len(roles) > 1 else 'it'} on a pool in use or drop the pool"
             )
     mode = cfg.trainer.rollout_mode
     if mode != "sync" and cfg.placement.rollout == actor_pool:
@@ -227,6 +249,30 @@ def make_placement(cfg: Any, devices: Sequence[Any] | None = None) -> Placement:
     return Placement(tuple(pools), {role: cfg.placement[role] for role in ROLES})
 
 
+def move_rows(rows: Any, sharding: Sharding) -> tuple[Any, int]:
+    """Per-row arrays (a pytree, e.g. an `RLBatch`; None leaves stay None) into `sharding`, the
+    batch axes of another pool's mesh: one `jax.device_put` per leaf, device to device (no host
+    round trip), dispatched asynchronously. A copy, so the values are bit-exact.
+
+    Args:
+      rows: pytree of `jax.Array`s, each with the batch dimension first.
+      sharding: the destination, e.g. `NamedSharding(pool_mesh, PartitionSpec(("data", "fsdp")))`.
+    Returns:
+      (the moved pytree, bytes written over every destination device: `perf/transfer_bytes`).
+    """
+    moved = jax.device_put(rows, sharding)
+    return moved, _written_bytes(moved)
+
+
+def _written_bytes(tree: Any) -> int:
+    """Bytes held by the arrays of `tree` summed over their devices (replicas count)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shard)) * leaf.dtype.itemsize * len(leaf.sharding.device_set)
+    return total
+
+
 def sync_weights(params: Any, shardings: Any, dtype: Any = None) -> tuple[Any, int]:
     """The actor's weights in the rollout's generation layout, across pools or within one.
 
@@ -260,8 +306,4 @@ def sync_weights(params: Any, shardings: Any, dtype: Any = None) -> tuple[Any, i
         return x.astype(dtype) if dtype is not None and floating and x.dtype != dtype else x
 
     moved = jax.device_put(jax.tree.map(cast, params), shardings)
-    total = 0
-    for leaf in jax.tree.leaves(moved):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shard)) * leaf.dtype.itemsize * len(leaf.sharding.device_set)
-    return moved, total
+    return moved, _written_bytes(moved)

@@ -23,6 +23,9 @@ decoupled preset, chosen because both passes already exist in the step and the c
 the update against the current policy, not against a stale one.
 
 The trainer replaces the pipeline's `gen` stage by one that takes the batch from the thread.
+Where the pipeline allows it (`RLTrainer._can_score_ahead`), the thread also starts scoring
+each batch right after generating it (`score`), so rewards of batch k+1 are computed while step
+k trains.
 Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/rollout_gen` (the
 generation itself, on the rollout pool), `timing_s/wait_rollout` (the trainer blocked on the
 batch), `timing_s/wait_update` (the rollout pool idle, waiting for the next request's weights).
@@ -43,12 +46,14 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """One generated batch: whatever the generate function returned, the policy version of
-    each sample (int64, one per response row) and the thread's timings (seconds)."""
+    each sample (int64, one per response row), the thread's timings (seconds) and what the
+    score function started for it (None without one)."""
 
     step: int
     output: Any
     versions: np.ndarray
     timing: dict[str, float]
+    scoring: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,9 @@ class RolloutAhead:
       next_prompts: draws the next batch of prompts (runs on the caller's thread, in order).
       lag: how many steps ahead batches are requested (0: generate on demand).
       total_steps: no batch past this step is requested.
+      score: `(output, step) -> scoring`, or None: started on the thread right after each
+        batch is generated (it should return at once, e.g. futures of reward scores); the
+        result travels with the batch as `Rollout.scoring`. `score_enabled` turns it off.
     """
 
     def __init__(
@@ -78,8 +86,11 @@ class RolloutAhead:
         next_prompts: Callable[[], Any],
         lag: int,
         total_steps: int,
+        score: Callable[[Any, int], Any] | None = None,
     ):
         self._generate, self._set_weights, self._next_prompts = generate, set_weights, next_prompts
+        self._score = score
+        self.score_enabled = score is not None
         self.lag, self.total_steps = lag, total_steps
         self.engine_lock = threading.Lock()  # held while the engine runs (validation takes it)
         self._requests: queue.Queue[_Request | None] = queue.Queue()
@@ -129,9 +140,12 @@ class RolloutAhead:
                     end = time.perf_counter()
                     gen = end - start
                 self.events.append(("gen", request.step, start, end))
+                scoring = None
+                if self.score_enabled:
+                    scoring = self._score(output, request.step)
                 versions = np.full(rows, request.version, np.int64)
                 timing = {"gen": gen, "wait_update": wait}
-                self._results.put(Rollout(request.step, output, versions, timing))
+                self._results.put(Rollout(request.step, output, versions, timing, scoring))
             except BaseException as err:  # handed to the trainer's thread by `take`
                 self._results.put(err)
                 return

@@ -4,6 +4,7 @@ the frozen `StageConfig` the jitted stages take."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,9 +35,11 @@ from hybridjax.rewards.manager import overlong_enabled
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
     CRITIC_RULES,
+    REFERENCE_RULES,
     REWARD_MODEL_RULES,
     init_sharded,
     sharding_fn,
+    state_shardings,
 )
 from hybridjax.trainer.optim import OptimConfig, make_optimizer
 from hybridjax.trainer.packing import attention_pair_cost, packing_configs
@@ -335,28 +338,40 @@ def build_models(
     mesh,
     stage: StageConfig,
     use_ref: bool,
-    reward_mesh=None,
+    role_meshes: Mapping[str, Any] | None = None,
+    critic_stage: StageConfig | None = None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout; the reward
-    model on `reward_mesh` (its pool's training mesh) when given, else on `mesh`."""
-    seed = cfg.trainer.seed
+    `reward_model.enable`) with fresh optimizer states, each in its training layout on `mesh`,
+    or on `role_meshes[role]` (the training mesh of its own pool, `placement.<role>`) for
+    `ref`, `critic` and `reward_model`. A reference on its own pool is a copy of the initial
+    weights sent there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
+    the critic pool's `StageConfig` (default `stage`)."""
+    seed, role_meshes = cfg.trainer.seed, dict(role_meshes or {})
     actor = build_actor(cfg, actor_config, mesh, seed)
     actor_graphdef, params = nnx.split(actor)
     critic_graphdef = critic_state = reward_model = None
     if cfg.critic.enable:
-        critic = build_critic(cfg, critic_model_config(cfg, actor_config), mesh, seed + 1)
+        critic_mesh = role_meshes.get("critic", mesh)
+        critic = build_critic(cfg, critic_model_config(cfg, actor_config), critic_mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = init_sharded_train_state(critic_params, stage.critic_optim)
+        critic_state = init_sharded_train_state(critic_params, (critic_stage or stage).critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
-        reward_model = nnx.split(build_reward_model(cfg, reward_mesh or mesh))
+        reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
+    ref_params, ref_is_base = None, use_ref and lora
+    if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)
+        base = adapters_off(params)
+        shardings = state_shardings(base, role_meshes["ref"], REFERENCE_RULES)
+        ref_params, ref_is_base = jax.device_put(base, shardings), False
+    elif use_ref and not lora:
+        ref_params = jax.tree.map(jnp.copy, params)
     return Models(
         actor_graphdef=actor_graphdef,
         actor_state=init_sharded_train_state(params, stage.actor_optim),
-        ref_params=jax.tree.map(jnp.copy, params) if use_ref and not lora else None,
+        ref_params=ref_params,
         critic_graphdef=critic_graphdef,
         critic_state=critic_state,
         reward_model=reward_model,
-        ref_is_base=use_ref and lora,
+        ref_is_base=ref_is_base,
     )

@@ -111,6 +111,9 @@ class StepContext:
       timing: seconds per stage name.
       pipeline: the pipeline running this step.
       gen_batches: generation batches sampled so far this step (each gets its own seed).
+      scoring: (PendingScores, greedy PendingScores or None) of this step's batch, started by
+        the rollout thread as soon as it generated the batch (None: the `reward` stage starts
+        them).
     """
 
     step: int
@@ -123,6 +126,7 @@ class StepContext:
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
     pipeline: Pipeline | None = None
     gen_batches: int = 0
+    scoring: Any = None
 
     @property
     def models(self):

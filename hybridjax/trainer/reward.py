@@ -5,7 +5,9 @@ model, co-located or served, and the greedy-rollout baselines of estimators that
 `submit` starts the work and returns at once (rule functions run in the reward manager's workers
 or on reward servers, the co-located reward-model forward is queued on the device, a served one
 is posted from a thread), so the trainer can run the log-prob and value passes meanwhile;
-`collect` waits for it. With a reward model, `reward_model.combine` says what goes into
+`collect` waits for it. With a rollout ahead of training (`trainer.rollout_mode`), the rollout
+thread calls `submit` as soon as it has generated a batch, so scoring overlaps the previous
+step's training too. With a reward model, `reward_model.combine` says what goes into
 `token_level_scores`: `replace` (verl's) the model's score alone, `sum` rule + model; the rule's
 result (and its metrics) is computed either way.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -104,6 +107,10 @@ class RewardStage:
         self.model_sharding = model_sharding
         self._model_batches = 0
         self._posts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+        # ("reward", step, start, end) per scored batch, `time.perf_counter()` seconds from
+        # `submit` to both scores done (the benchmarks' timeline); a thread waits for them
+        self.events: list[tuple[str, int, float, float]] = []
+        self._watch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-watch")
 
     @classmethod
     def from_config(
@@ -134,8 +141,12 @@ class RewardStage:
             model_sharding,
         )
 
-    def submit(self, batch: RLBatch, host: HostColumns) -> PendingScores:
-        """Starts scoring `batch` (returns at once; no host sync)."""
+    def submit(self, batch: RLBatch, host: HostColumns, step: int = 0) -> PendingScores:
+        """Starts scoring `batch` of RL step `step` (returns at once; no host sync). May run on
+        the rollout thread (`trainer.rollout_mode` one_step_off / async): the rule functions
+        score in order in the reward manager's worker, a reward model on its own pool queues
+        its forward there."""
+        start = time.perf_counter()
         rule = submit_rewards(self.manager, self.tokenizer, host)
         model = None
         if self.reward_model is not None:
@@ -161,7 +172,22 @@ class RewardStage:
             prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
             prompt_mask = np.asarray(mask)[:, : prompts.shape[1]].astype(bool)
             model = self._posts.submit(self._score_served, prompts, prompt_mask, host)
-        return PendingScores(rule, model)
+        pending = PendingScores(rule, model)
+        self._watch.submit(self._record, pending, step, start)
+        return pending
+
+    def _record(self, pending: PendingScores, step: int, start: float) -> None:
+        """Waits for both scores (on the watch thread) and records the batch's span; failures
+        are `collect`'s to raise."""
+        try:
+            pending.rule.result()
+            model = pending.model
+            model.result() if isinstance(model, concurrent.futures.Future) else (
+                jax.block_until_ready(model)
+            )
+        except BaseException:  # noqa: BLE001 - reported by `collect`
+            return
+        self.events.append(("reward", step, start, time.perf_counter()))
 
     def _score_served(self, prompts, prompt_mask, host: HostColumns):
         """(B×R float32 token scores, metrics) from the model servers; failures follow
@@ -209,6 +235,7 @@ class RewardStage:
     def close(self) -> None:
         self.manager.close()
         self._posts.shutdown(wait=False, cancel_futures=True)
+        self._watch.shutdown(wait=False, cancel_futures=True)
         if self.model_client is not None:
             self.model_client.close()
 

@@ -21,12 +21,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
 from hybridjax.metrics import compute_data_metrics
 from hybridjax.sharding import load_to_device, offload_to_host
+from hybridjax.sharding.pools import move_rows
 from hybridjax.trainer import stages
+from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import recompute_old_log_prob
 from hybridjax.trainer.dynamic_sampling import FILTER_GROUPS
 from hybridjax.trainer.generation import generate_batch
@@ -39,6 +42,7 @@ from hybridjax.trainer.pipeline import (
     Stage,
     StepContext,
     apply_entries,
+    timed,
 )
 
 _old_log_prob = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
@@ -150,11 +154,16 @@ def _gen(batch, ctx: StepContext, greedy: bool = False):
 
 
 def _reward(batch, ctx: StepContext, baseline: bool = False):
-    """Starts scoring (rule functions in threads, the reward model queued on the device); the
-    finish fills `token_level_scores` (and `reward_baselines`: each prompt's greedy score)."""
+    """Starts scoring (rule functions in threads, the reward model queued on the device), or
+    takes the scoring the rollout thread started as soon as it generated the batch
+    (`ctx.scoring`); the finish fills `token_level_scores` (and `reward_baselines`: each
+    prompt's greedy score)."""
     reward = ctx.trainer.reward
-    pending = reward.submit(batch, ctx.host)
-    greedy = reward.submit(*ctx.greedy) if baseline else None
+    if ctx.scoring is not None:
+        pending, greedy = ctx.scoring
+    else:
+        pending = reward.submit(batch, ctx.host, ctx.step)
+        greedy = reward.submit(*ctx.greedy, ctx.step) if baseline else None
 
     def finish(batch, ctx: StepContext):
         token_scores, ctx.reward = reward.collect(pending)
@@ -186,14 +195,47 @@ def _old_log_prob_stage(batch, ctx: StepContext):
     return batch
 
 
+def _to_pool(rows, sharding, ctx: StepContext):
+    """`rows` moved into `sharding` (another pool's batch axes): device to device, timed as
+    `timing_s/transfer` (within the stage's own time) and counted in `perf/transfer_bytes`.
+    Host sync: waits for the copy, which the next pass needs anyway."""
+    with timed(ctx.timing, "transfer"):
+        moved, nbytes = move_rows(rows, sharding)
+        jax.block_until_ready(moved)
+    ctx.metrics["perf/transfer_bytes"] = ctx.metrics.get("perf/transfer_bytes", 0.0) + nbytes
+    return moved
+
+
+def _rows_for(role: str, batch, ctx: StepContext, *fields: str):
+    """(the batch a `role` pass reads, its `StageConfig`): on the actor's pool `batch` itself;
+    on the role's own pool a batch of the rollout fields and `fields`, moved there."""
+    sharding = ctx.trainer.pool_batch_shardings.get(role)
+    if sharding is None:
+        return batch, ctx.stage_config
+    rows = RLBatch(**{f: getattr(batch, f) for f in (*ROLLOUT, *fields)})
+    return _to_pool(rows, sharding, ctx), ctx.trainer.stage_config_of(role)
+
+
+def _back(role: str, batch, ctx: StepContext, **outputs):
+    """`batch` with the per-token `outputs` of a `role` pass, moved back to the actor's pool
+    when the role has its own."""
+    if role in ctx.trainer.pool_batch_shardings:
+        outputs = _to_pool(outputs, ctx.trainer.batch_sharding, ctx)
+    return batch.replace(**outputs)
+
+
 def _ref_stage(batch, ctx: StepContext):
     m = ctx.models  # the frozen copy, or with LoRA the actor with its adapters off
-    return _ref_log_prob(m.actor_graphdef, m.reference(), batch, ctx.stage_config)
+    rows, sc = _rows_for("ref", batch, ctx)
+    out = _ref_log_prob(m.actor_graphdef, m.reference(), rows, sc)
+    return _back("ref", batch, ctx, ref_log_prob=out.ref_log_prob)
 
 
 def _values_stage(batch, ctx: StepContext):
     m = ctx.models
-    return _values(m.critic_graphdef, m.critic_state.params, batch, ctx.stage_config)
+    rows, sc = _rows_for("critic", batch, ctx)
+    out = _values(m.critic_graphdef, m.critic_state.params, rows, sc)
+    return _back("critic", batch, ctx, values=out.values)
 
 
 def _adv_stage(batch, ctx: StepContext):
@@ -214,9 +256,11 @@ def _record_update(ctx: StepContext, metrics, nan_skipped) -> None:
 
 def _update_critic_stage(batch, ctx: StepContext):
     m = ctx.models
-    state, metrics, nan = _update_critic(
-        m.critic_graphdef, m.critic_state, batch, _rng(ctx), ctx.stage_config
-    )
+    rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
+    state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
+    if "critic" in ctx.trainer.pool_batch_shardings:  # scalars, summed with the actor's
+        replicated = NamedSharding(ctx.trainer.meshes.train, PartitionSpec())
+        metrics, nan = jax.device_put((metrics, nan), replicated)
     ctx.models = dataclasses.replace(m, critic_state=state)
     _record_update(ctx, metrics, nan)
     return batch

@@ -102,11 +102,32 @@ class RLTrainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
         self.offload = offload_configs(cfg)
-        reward_mesh = None  # the reward model on its own pool (placement.reward_model)
-        if self.placement.roles["reward_model"] != self.placement.roles["actor"]:
-            reward_mesh = self.placement.train_mesh("reward_model")
+        # ref, critic, reward model on pools of their own (placement.<role>): their meshes,
+        # the batch axes their inputs move to, and the stage config of their data parallelism
+        role_meshes = {
+            role: self.placement.train_mesh(role)
+            for role in ("ref", "critic", "reward_model")
+            if self.placement.roles[role] != self.placement.roles["actor"]
+        }
+        self.pool_batch_shardings = {
+            role: NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+            for role, mesh in role_meshes.items()
+        }
+        self.role_stage_cfgs = {
+            role: build.stage_config(
+                cfg, self.total_steps, mesh.shape["data"] * mesh.shape["fsdp"], self.actor_config
+            )
+            for role, mesh in role_meshes.items()
+            if role in ("ref", "critic")
+        }
         self.models = build.build_models(
-            cfg, self.actor_config, self.meshes.train, sc, self.use_ref, reward_mesh
+            cfg,
+            self.actor_config,
+            self.meshes.train,
+            sc,
+            self.use_ref,
+            role_meshes,
+            self.role_stage_cfgs.get("critic"),
         )
         rollout = cfg.actor_rollout_ref.rollout
         self.gen_dtype = to_dtype(rollout.dtype)
@@ -126,12 +147,16 @@ class RLTrainer:
             self.pipeline = self.pipeline.replace(
                 "gen", Stage("gen", self._gen_ahead, writes=step.GENERATED)
             )
-        rm_sharding = None
-        if reward_mesh is not None:
-            rm_sharding = NamedSharding(reward_mesh, PartitionSpec(("data", "fsdp")))
         self.reward = RewardStage.from_config(
-            cfg, self.tokenizer, self.models.reward_model, self.batch_sharding, dp, rm_sharding
+            cfg,
+            self.tokenizer,
+            self.models.reward_model,
+            self.batch_sharding,
+            dp,
+            self.pool_batch_shardings.get("reward_model"),
         )
+        if self.rollout_ahead is not None:
+            self.rollout_ahead.score_enabled = self._can_score_ahead()
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
         )
@@ -152,6 +177,11 @@ class RLTrainer:
     @property
     def critic_state(self):
         return self.models.critic_state
+
+    def stage_config_of(self, role: str):
+        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing follow
+        that pool's data parallelism; the actor's `stage_cfg` when they share a pool."""
+        return self.role_stage_cfgs.get(role, self.stage_cfg)
 
     def _generation_params(self) -> tuple[Any, int]:
         """The actor's weights re-laid into the rollout pool's generation layout, as this
@@ -187,6 +217,11 @@ class RLTrainer:
             batch, host, greedy = self._rollout(prompts, n)
             return (prompts, batch, host, greedy), len(host.response_lengths)
 
+        def score(output, n):  # while the actor trains the step before
+            _, batch, host, greedy = output
+            greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
+            return self.reward.submit(batch, host, n), greedy_scoring
+
         self._data_states = []  # loader state before each batch drawn ahead, oldest first
 
         def next_prompts():
@@ -194,8 +229,25 @@ class RLTrainer:
             return next(self.train_loader)
 
         return RolloutAhead(
-            generate, self.engine.update_weights, next_prompts, lag, self.total_steps
+            generate, self.engine.update_weights, next_prompts, lag, self.total_steps, score
         )
+
+    def _can_score_ahead(self) -> bool:
+        """Whether the rollout thread starts scoring each batch right after generating it, so
+        the rule functions (and a reward model on its own pool) score batch k+1 while step k
+        trains: with a rollout ahead, when the pipeline's `reward` stage is the default one and
+        directly follows `gen` (no stage in between may change the batch), and a reward model
+        on devices has a pool other than the actor's (else its forward would share the devices
+        of the actor's update). The scores are the same either way."""
+        if self.rollout_ahead is None or "reward" not in self.pipeline.names:
+            return False
+        i = self.pipeline.names.index("reward")
+        default = self.pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
+        after_gen = i > 0 and self.pipeline.names[i - 1] == "gen"
+        model_apart = self.models.reward_model is None or "reward_model" in (
+            self.pool_batch_shardings
+        )
+        return default and after_gen and model_apart
 
     def _rollout(self, prompts, n: int):
         """One batch of samples (+ greedy responses when the estimator needs a baseline), on
@@ -224,6 +276,7 @@ class RLTrainer:
         self.policy_versions = rollout.versions
         ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
         ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
+        ctx.scoring = rollout.scoring
         if self.multi_turn is not None:
             h = ctx.host
             ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)

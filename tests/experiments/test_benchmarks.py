@@ -195,8 +195,24 @@ def test_throughput_smoke(tmp_path):
     names = [e["stage"] for e in step["bench/stages"]]
     assert names[0] == "gen" and "update_actor" in names and names[-1] == "step"
     assert all(0 <= e["start_s"] <= e["end_s"] for e in step["bench/stages"])
+    stages = {e["stage"]: e for e in step["bench/stages"]}
+    # per stage: peak memory (the process's resident peak on CPU) and, for the jitted device
+    # stages, XLA's memory analysis and the collectives of the program over 8 devices
+    assert all(e["host_peak_rss_bytes"] > 0 for e in stages.values())
+    update = stages["update_actor"]["compiled"]
+    assert update["scratch_bytes"] > 0 and update["donated_bytes"] > 0
+    assert update["collective_bytes"]["all-reduce"] > 0  # gradients summed over data shards
+    assert stages["reshard"]["reshard_bytes"] == s["communication"]["reshard_bytes"]
+    assert s["communication"]["collective_bytes"]["update_actor"] == update["collective_bytes"]
+    # seconds per device in collectives, from the profiled step's trace: the gradient
+    # all-reduce of the update is inside the step's span too
+    times = s["communication"]["collective_time_s"]
+    assert 0 < times["update_actor"]["all-reduce"] <= times["step"]["all-reduce"]
+    assert sum(times["step"].values()) < s["step_time_s"]
+    peak = stages["update_actor"]["host_peak_rss_bytes"]
+    assert s["stage_peak_memory_bytes"]["update_actor"] == peak
     assert s["stability"]["steps"] == 1 and s["communication"]["reshard_bytes"] > 0
-    assert s["peak_memory_bytes"]["host"] > 0
+    assert s["peak_memory_bytes"]["host"] >= max(s["stage_peak_memory_bytes"].values())
     assert s["devices"] == 8 and s["tokens_per_step"] == 8 * 4 * (16 + 8)
     for key in ("step_time_s", "tokens_per_s", "mfu_actor", "mfu_step", "peak_flops_per_device"):
         assert np.isfinite(s[key]) and s[key] > 0, key
@@ -293,7 +309,7 @@ def test_generation_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
+def test_memory_planner_update_is_within_a_quarter_of_the_measured_cpu_peak(tmp_path):
     cfg = ConfigDict(
         dict(
             benchmark="memory",
@@ -313,9 +329,12 @@ def test_memory_planner_is_within_a_quarter_of_the_measured_cpu_peaks(tmp_path):
     (point,) = s["points"]
     for stage in ("old_log_prob", "update_actor"):
         assert point[stage]["measured_bytes"] > 0
-    # the update's scratch dominates its peak; a small forward's peak is mostly the runtime's
-    # one-off allocations of a first execution (README: Memory planner)
-    assert abs(point["update_actor"]["error"]) < 0.35, point["update_actor"]
+    # the update's live bytes (gradients, optimizer step, activations) dominate its peak
+    assert abs(point["update_actor"]["error"]) < 0.25, point["update_actor"]
+    # a small forward's peak also holds the runtime's one-off allocations of a first
+    # execution, which the count leaves out (README: Memory planner)
+    forward = point["old_log_prob"]
+    assert 0 < forward["predicted_bytes"] <= forward["measured_bytes"], forward
 
 
 @pytest.mark.slow
@@ -324,7 +343,14 @@ def test_integration_smoke(tmp_path):
         dict(
             benchmark="integration",
             results_root=str(tmp_path),
-            integration=dict(model="tiny", repeats=1, loading_copies=1),
+            integration=dict(
+                model="tiny",
+                repeats=1,
+                loading_copies=1,
+                reward_parts="",  # the parts' own tests: tests/experiments/test_reward_service.py
+                reward_warmup=0,
+                reward_steps=1,
+            ),
         )
     )
     s = _check_results(run.run_benchmark(cfg), ["integration.png"])
@@ -333,6 +359,18 @@ def test_integration_smoke(tmp_path):
     assert s["loading"]["rows"] == 7473
     for fmt in ("parquet", "arrow_ipc"):
         assert s["loading"][fmt]["file_bytes"] > 0 and s["loading"][fmt]["read_s"] > 0
+    assert s["reward_service"] == {}
+
+
+def test_integration_runs_the_named_reward_service_parts(monkeypatch):
+    from experiments.benchmarks import integration, reward_service
+
+    calls = []
+    monkeypatch.setattr(reward_service, "rule_part", lambda w, n: calls.append((w, n)) or {"x": 1})
+    assert integration.reward_service_times("rule", 2, 5) == {"rule": {"x": 1}}
+    assert calls == [(2, 5)]
+    with pytest.raises(ValueError, match="unknown \\['rules'\\]; known: rule, model"):
+        integration.reward_service_times("rule,rules", 0, 1)
 
 
 @pytest.mark.slow

@@ -1,9 +1,11 @@
 """GPU checks, run for real on a GPU by `experiments/gpu/check.sh` (skipped without one).
 
 What runs where: the Pallas paged-attention kernel (decode) runs on GPU only and is checked
-against the jnp gather path, the CPU path and test oracle; cuDNN attention
-(`jax.nn.dot_product_attention(implementation="cudnn")`, bfloat16) against the jnp attention
-the model uses; and the model in bfloat16 against float32 and against `transformers`.
+against the jnp gather path, the CPU path and test oracle; the blocked self-attention of
+training passes (the GPU's default, `hybridjax.models.blocked_attention`) against the dense jnp
+path on packed shared-prompt buffers (outputs and gradients, float32 and bfloat16), with its
+compiled GPU memory growing linearly in tokens; and the model in bfloat16 against float32 and
+against `transformers`.
 """
 
 import pathlib
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridjax.models.attention import attention_bias, attention_mask, grouped_attention
+from hybridjax.models.attention import SelfAttentionMask, attention_backend
 from hybridjax.rollout.paged_cache import paged_attention_jnp, paged_attention_pallas
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
@@ -48,21 +50,35 @@ def test_pallas_paged_attention_matches_jnp_on_gpu(gpu, dtype, atol):
     )
 
 
-def test_cudnn_attention_matches_the_models_jnp_attention(gpu):
-    b, t, h, kv, d = 2, 128, 8, 2, 64
-    rng = np.random.default_rng(1)
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])
+def test_blocked_attention_matches_the_dense_path_on_gpu(gpu, dtype, atol):
+    from test_blocked_attention import attention_loss, packed_buffers, random_qkv
+
     with jax.default_device(gpu):
-        q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16) for n in (h, kv, kv))
-        positions = jnp.tile(jnp.arange(t), (b, 1))
-        valid = jnp.ones((b, t), bool)
-        bias = attention_bias(attention_mask(positions, positions, valid, None))
-        ours = grouped_attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                 v.astype(jnp.float32), bias)  # fmt: skip
-        ours = ours.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)  # B×K×T×G×D → B×T×H×D
-        cudnn = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, scale=d**-0.5, implementation="cudnn"
-        )
-    np.testing.assert_allclose(np.asarray(cudnn, np.float32), np.asarray(ours), atol=3e-2)
+        assert attention_backend() == "blocked"
+        ids = packed_buffers(0)
+        q, k, v = random_qkv(ids[0].shape, 0)
+        dense = SelfAttentionMask.create(ids[2], ids[3], ids[:2], None, impl="jnp")
+        (_, out_ref), g_ref = attention_loss(dense)(q, k, v)  # float32 reference on the same device
+        blocked = SelfAttentionMask.create(ids[2], ids[3], ids[:2], None, impl="blocked")
+        cast = lambda x: x.astype(dtype)
+        (_, out), g = attention_loss(blocked)(cast(q), cast(k), cast(v))
+    assert out.devices() == {gpu}
+    f32 = lambda x: np.asarray(x, np.float32)
+    np.testing.assert_allclose(f32(out), f32(out_ref), atol=atol, rtol=0)
+    for a, b in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(f32(a), f32(b), atol=atol * 4, rtol=0)
+
+
+def test_blocked_attention_memory_grows_linearly_on_gpu(gpu):
+    from test_blocked_attention import scratch_bytes
+
+    with jax.default_device(gpu):
+        blocked = [scratch_bytes("blocked", t) for t in (4096, 8192)]
+        dense = [scratch_bytes("jnp", t) for t in (4096, 8192)]
+    print(f"GPU temp bytes at T=4096, 8192: blocked {blocked}, dense {dense}")
+    assert blocked[1] / blocked[0] < 2.3, blocked
+    assert blocked[1] < dense[1] / 4, (blocked, dense)
 
 
 def _hf_qwen2(tmp_path):

@@ -75,12 +75,40 @@ def test_split_pools_take_consecutive_devices():
             {"resource_pool.rollout_pool.generate.tensor": 3},
             "resource_pool.rollout_pool (4 devices, roles ['rollout']): generate mesh",
         ),
-        ({"placement.ref": "rollout_pool"}, "placement.ref = 'rollout_pool': ref runs on the"),
     ],
 )
 def test_placement_problems_name_pool_and_role(changes, expected):
     problems = placement_problems(_split(**changes), 8)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_pool_of_unused_roles_is_refused():
+    c = _split(rollout=2)
+    c.resource_pool.ref_pool = dict(n_devices=2)
+    c.placement.ref = "ref_pool"
+    (problem,) = placement_problems(c, 8)
+    assert problem.startswith(
+        "resource_pool.ref_pool (2 devices) holds only ['ref'], which this config does not use "
+        "(no KL term"
+    )
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    assert not placement_problems(c, 8)
+
+
+def test_critic_pool_batch_checks_name_the_pool_and_role():
+    """16 prompts split over the 3 devices of the critic's own pool in no way."""
+    c = load_config_file("tiny")
+    c.resource_pool = dict(critic_pool=dict(n_devices=3), gen=dict(n_devices=1), train=dict())
+    c.resource_pool.train.n_devices = 4
+    c.placement.update(dict(actor="train", ref="train", reward_model="train", rollout="gen"))
+    c.placement.critic = "critic_pool"
+    c.data.train_files = __file__  # any existing file
+    c.data.val_files = ""
+    with pytest.raises(ConfigError, match=r"resource_pool\.critic_pool \(3 devices, roles "):
+        validate(c, 8)
+    c.resource_pool.critic_pool.n_devices = c.resource_pool.gen.n_devices = 2
+    c.resource_pool.train.n_devices = 4
+    validate(c, 8)
 
 
 def test_async_modes_need_split_pools():

@@ -55,3 +55,25 @@ def test_an_error_of_the_thread_reaches_take():
     with pytest.raises(RuntimeError, match="out of pages"):
         ahead.take(1, {})
     ahead.close()
+
+
+def test_score_starts_on_the_thread_after_each_generation():
+    import threading
+
+    order = []
+    ahead = RolloutAhead(
+        generate=lambda prompts, step: (order.append(("gen", step)) or prompts, 1),
+        set_weights=lambda w: None,
+        next_prompts=lambda: "p",
+        lag=1,
+        total_steps=3,
+        score=lambda out, step: order.append(("score", step)) or threading.current_thread().name,
+    )
+    ahead.publish("w0", 0)
+    assert ahead.take(1, {}).scoring == "rollout"
+    ahead.score_enabled = False  # batch 2 was requested with batch 1: maybe already scored
+    ahead.take(2, {})
+    assert ahead.take(3, {}).scoring is None
+    ahead.close()
+    assert order[:2] == [("gen", 1), ("score", 1)]
+    assert ("score", 3) not in order and order.index(("gen", 2)) < order.index(("gen", 3))

@@ -18,13 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridjax.models import packing
-from hybridjax.models.attention import (
-    attention_backend,
-    attention_bias,
-    fused_attention,
-    grouped_attention,
-    packed_attention_mask,
-)
+from hybridjax.models.attention import packed_attention_mask
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
@@ -257,43 +251,6 @@ def test_sharded_packed_gradients_equal_single_device(models):
     np.testing.assert_allclose(lp, lp_plain, **TOL)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_plain), strict=True):
         np.testing.assert_allclose(a, b, **TOL)
-
-
-def _packed_qkv(seed=0):
-    ids = jnp.array([[0, 7, 8, 1, 2, 0], [0, 7, 8, 3, 0, 0], [0, 0, 9, 4, 5, 6]])
-    pl = packing.plan(ids, (ids > 0).astype(jnp.int32), 3, jnp.array([0, 0, 1]),
-                      packing.PackingConfig(row_length=12, rows=1))  # fmt: skip
-    buf = packing.buffer(pl, ids, jnp.int32(0))
-    mask = packed_attention_mask(
-        buf["segment_ids"], buf["prefix_ids"], buf["positions"], buf["valid"]
-    )
-    keys = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(keys[0], (1, 12, 4, 8))
-    k, v = (jax.random.normal(key, (1, 12, 2, 8)) for key in keys[1:])
-    return q, k, v, mask, buf["valid"]
-
-
-def test_fused_attention_numerics_equal_the_jnp_path():
-    """`jax.nn.dot_product_attention` (XLA implementation, the cuDNN path's numerics) with the
-    packed bias equals `grouped_attention` on every valid query."""
-    q, k, v, mask, valid = _packed_qkv()
-    ref = grouped_attention(q, k, v, attention_bias(mask), 2)  # B×K×T×G×D
-    ref = ref.transpose(0, 2, 1, 3, 4).reshape(q.shape)
-    out = fused_attention(q, k, v, attention_bias(mask), "xla")
-    np.testing.assert_allclose(out[valid], ref[valid], **TOL)
-    assert attention_backend(jnp.float32) == "jnp"  # float32 and CPU: the jnp path
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-def test_cudnn_attention_equals_the_jnp_path():
-    q, k, v, mask, valid = _packed_qkv()
-    ref = grouped_attention(q, k, v, attention_bias(mask)).transpose(0, 2, 1, 3, 4)
-    ref = ref.reshape(q.shape)
-    bf = lambda x: x.astype(jnp.bfloat16)
-    assert attention_backend(jnp.bfloat16) == "cudnn"
-    out = fused_attention(bf(q), bf(k), bf(v), attention_bias(mask), "cudnn")
-    np.testing.assert_allclose(out.astype(jnp.float32)[valid], ref[valid], atol=3e-2)
 
 
 def _last_token_scores(batch) -> jax.Array:

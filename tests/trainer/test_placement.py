@@ -6,6 +6,7 @@ first on weights one update newer than the ones that sampled it, with rollout IS
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -36,8 +37,18 @@ def _config(data, run_dir, split: bool, **changes):
     return c
 
 
-def _steps(config, steps: int):
+def _steps(config, steps: int, score_ahead: bool | None = None):
     trainer = RLTrainer(config)
+    if score_ahead is not None:
+        trainer.rollout_ahead.score_enabled = score_ahead
+    trainer.scored_on = []  # the thread that started each batch's scoring
+    submit = trainer.reward.submit
+
+    def spy(batch, host, step=0):
+        trainer.scored_on.append((step, threading.current_thread().name))
+        return submit(batch, host, step)
+
+    trainer.reward.submit = spy
     try:
         metrics = [trainer.train_step(n) for n in range(1, steps + 1)]
         params = [
@@ -107,7 +118,21 @@ def test_one_step_off_lags_by_exactly_one(data, tmp_path):
             "algorithm.rollout_is_threshold": 2.0,
         },
     )
-    trainer, metrics, _ = _steps(off, 3)
+    trainer, metrics, params = _steps(off, 3)
+    assert trainer.rollout_ahead.score_enabled
+    # each batch is scored on the rollout thread as soon as it is generated (batch k+1 while
+    # step k trains); the same steps as scoring in the reward stage, bit for bit
+    # (batch 4 may be requested too: the run has more steps)
+    assert trainer.scored_on[:3] == [(1, "rollout"), (2, "rollout"), (3, "rollout")]
+    assert {1, 2, 3} <= {n for _, n, _, _ in trainer.reward.events}
+    gen_end = {n: end for _, n, _, end in trainer.rollout_ahead.events}
+    assert all(start >= gen_end[n] for _, n, start, _ in trainer.reward.events)
+    later, later_metrics, later_params = _steps(off, 3, score_ahead=False)
+    assert later.scored_on == [(1, "MainThread"), (2, "MainThread"), (3, "MainThread")]
+    for a, b in zip(metrics, later_metrics, strict=True):
+        assert _numbers(a) == _numbers(b)
+    for a, b in zip(params, later_params, strict=True):
+        np.testing.assert_array_equal(a, b)
     assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
     assert [m["async/staleness_mean"] for m in metrics] == [0, 1, 1]
     np.testing.assert_array_equal(trainer.policy_versions, 1)  # step 3 sampled by version 1
@@ -120,3 +145,50 @@ def test_one_step_off_lags_by_exactly_one(data, tmp_path):
     assert all("mismatch/rollout_is_mean" in m for m in metrics)
     diffs = [m["training/rollout_probs_diff_mean"] for m in metrics]
     assert diffs[2] > 10 * diffs[0], diffs
+
+
+def test_critic_and_ref_on_their_own_pools_give_the_co_located_steps(data, tmp_path):
+    """PPO with a critic and a KL reference (in the reward and as a loss): all on 8 devices
+    against actor + rollout on 4, critic on 2, reference on 2. The same first two steps within
+    1e-6 (metrics, actor and critic parameters); each pass runs on its own pool's devices and
+    the batches cross pools (counted)."""
+    kl = {
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.kl_loss_coef": 0.1,
+        "algorithm.use_kl_in_reward": True,
+    }
+    together = _config(data, tmp_path / "a", split=False, **kl)
+    split = _config(data, tmp_path / "b", split=False, **kl)
+    split.resource_pool = dict(
+        critic_pool=dict(n_devices=2), global_pool=dict(n_devices=4), ref_pool=dict(n_devices=2)
+    )
+    split.placement.update(dict(critic="critic_pool", ref="ref_pool"))
+
+    def run(config):
+        trainer = RLTrainer(config)
+        try:
+            metrics = [trainer.train_step(n) for n in (1, 2)]
+            m = trainer.models
+            leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+            devices = lambda tree: {d.id for x in jax.tree.leaves(tree) for d in x.devices()}
+            where = {
+                "critic": devices(m.critic_state.params),
+                "ref": devices(m.reference()),
+                "actor": devices(m.actor_state.params),
+            }
+            return metrics, leaves(m.actor_state.params) + leaves(m.critic_state.params), where
+        finally:
+            trainer.close()
+
+    metrics_a, params_a, _ = run(together)
+    metrics_b, params_b, where = run(split)
+    assert where == {"critic": {0, 1}, "actor": {2, 3, 4, 5}, "ref": {6, 7}}
+    for a, b in zip(metrics_a, metrics_b, strict=True):
+        assert b["perf/transfer_bytes"] > 0 and b["timing_s/transfer"] > 0
+        assert "perf/transfer_bytes" not in a
+        assert _numbers(a).keys() == _numbers(b).keys()
+        assert {"critic/vf_loss", "actor/kl_loss", "actor/reward_kl_penalty"} <= a.keys()
+        for key, value in _numbers(a).items():
+            np.testing.assert_allclose(b[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

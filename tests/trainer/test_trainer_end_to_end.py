@@ -31,6 +31,8 @@ PPO_KEYS = {
     "perf/throughput",
     "perf/mfu/actor",
     "perf/max_memory_allocated_gb",
+    "perf/num_compiles",
+    "perf/compile_time_s",
     *(f"critic/{k}/{s}" for k in ("score", "rewards", "advantages", "returns", "values")
       for s in ("mean", "max", "min")),
     "critic/vf_explained_var",

@@ -41,15 +41,16 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 
 # Model shapes (HF Qwen2 config names) and workload settings shared by all systems.
+SMALL_MODEL = dict(  # ~3.4M parameters with the 1,024-token tokenizer (workloads a and c)
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 WORKLOADS = {
     "a": dict(
-        model=dict(
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
+        model=SMALL_MODEL,
         prompt_length=None,  # natural length; max_prompt_length is set to the longest
         response_length=64,
         fixed_response_length=False,
@@ -82,13 +83,7 @@ WORKLOADS = {
     ),
     # Long ragged responses and large groups: a's model and prompts, n = 8, up to 256 tokens.
     "c": dict(
-        model=dict(
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
+        model=SMALL_MODEL,
         prompt_length=None,
         response_length=256,
         fixed_response_length=False,

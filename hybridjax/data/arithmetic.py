@@ -104,11 +104,12 @@ def teacher_response(problem: Problem, rng: random.Random, task: TaskConfig) -> 
 
 
 def split_problems(
-    seed: int, train_size: int, test_size: int, task: TaskConfig
+    seed: int, train_size: int, test_size: int, task: TaskConfig, draw=make_problem
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, test): the test problems first, then training problems whose question text is
     not a test question. Deterministic in `seed`. (The operands of a held-out question may
     appear in training in other words: the small task has few distinct `(op, a, b)`.)
+    `draw(rng, task)` makes one problem (another task's generator may be passed).
 
     Raises:
       ValueError: the task has too few distinct problems for `test_size`.
@@ -118,7 +119,7 @@ def split_problems(
     for _ in range(50 * test_size):
         if len(test) == test_size:
             break
-        problem = make_problem(rng, task)
+        problem = draw(rng, task)
         if problem.question not in seen:
             seen.add(problem.question)
             test.append(problem)
@@ -126,7 +127,7 @@ def split_problems(
         raise ValueError(f"could not draw {test_size} distinct test problems; widen the task")
     train = []
     while len(train) < train_size:
-        problem = make_problem(rng, task)
+        problem = draw(rng, task)
         if problem.question not in seen:
             train.append(problem)
     return train, test

@@ -34,6 +34,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hybridjax.data import arithmetic
 from hybridjax.data.arithmetic import DATA_SOURCE, ITEMS, NAMES, TEMPLATES, TaskConfig, make_problem
 from hybridjax.data.schema import table_from_rows
 from hybridjax.tools import ToolCall, ToolExecutor
@@ -125,20 +126,12 @@ def split_problems(
     seed: int, train_size: int, test_size: int, task: ToolTaskConfig
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, test), deterministic in `seed`: distinct test questions first, then training
-    questions that are not test questions."""
-    rng = random.Random(seed)
-    test, seen = [], set()
-    while len(test) < test_size:
-        p = draw(rng, task)
-        if p.question not in seen:
-            seen.add(p.question)
-            test.append(p)
-    train = []
-    while len(train) < train_size:
-        p = draw(rng, task)
-        if p.question not in seen:
-            train.append(p)
-    return train, test
+    questions that are not test questions (`arithmetic.split_problems` with this task's draw).
+
+    Raises:
+      ValueError: the task has too few distinct problems for `test_size`.
+    """
+    return arithmetic.split_problems(seed, train_size, test_size, task, draw)
 
 
 def to_row(problem: Problem, split: str, index: int) -> dict:

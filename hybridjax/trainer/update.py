@@ -141,20 +141,20 @@ def ppo_update(
             mini["input_ids"], mini["attention_mask"], r, mini["group_ids"], config.packing
         )
 
-        def micro(k):
-            here = packing.in_buffer(pl, k)
+        def micro(step_plan, k):
+            here = packing.in_buffer(step_plan, k)
             keep = lambda x: x * here.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
             only = {
                 n: keep(x) if jnp.issubdtype(x.dtype, jnp.floating) else x for n, x in mini.items()
             }
-            return dict(only, pack_plan=pl, pack_buffer=k), keep
+            return dict(only, pack_plan=step_plan, pack_buffer=k), keep
 
-        def body(k, acc):
-            fields_k, keep = micro(k)
+        def body(step_plan, k, acc):
+            fields_k, keep = micro(step_plan, k)
             summed, rows = micro_step(params, fields_k, counts)
             return jax.tree.map(jnp.add, acc, (summed, jax.tree.map(keep, rows)))
 
-        shapes = jax.eval_shape(lambda: micro_step(params, micro(jnp.int32(0))[0], counts))
+        shapes = jax.eval_shape(lambda: micro_step(params, micro(pl, jnp.int32(0))[0], counts))
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grads, metrics), rows = packing.over_buffers(pl, body, init)
         return grads, metrics, rows

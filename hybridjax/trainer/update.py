@@ -166,10 +166,14 @@ def ppo_update(
         grads, metrics, rows = accumulate(params, mini, counts)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        params = _select(finite, new_params, params)
-        opt_state = _select(finite, new_opt, opt_state)
+
+        def step(params, opt_state):
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # a branch, not a select of new and old: the old values are not read after the step,
+        # so XLA updates parameters and optimizer state in place (no copy of either)
+        params, opt_state = jax.lax.cond(finite, step, lambda p, o: (p, o), params, opt_state)
         metrics = dict(metrics, grad_norm=grad_norm)
         carry = (params, opt_state, nan_steps + (~finite).astype(jnp.int32))
         return carry, (metrics, rows)

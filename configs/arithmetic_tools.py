@@ -1,24 +1,32 @@
 """GRPO with a calculator tool on arithmetic word problems: a CPU experiment on whether tool use
 can be learned (multi-turn rollouts, `rollout.multi_turn`).
 
+    python -m hybridjax.data.arithmetic_tools --output data/tools_always --tool_p 1 --sloppy_p 0
     python -m hybridjax.data.arithmetic_tools --output data/arithmetic_tools
     python -m hybridjax.sft --config=configs/sft_arithmetic_tools.py \
+        --config.data.train_files=data/tools_always/sft.parquet \
+        --config.trainer.total_training_steps=500 \
+        --config.trainer.output_dir=data/tools_always/sft_model
+    python -m hybridjax.sft --config=configs/sft_arithmetic_tools.py \
+        --config.model.path=data/tools_always/sft_model \
         --config.trainer.output_dir=data/arithmetic_tools/sft_model
     python -m hybridjax.train --config=configs/arithmetic_tools.py
 
-(`python -m experiments.examples.tool_arithmetic` runs all three and measures the model before
-and after.) Task (`hybridjax.data.arithmetic_tools`): half the problems are the quick start's,
+(`python -m experiments.examples.tool_arithmetic` runs these and measures the model before and
+after GRPO.) Task (`hybridjax.data.arithmetic_tools`): half the problems are the quick start's,
 half multiply two 2-digit numbers, which the 3.4M-parameter model cannot do in its head. The
-warm start learns from its teacher when to call the calculator, how to write the call (the
-teacher writes some as `37 x 24`, which the calculator rejects), and to answer with the tool's
-result. The reward is GSM8K's strict rule on the whole trajectory's text; nothing rewards tool
-use itself. README ("Can tool use be learned on a CPU?") has the measured runs.
+warm start learns from its teachers how to write a call and to answer with the tool's result
+(500 steps on a teacher that always calls), then to call only sometimes, and sometimes as
+`37 x 24`, which the calculator rejects (60 steps on the default teacher: `tool_p` 0.3,
+`sloppy_p` 0.3). The reward is GSM8K's strict rule on the whole trajectory's text; nothing
+rewards tool use itself. README ("Can tool use be learned on a CPU?") has the measured runs.
 
 As `configs/quickstart.py` (GRPO, n = 8, 16 prompts per step, no KL, one on-policy update per
-step), plus `rollout.multi_turn` with `configs/tools/calculator.yaml`: at most 2 assistant
-turns (a call, then the answer), `response_length` 128 for model and tool tokens (the longest
-trajectory, with a failed call, is 116 tokens). The prompts do not show the tool's schema (the
-model has 256 positions); the warm start learned the call format from its teacher.
+step; lr 5e-5, as the quick start), plus `rollout.multi_turn` with
+`configs/tools/calculator.yaml`: at most 2 assistant turns (a call, then the answer),
+`response_length` 128 for model and tool tokens (the longest trajectory, with a failed call, is
+116 tokens). The prompts do not show the tool's schema (the model has 256 positions); the warm
+start learned the call format from its teacher.
 """
 
 import os
@@ -39,7 +47,7 @@ def get_config():
 
     a = c.actor_rollout_ref
     a.model.path = "data/arithmetic_tools/sft_model"
-    a.actor.optim.lr = 1e-4
+    a.actor.optim.lr = 5e-5
     a.actor.optim.weight_decay = 0.0
     a.actor.ppo_mini_batch_size = 16
     a.actor.ppo_micro_batch_size_per_gpu = 128

@@ -5,6 +5,9 @@ on arithmetic word problems whose teacher sometimes calls a calculator on the ha
     python -m hybridjax.data.arithmetic_tools --output data/arithmetic_tools
     python -m hybridjax.sft --config=configs/sft_arithmetic_tools.py
 
+(the demonstration runs it twice: 500 steps on a teacher that always calls, `--tool_p 1
+--sloppy_p 0`, then the default 60 steps on the default teacher from that model; see
+`configs/arithmetic_tools.py`.)
 The responses are multi-turn trajectories (assistant call, tool response, assistant answer),
 laid out as the multi-turn rollout builds them; the loss covers the assistant turns only.
 Starts from `hybridjax/assets/quickstart/sft_model` (which already computes the easy problems),
@@ -33,6 +36,6 @@ def get_config():
     c.optim.warmup_style = "cosine"
     c.optim.min_lr_ratio = 0.1
     c.trainer.experiment_name = "sft_arithmetic_tools"
-    c.trainer.total_training_steps = 120
+    c.trainer.total_training_steps = 60
     c.trainer.resume_mode = "disable"
     return c

@@ -1,26 +1,33 @@
 """The calculator-tool demonstration, measured end to end on the CPU:
 
-    python -m experiments.examples.tool_arithmetic [--tool_p 0.6] [--sloppy_p 0.3] \
-        [--sft_steps 120] [--sft_from DIR | --warm_start DIR] [--steps 30] [--lr 1e-4]
+    python -m experiments.examples.tool_arithmetic [--sft_stages 1.0:0.0:500,0.3:0.3:60] \
+        [--sft_from DIR | --warm_start DIR] [--steps 30] [--lr 5e-5]
 
-writes the task (`hybridjax.data.arithmetic_tools`, with the teacher's `--tool_p` and
-`--sloppy_p`), fine-tunes a warm start on the tool-calling teacher (`python -m hybridjax.sft`
-with `configs/sft_arithmetic_tools.py`, from the quick start's model or `--sft_from`; skipped
-with `--warm_start`), samples it at temperature 1 on 16 hard held-out problems (`rollout.n`
-each: is there anything for GRPO to learn?), measures it greedily on the 256 held-out problems,
+writes the task (`hybridjax.data.arithmetic_tools`), fine-tunes a warm start in stages
+(`python -m hybridjax.sft` with `configs/sft_arithmetic_tools.py`, from the quick start's model
+or `--sft_from`; skipped with `--warm_start`): each stage `tool_p:sloppy_p:steps` trains on a
+teacher with those rates (`ToolTaskConfig`), from the previous stage's model. The default
+curriculum first teaches the call and reading its result (a teacher that always calls, never
+sloppily), then makes calls occasional and sometimes malformed, so that GRPO has something to
+learn. Then it samples the warm start at temperature 1 on 16 hard held-out problems
+(`rollout.n` each: is there anything for GRPO to learn?), measures it greedily on the 256
+held-out problems,
 trains it with GRPO and the calculator (`configs/arithmetic_tools.py`, multi-turn rollouts;
 `--steps 0` stops before), measures it again, and writes `results/<timestamp>/tool_arithmetic.json`
-(the warm start is in `results/<timestamp>/sft_model`).
+(each stage's model is in `results/<timestamp>/sft_<k>/model`).
 
 Measured, per held-out split (easy: the quick start's problems; hard: 2-digit × 2-digit):
 `accuracy` (GSM8K's strict reward), `tool_use` (share of problems with at least one call),
-`call_success` (share of calls that parsed and ran without error), and the mean number of
-calls; plus the training curve's `multi_turn/*` metrics and reward at temperature 1.
+`right_call` (share with a call that ran and returned the right answer: correct tool use),
+`answer_from_tool` (of those, the share answered with that result), `call_success` (share of
+calls that parsed and ran without error); plus the training curve's `multi_turn/*` metrics and
+reward at temperature 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -36,9 +43,10 @@ from hybridjax.sft import run_sft
 from hybridjax.trainer.generation import generate_batch
 
 
-def score(trainer, prompts: dict, sampling) -> list[tuple[bool, float, int, int]]:
-    """(hard, reward, calls, failed calls) of each trajectory of a multi-turn rollout of
-    `prompts` (prompt-major, `sampling.n` per prompt), scored with the task's reward."""
+def score(trainer, prompts: dict, sampling) -> list[tuple[bool, float, int, int, bool]]:
+    """(hard, reward, calls, failed calls, right call) of each trajectory of a multi-turn
+    rollout of `prompts` (prompt-major, `sampling.n` per prompt), scored with the task's reward;
+    a right call ran and returned the ground truth."""
     _, host = generate_batch(
         trainer.engine,
         prompts,
@@ -54,17 +62,25 @@ def score(trainer, prompts: dict, sampling) -> list[tuple[bool, float, int, int]
         info = host.extra_info[i]
         reward = default_compute_score(host.data_source[i], texts[i], host.ground_truth[i])
         calls = info["tool_calls"]
-        rows.append((info["hard"], float(reward), len(calls), sum(c["error"] for c in calls)))
+        right = any(not c["error"] and c["response"].strip() == host.ground_truth[i] for c in calls)
+        failed = sum(c["error"] for c in calls)
+        rows.append((info["hard"], float(reward), len(calls), failed, right))
     return rows
 
 
-def rates(rows: list[tuple[bool, float, int, int]]) -> dict:
-    """`accuracy`, `tool_use` (share with a call), `calls` and `call_success` of `score` rows."""
+def rates(rows: list[tuple[bool, float, int, int, bool]]) -> dict:
+    """`accuracy`, `tool_use` (share with a call), `right_call` (share with a right call),
+    `answer_from_tool` (of those, the share rewarded), `calls` and `call_success` of `score`
+    rows (None where there is nothing to divide)."""
     calls = sum(r[2] for r in rows)
+    right = [r[1] for r in rows if r[4]]
+    share = lambda values: round(float(np.mean(values)), 4) if len(values) else None  # noqa: E731
     return {
         "problems": len(rows),
-        "accuracy": round(float(np.mean([r[1] for r in rows])), 4),
-        "tool_use": round(float(np.mean([r[2] > 0 for r in rows])), 4),
+        "accuracy": share([r[1] for r in rows]),
+        "tool_use": share([r[2] > 0 for r in rows]),
+        "right_call": share([r[4] for r in rows]),
+        "answer_from_tool": share(right),
         "calls": calls,
         "call_success": round(1 - sum(r[3] for r in rows) / calls, 4) if calls else None,
     }
@@ -107,22 +123,60 @@ def sampled_hard(trainer, num_prompts: int = 16) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One SFT stage of the warm start: the teacher's rates (`ToolTaskConfig`) and its steps."""
+
+    tool_p: float
+    sloppy_p: float
+    steps: int
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """`tool_p:sloppy_p:steps[,...]` as stages. Raises ValueError naming a bad stage."""
+    stages = []
+    for part in text.split(","):
+        fields = part.strip().split(":")
+        try:
+            stage = Stage(float(fields[0]), float(fields[1]), int(fields[2]))
+            ToolTaskConfig(tool_p=stage.tool_p, sloppy_p=stage.sloppy_p)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"--sft_stages: {part!r} is not tool_p:sloppy_p:steps ({e})") from None
+        if len(fields) != 3 or stage.steps < 1:
+            raise ValueError(f"--sft_stages: {part!r} is not tool_p:sloppy_p:steps (steps >= 1)")
+        stages.append(stage)
+    return stages
+
+
 def warm_start(
-    data: dict[str, str], steps: int, out: pathlib.Path, init: str | None = None
-) -> tuple[str, float]:
-    """(path, wall seconds) of the SFT warm start trained on the task's teacher, from `init`
-    (None: the config's model, the quick start's warm start)."""
-    c = load_config_file("sft_arithmetic_tools")
-    if init is not None:
-        c.model.path = init
-    c.data.train_files = data["sft"]
-    c.trainer.total_training_steps = steps
-    c.trainer.default_local_dir = str(out / "sft")
-    c.trainer.output_dir = str(out / "sft_model")
-    c.trainer.logger = ("jsonl",)
-    tic = time.perf_counter()
-    run_sft(c)
-    return c.trainer.output_dir, time.perf_counter() - tic
+    stages: list[Stage], out: pathlib.Path, init: str | None = None
+) -> tuple[str, list[dict]]:
+    """(path, one summary per stage) of the SFT warm start: each stage trains on its teacher
+    from the previous stage's model (the first from `init`; None: the config's model, the
+    quick start's warm start)."""
+    model, summaries = init, []
+    for k, stage in enumerate(stages, 1):
+        task = ToolTaskConfig(tool_p=stage.tool_p, sloppy_p=stage.sloppy_p)
+        data = write_task(str(out / f"sft_{k}" / "data"), task=task)
+        c = load_config_file("sft_arithmetic_tools")
+        if model is not None:
+            c.model.path = model
+        c.data.train_files = data["sft"]
+        c.trainer.total_training_steps = stage.steps
+        c.trainer.default_local_dir = str(out / f"sft_{k}" / "checkpoints")
+        c.trainer.output_dir = model = str(out / f"sft_{k}" / "model")
+        c.trainer.logger = ("jsonl",)
+        tic = time.perf_counter()
+        metrics = run_sft(c)
+        summaries.append(
+            {
+                **dataclasses.asdict(stage),
+                "final_loss": round(float(metrics["train/loss"]), 4),
+                "wall_s": round(time.perf_counter() - tic, 1),
+            }
+        )
+        print(f"SFT stage {k}:", json.dumps(summaries[-1]), flush=True)
+    return model, summaries
 
 
 def curve(path: pathlib.Path) -> dict:
@@ -145,11 +199,10 @@ def curve(path: pathlib.Path) -> dict:
 def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     from hybridjax.trainer.trainer import RLTrainer
 
-    task = ToolTaskConfig(tool_p=args.tool_p, sloppy_p=args.sloppy_p)
-    data = write_task(str(out / "data"), task=task)
-    warm, sft_s = args.warm_start, None
+    data = write_task(str(out / "data"))  # GRPO's prompts: the same problems for every teacher
+    warm, stages = args.warm_start, []
     if warm is None:
-        warm, sft_s = warm_start(data, args.sft_steps, out, args.sft_from)
+        warm, stages = warm_start(parse_stages(args.sft_stages), out, args.sft_from)
     c = load_config_file("arithmetic_tools")
     c.data.train_files, c.data.val_files = data["train"], data["test"]
     c.actor_rollout_ref.model.path = warm
@@ -160,10 +213,9 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     c.trainer.default_local_dir = str(out / "grpo")
     c.trainer.logger = ("jsonl",)
     summary = {
-        "task": {"tool_p": task.tool_p, "sloppy_p": task.sloppy_p, "hard_p": task.hard_p},
         "sft_from": args.sft_from,
-        "sft_steps": args.sft_steps if sft_s is not None else None,
-        "sft_wall_s": None if sft_s is None else round(sft_s, 1),
+        "warm_start": args.warm_start,
+        "sft_stages": stages,
         "grpo_steps": args.steps,
         "grpo_lr": args.lr,
     }
@@ -191,11 +243,13 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tool_p", type=float, default=ToolTaskConfig.tool_p)
-    parser.add_argument("--sloppy_p", type=float, default=ToolTaskConfig.sloppy_p)
-    parser.add_argument("--sft_steps", type=int, default=120)
+    parser.add_argument(
+        "--sft_stages",
+        default="1.0:0.0:500,0.3:0.3:60",
+        help="the warm start's SFT stages, tool_p:sloppy_p:steps each, comma-separated",
+    )
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps (0: measure only)")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--warm_start", default=None, help="an SFT warm start (skips the SFT)")
     parser.add_argument("--sft_from", default=None, help="the SFT's initial model (a directory)")
     parser.add_argument("--results", default="results")

@@ -81,10 +81,6 @@ def _merge(y: jax.Array) -> jax.Array:
     return jnp.moveaxis(y, 0, 1).reshape(-1, *y.shape[2:])
 
 
-def _select(finite: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
 def ppo_update(
     state: TrainState,
     fields: dict[str, jax.Array],

@@ -316,13 +316,14 @@ def packed_sft_gradients(graphdef, trainable, frozen, batch, config: packing.Pac
     fields = {"input_ids": ids, "attention_mask": mask, "responses": ids}
     pl = packing.plan(ids, mask, length, jnp.arange(b), config)
 
-    def loss_k(t, k):
-        f = dict(fields, pack_plan=pl, pack_buffer=k)
+    def loss_k(t, step_plan, k):
+        f = dict(fields, pack_plan=step_plan, pack_buffer=k)
         log_probs, _ = response_log_probs(graphdef, merge_trainable(t, frozen), f, 1.0)
         return -(log_probs * target_mask).sum() / count
 
-    def body(k, acc):
-        return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_k)(trainable, k))
+    def body(step_plan, k, acc):
+        value_and_grad = jax.value_and_grad(loss_k)(trainable, step_plan, k)
+        return jax.tree.map(jnp.add, acc, value_and_grad)
 
     zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), trainable))
     loss, grads = packing.over_buffers(pl, body, zeros)

@@ -19,10 +19,10 @@ the n responses of a prompt carry n copies of it. A plan lays the valid tokens e
   once per copy, naturally. A group that does not fit the rest of a buffer opens the next one
   and writes its prompt again there: still exact, every response reads an identical copy.
 * Buffers are filled next-fit in that order. Their number is data dependent (a device scalar,
-  no host sync) and a pass loops over them (`over_buffers`, a `lax.while_loop`): shapes are
-  static (one capacity per role, one compile), work follows the tokens present, and the
-  token budget of a buffer is the micro-batch (verl's `use_dynamic_bsz`,
-  `*_max_token_len_per_gpu`).
+  no host sync) and a pass loops over them (`over_buffers`, `lax.while_loop`s): shapes are
+  static (one capacity per role; a step of `rows` buffer rows and a step of one for the rows
+  left over), work follows the tokens present, and the token budget of a buffer is the
+  micro-batch (verl's `use_dynamic_bsz`, `*_max_token_len_per_gpu`).
 * Outputs come back in verl's B×R layout (`gather_response`, 0 outside the buffer at hand):
   the algorithms, losses and metrics of the padded path run unchanged. This is the one place
   that layout choice is made.
@@ -314,14 +314,23 @@ def in_buffer(pl: PackPlan, k: jax.Array) -> jax.Array:
     return ((pl.buffer >= k * pl.rows) & (pl.buffer < (k + 1) * pl.rows)).reshape(-1)
 
 
-def over_buffers(pl: PackPlan, body: Callable[[jax.Array, Any], Any], init: Any) -> Any:
-    """`carry = body(k, carry)` for the steps k = 0 … ⌈num_buffers / rows⌉ − 1 (a
-    `lax.while_loop`: the count is data dependent, each iteration one micro-batch's work).
-    Returns the final carry."""
+def over_buffers(pl: PackPlan, body: Callable[[PackPlan, jax.Array, Any], Any], init: Any) -> Any:
+    """`carry = body(step_plan, k, carry)` over every buffer row of the plan, no row twice:
+    steps of `pl.rows` rows (`step_plan` = `pl`, k = 0 … ⌊num_buffers / rows⌋ − 1), then the
+    rows left over one at a time (`step_plan` = `pl` with `rows` = 1, k = the row's index), so
+    the last step never computes empty rows. Each is a `lax.while_loop` (the counts are data
+    dependent, each iteration one micro-batch's work); with `rows` > 1 `body` is compiled for
+    both step shapes. Returns the final carry."""
 
-    def step(state):
-        k, carry = state
-        return k + 1, body(k, carry)
+    def loop(step_plan: PackPlan, start: jax.Array, stop: jax.Array, carry: Any) -> Any:
+        def step(state):
+            k, c = state
+            return k + 1, body(step_plan, k, c)
 
-    k0 = jnp.zeros((), jnp.int32)
-    return jax.lax.while_loop(lambda s: s[0] * pl.rows < pl.num_buffers, step, (k0, init))[1]
+        return jax.lax.while_loop(lambda s: s[0] < stop, step, (start, carry))[1]
+
+    full = pl.num_buffers // pl.rows
+    carry = loop(pl, jnp.zeros((), jnp.int32), full, init)
+    if pl.rows == 1:
+        return carry
+    return loop(dataclasses.replace(pl, rows=1), full * pl.rows, pl.num_buffers, carry)

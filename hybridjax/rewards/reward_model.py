@@ -48,11 +48,12 @@ def _packed_scores(model: SequenceClassifier, ids_BxL, mask_BxL, response_len, c
     b = ids_BxL.shape[0]
     pl = packing_lib.plan(ids_BxL, mask_BxL, response_len, jnp.zeros(b, jnp.int32), config)
 
-    def body(k, acc):
-        buf = packing_lib.buffer(pl, ids_BxL, k)
+    def body(step_plan, k, acc):
+        buf = packing_lib.buffer(step_plan, ids_BxL, k)
         segments = (buf["segment_ids"], buf["prefix_ids"])
         scores = model(buf["input_ids"], buf["valid"], buf["positions"], segments=segments)
-        return acc + packing_lib.gather_last_token(pl, scores[..., 0], k).astype(jnp.float32)
+        last = packing_lib.gather_last_token(step_plan, scores[..., 0], k)
+        return acc + last.astype(jnp.float32)
 
     return packing_lib.over_buffers(pl, body, jnp.zeros(b, jnp.float32))
 

@@ -117,10 +117,10 @@ def packed_map(
     activation memory is one buffer's (`config.capacity` tokens per device)."""
     r = fields["responses"].shape[1]
     pl = packing.plan(fields["input_ids"], fields["attention_mask"], r, group_ids_B, config)
-    with_plan = lambda k: dict(fields, pack_plan=pl, pack_buffer=k)
-    shapes = jax.eval_shape(fn, with_plan(jnp.zeros((), jnp.int32)))
+    with_plan = lambda step_plan, k: dict(fields, pack_plan=step_plan, pack_buffer=k)
+    shapes = jax.eval_shape(fn, with_plan(pl, jnp.zeros((), jnp.int32)))
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    body = lambda k, acc: jax.tree.map(jnp.add, acc, fn(with_plan(k)))
+    body = lambda step_plan, k, acc: jax.tree.map(jnp.add, acc, fn(with_plan(step_plan, k)))
     return packing.over_buffers(pl, body, init)
 
 

@@ -81,10 +81,6 @@ def _merge(y: jax.Array) -> jax.Array:
     return jnp.moveaxis(y, 0, 1).reshape(-1, *y.shape[2:])
 
 
-def _select(finite: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
 def ppo_update(
     state: TrainState,
     fields: dict[str, jax.Array],
@@ -141,20 +137,20 @@ def ppo_update(
             mini["input_ids"], mini["attention_mask"], r, mini["group_ids"], config.packing
         )
 
-        def micro(k):
-            here = packing.in_buffer(pl, k)
+        def micro(step_plan, k):
+            here = packing.in_buffer(step_plan, k)
             keep = lambda x: x * here.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
             only = {
                 n: keep(x) if jnp.issubdtype(x.dtype, jnp.floating) else x for n, x in mini.items()
             }
-            return dict(only, pack_plan=pl, pack_buffer=k), keep
+            return dict(only, pack_plan=step_plan, pack_buffer=k), keep
 
-        def body(k, acc):
-            fields_k, keep = micro(k)
+        def body(step_plan, k, acc):
+            fields_k, keep = micro(step_plan, k)
             summed, rows = micro_step(params, fields_k, counts)
             return jax.tree.map(jnp.add, acc, (summed, jax.tree.map(keep, rows)))
 
-        shapes = jax.eval_shape(lambda: micro_step(params, micro(jnp.int32(0))[0], counts))
+        shapes = jax.eval_shape(lambda: micro_step(params, micro(pl, jnp.int32(0))[0], counts))
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (grads, metrics), rows = packing.over_buffers(pl, body, init)
         return grads, metrics, rows
@@ -166,10 +162,14 @@ def ppo_update(
         grads, metrics, rows = accumulate(params, mini, counts)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        params = _select(finite, new_params, params)
-        opt_state = _select(finite, new_opt, opt_state)
+
+        def step(params, opt_state):
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # a branch, not a select of new and old: the old values are not read after the step,
+        # so XLA updates parameters and optimizer state in place (no copy of either)
+        params, opt_state = jax.lax.cond(finite, step, lambda p, o: (p, o), params, opt_state)
         metrics = dict(metrics, grad_norm=grad_norm)
         carry = (params, opt_state, nan_steps + (~finite).astype(jnp.int32))
         return carry, (metrics, rows)

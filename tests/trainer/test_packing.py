@@ -98,6 +98,31 @@ def test_plan_lays_a_group_end_to_end():
     assert int(unshared.num_buffers) == 2  # 5 + 3 + 4 tokens: two rows of 10
 
 
+@pytest.mark.parametrize("rows, num_buffers", [(3, 7), (3, 6), (3, 2), (1, 4), (4, 1)])
+def test_over_buffers_runs_each_buffer_row_once(rows, num_buffers):
+    """Full steps of `rows` buffer rows, then the rows left over one by one: every row of
+    the plan is computed exactly once and no step holds an empty row."""
+    ids = jnp.tile(jnp.array([[5, 6, 7]]), (num_buffers, 1))  # 3 tokens a row, one row each
+    config = packing.PackingConfig(row_length=3, rows=rows)
+    pl = packing.plan(ids, jnp.ones_like(ids), 1, jnp.arange(num_buffers), config)
+    assert int(pl.num_buffers) == num_buffers
+
+    def body(step_plan, k, seen):
+        row_ids = k * step_plan.rows + jnp.arange(step_plan.rows)
+        counts = jnp.zeros(8, jnp.int32).at[row_ids].add(1)
+        steps = seen[1].at[step_plan.rows - 1].add(1)
+        return seen[0] + counts, steps
+
+    init = (jnp.zeros(8, jnp.int32), jnp.zeros(rows, jnp.int32))
+    counts, steps = jax.jit(lambda pl: packing.over_buffers(pl, body, init))(pl)
+    np.testing.assert_array_equal(counts, np.arange(8) < num_buffers)
+    full, left = divmod(num_buffers, rows)
+    expected = np.zeros(rows, np.int32)
+    expected[rows - 1] += full
+    expected[0] += left
+    np.testing.assert_array_equal(steps, expected)  # steps of `rows` rows, then single rows
+
+
 SLOW = pytest.mark.slow
 
 
@@ -236,8 +261,8 @@ def test_sharded_packed_gradients_equal_single_device(models):
     def packed(params, fields):  # gradients summed over buffers, as `ppo_update`
         pl = packing.plan(fields["input_ids"], fields["attention_mask"], R, groups, config)
 
-        def body(k, acc):
-            f = dict(fields, pack_plan=pl, pack_buffer=k)
+        def body(step_plan, k, acc):
+            f = dict(fields, pack_plan=step_plan, pack_buffer=k)
             (_, lp), g = jax.value_and_grad(loss, has_aux=True)(params, f)
             return jax.tree.map(jnp.add, acc, (lp, g))
 

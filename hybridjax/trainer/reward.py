@@ -36,6 +36,7 @@ from hybridjax.rewards import RewardConfig, RewardManager, RewardResult, place_s
 from hybridjax.rewards.manager import check_outcomes, serves_model
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
+from hybridjax.sharding.pools import move_rows
 from hybridjax.trainer.batch import RLBatch
 from hybridjax.trainer.build import forward_micro_batch
 from hybridjax.trainer.generation import HostColumns, collect_rewards, put_global, submit_rewards
@@ -58,10 +59,12 @@ def check_reward_servers(cfg) -> None:
 class PendingScores:
     """Scores of one batch being computed: the rule's future and the reward model's B×R token
     scores (queued on the device, or a future of (host B×R scores, metrics) from model servers;
-    None without a reward model)."""
+    None without a reward model); `transfer_bytes`, what copying the inputs to a reward model on
+    its own pool wrote."""
 
     rule: concurrent.futures.Future[RewardResult]
     model: jax.Array | concurrent.futures.Future | None
+    transfer_bytes: int = 0
 
 
 class RewardStage:
@@ -148,7 +151,7 @@ class RewardStage:
         its forward there."""
         start = time.perf_counter()
         rule = submit_rewards(self.manager, self.tokenizer, host)
-        model = None
+        model, nbytes = None, 0
         if self.reward_model is not None:
             graphdef, params = self.reward_model
             inputs = (
@@ -159,7 +162,7 @@ class RewardStage:
             )
             dp = _model_data_parallel(self.model_sharding, self.data_parallel)
             if self.model_sharding is not None:  # the model's own pool (async copy there)
-                inputs = jax.device_put(inputs, self.model_sharding)
+                inputs, nbytes = move_rows(inputs, self.model_sharding)
             model, _ = score_responses(
                 graphdef,
                 params,
@@ -172,7 +175,7 @@ class RewardStage:
             prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
             prompt_mask = np.asarray(mask)[:, : prompts.shape[1]].astype(bool)
             model = self._posts.submit(self._score_served, prompts, prompt_mask, host)
-        pending = PendingScores(rule, model)
+        pending = PendingScores(rule, model, nbytes)
         self._watch.submit(self._record, pending, step, start)
         return pending
 
@@ -209,7 +212,8 @@ class RewardStage:
 
     def collect(self, pending: PendingScores) -> tuple[jax.Array, RewardResult]:
         """(token_level_scores B×R float32 in `sharding`, the rule's result, whose metrics
-        include the served model's). Waits for both."""
+        include the served model's, and `perf/transfer_bytes` for a reward model on its own
+        pool: its inputs there and its scores back). Waits for both."""
         result = collect_rewards(pending.rule)
         rule_scores = lambda: put_global(result.token_level_scores, self.sharding)
         if pending.model is None:
@@ -219,7 +223,9 @@ class RewardStage:
             model = put_global(host_scores, self.sharding)
             result = dataclasses.replace(result, metrics=_merge(result.metrics, metrics))
         elif self.model_sharding is not None:  # back from the reward model's pool
-            model = jax.device_put(pending.model, self.sharding)
+            model, back = move_rows(pending.model, self.sharding)
+            moved = {"perf/transfer_bytes": float(pending.transfer_bytes + back)}
+            result = dataclasses.replace(result, metrics=_merge(result.metrics, moved))
         else:
             model = pending.model
         scores = model + rule_scores() if self.combine == "sum" else model

@@ -167,7 +167,10 @@ def _reward(batch, ctx: StepContext, baseline: bool = False):
 
     def finish(batch, ctx: StepContext):
         token_scores, ctx.reward = reward.collect(pending)
+        moved = ctx.metrics.get("perf/transfer_bytes", 0.0)
         ctx.metrics |= ctx.reward.metrics
+        if "perf/transfer_bytes" in ctx.reward.metrics:  # a reward model on its own pool
+            ctx.metrics["perf/transfer_bytes"] += moved
         batch = batch.replace(token_level_scores=token_scores)
         if greedy is not None:
             n = ctx.stage_config.group_size

@@ -86,6 +86,15 @@ def test_split_pools_give_the_co_located_step(data, tmp_path):
     trainer, (third,), params_third = _steps(three, 1)
     _, rm_params = trainer.models.reward_model
     assert {d.id for x in jax.tree.leaves(rm_params) for d in x.sharding.device_set} == {4, 5}
+    # the reward model's int32 inputs (prompt ids and mask, response ids and mask) go to its
+    # pool, its float32 B×R token scores come back; each row is written once
+    rows = three.data.train_batch_size * three.actor_rollout_ref.rollout.n
+    p, r = (
+        three.actor_rollout_ref.rollout.prompt_length,
+        three.actor_rollout_ref.rollout.response_length,
+    )
+    assert third["perf/transfer_bytes"] == rows * (2 * p + 2 * r) * 4 + rows * r * 4
+    assert "perf/transfer_bytes" not in together
     assert {d.id for d in trainer.meshes.generate.devices.flat} == {6, 7}
     for metrics, params in ((split, params_split), (third, params_third)):
         assert _numbers(metrics).keys() == _numbers(together).keys()

@@ -167,10 +167,11 @@ def _reward(batch, ctx: StepContext, baseline: bool = False):
 
     def finish(batch, ctx: StepContext):
         token_scores, ctx.reward = reward.collect(pending)
-        moved = ctx.metrics.get("perf/transfer_bytes", 0.0)
-        ctx.metrics |= ctx.reward.metrics
-        if "perf/transfer_bytes" in ctx.reward.metrics:  # a reward model on its own pool
-            ctx.metrics["perf/transfer_bytes"] += moved
+        metrics = dict(ctx.reward.metrics)
+        moved = metrics.pop("perf/transfer_bytes", None)  # a reward model on its own pool
+        ctx.metrics |= metrics
+        if moved is not None:
+            _count_transfer(ctx, moved)
         batch = batch.replace(token_level_scores=token_scores)
         if greedy is not None:
             n = ctx.stage_config.group_size
@@ -205,8 +206,13 @@ def _to_pool(rows, sharding, ctx: StepContext):
     with timed(ctx.timing, "transfer"):
         moved, nbytes = move_rows(rows, sharding)
         jax.block_until_ready(moved)
-    ctx.metrics["perf/transfer_bytes"] = ctx.metrics.get("perf/transfer_bytes", 0.0) + nbytes
+    _count_transfer(ctx, nbytes)
     return moved
+
+
+def _count_transfer(ctx: StepContext, nbytes: float) -> None:
+    """Adds `nbytes` copied between pools to the step's `perf/transfer_bytes`."""
+    ctx.metrics["perf/transfer_bytes"] = ctx.metrics.get("perf/transfer_bytes", 0.0) + nbytes
 
 
 def _rows_for(role: str, batch, ctx: StepContext, *fields: str):

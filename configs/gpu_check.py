@@ -16,7 +16,7 @@ import json
 import os
 
 import hybridjax
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 TOKENIZER = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "tokenizers", "gsm8k_bpe")
 

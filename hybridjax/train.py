@@ -38,8 +38,8 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
       UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
     """
     from hybridjax.checkpointing.export import check_export_target, export_actor
+    from hybridjax.rl.trainer import RLTrainer
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
-    from hybridjax.trainer.trainer import RLTrainer
 
     configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:

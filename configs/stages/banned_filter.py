@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjax.rewards import decode_responses
-from hybridjax.trainer import stage
+from hybridjax.rl import stage
 
 BANNED = ("sorry", "I cannot")
 

@@ -5,7 +5,7 @@ Steps, each a subprocess with a time limit; a failing step is recorded and the n
 1. `env`: JAX version, backend and devices, `nvidia-smi` (when present);
 2. `tests`: every `gpu`-marked test under `tests/`, selected by the marker, not by path
    (`GPU_TESTS`; `tests/gpu`: Pallas paged attention, blocked training attention, bfloat16
-   parity against float32 and `transformers`; packed attention in `tests/trainer`; any GPU test
+   parity against float32 and `transformers`; packed attention in `tests/rl`; any GPU test
    added elsewhere) with `jax_platforms=cuda,cpu`;
 3. `plan`: `python -m hybridjax.plan` of `configs/gpu_check.py` on simulated CPU devices;
 4. `throughput`: the RL-step benchmark on `configs/gpu_check.py` (a random Qwen2.5-0.5B-shaped
@@ -126,14 +126,22 @@ def main() -> None:
         steps["plan"]["plan"] = json.loads(plan_json.read_text())
 
     bench = [py, "-m", "experiments.benchmarks.run"]
-    thr = [*bench, "--config=configs/bench_throughput.py", f"--config.results_root={out}"]
+    thr = [
+        *bench,
+        "--config=experiments/configs/bench_throughput.py",
+        f"--config.results_root={out}",
+    ]
     thr += ["--config.throughput.steps=3"]
     if dry:
         thr += ["--config.throughput.workload=tiny", "--config.throughput.steps=1"]
     else:
         thr += ["--config.throughput.workload=", f"--config.throughput.trainer_config={trainer}"]
     steps["throughput"] = step("throughput", thr, env, 1800, out)
-    gen = [*bench, "--config=configs/bench_generation.py", f"--config.results_root={out}"]
+    gen = [
+        *bench,
+        "--config=experiments/configs/bench_generation.py",
+        f"--config.results_root={out}",
+    ]
     if dry:
         gen += ["--config.generation.models=tiny", "--config.generation.batches=2"]
         gen += ["--config.generation.new_tokens=8", "--config.generation.repeats=1"]

@@ -19,7 +19,7 @@ from experiments.benchmarks.recording import (
     trace_events,
 )
 from experiments.gpu import check
-from hybridjax.trainer.pipeline import timed
+from hybridjax.rl.pipeline import timed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

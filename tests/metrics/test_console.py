@@ -42,7 +42,7 @@ def test_info_goes_to_the_file_not_the_console(tmp_path, capsys, restore_logging
 def test_verbosity_brings_info_back_once(tmp_path, capsys, restore_logging):
     configure_logging(str(tmp_path / "a.log"), logging.WARNING)
     configure_logging(str(tmp_path / "b.log"), logging.INFO)  # --verbosity=0; replaces the first
-    logging.getLogger("hybridjax.trainer").info("resumed from step 4")
+    logging.getLogger("hybridjax.rl").info("resumed from step 4")
     assert capsys.readouterr().err.count("resumed from step 4") == 1
     assert "resumed" in (tmp_path / "b.log").read_text()
     assert not (tmp_path / "a.log").exists()  # created at its first record only

@@ -123,15 +123,16 @@ def filter_groups(batch: RLBatch, ctx: StepContext) -> RLBatch:
                 "the model. Raise the cap, or set it to 0 for no cap."
             )
         # the same timers, metrics and models; fresh prompts, rows and scores
-        more = dataclasses.replace(ctx, prompts=next(ctx.trainer.train_loader), host=None)
+        more = dataclasses.replace(ctx, prompts=next(ctx.deps.train_loader), host=None)
         batch = regenerate.run(more)
-        ctx.host, ctx.greedy, ctx.reward, ctx.gen_batches = (
+        ctx.host, ctx.greedy, ctx.reward, ctx.gen_batches, ctx.models = (
             more.host,
             more.greedy,
             more.reward,
             more.gen_batches,
+            more.models,  # offload / onload around gen replace them
         )
-    batch, ctx.host = _take(parts, wanted, ctx.trainer.batch_sharding)
+    batch, ctx.host = _take(parts, wanted, ctx.deps.batch_sharding)
     ctx.metrics |= {
         "train/num_gen_batches": float(ctx.gen_batches),
         "train/num_kept_groups": float(kept),

@@ -25,13 +25,9 @@ from hybridjax.data.dataset import PromptLoader
 from hybridjax.metrics.validation import process_validation_metrics, validation_metric_dict
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards import RewardManager, decode_responses, gsm8k, math_boxed
-from hybridjax.rl.generation import (
-    HostColumns,
-    collect_rewards,
-    generate_batch,
-    submit_rewards,
-)
+from hybridjax.rl.generation import HostColumns, generate_batch
 from hybridjax.rl.multi_turn import MultiTurn
+from hybridjax.rl.reward import collect_rewards, submit_rewards
 from hybridjax.rollout import Engine, SamplingParams
 from hybridjax.sharding.hosts import allgather
 

@@ -1,33 +1,32 @@
-"""The `gen` stage (rollout) and the `reward` stage's host side, at the edge of the device step.
+"""The `gen` stage's work (rollout) and the actor weights it samples with.
 
 `generate_batch` runs the paged engine on one batch of prompts (left-padded numpy arrays from
 `hybridjax.data`) and returns an `RLBatch` placed in the training layout, plus the host-side
 columns the reward function needs (data source, ground truth, extra info, repeated n times).
-`submit_rewards` decodes the responses and starts scoring them in the reward manager's thread
-pool; the trainer collects the future after the device stages that do not need scores.
+`Sampler` is the one place a step's batch is sampled, on the trainer's thread (sync) or on the
+rollout thread (`trainer.rollout_mode` one_step_off / async); `RolloutWeights` re-lays the
+actor's weights into the engine (the `reshard` stage, the hybrid engine).
 
-Under `jax.distributed` each process generates and scores only its share of the prompts
+Under `jax.distributed` each process generates only its share of the prompts
 (`sharding.hosts`): `generate_batch` gathers the generated rows so every process holds the
-whole batch's host columns, `submit_rewards` scores only this process's rows and
-`collect_rewards` gathers the results.
+whole batch's host columns (`HostColumns.mine` marks this process's rows, the ones it scores).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import time
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rewards import RewardManager, RewardResult, concat_results, decode_responses
 from hybridjax.rl.batch import RLBatch, make_batch
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rollout import Engine, SamplingParams, generate
-from hybridjax.sharding.hosts import allgather
+from hybridjax.sharding.hosts import allgather, to_local
+from hybridjax.sharding.pools import sync_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,22 +166,94 @@ def _concat(values: list) -> np.ndarray | list:
     return [v for part in values for v in part]
 
 
-def submit_rewards(
-    manager: RewardManager, tokenizer: Tokenizer, host: HostColumns
-) -> concurrent.futures.Future[RewardResult]:
-    """Decodes this process's responses and starts scoring them (returns at once)."""
-    host = host.share()
-    texts = decode_responses(tokenizer, host.responses, host.valid_mask)
-    return manager.submit(
-        texts,
-        host.data_source,
-        host.ground_truth,
-        host.extra_info,
-        host.response_lengths,
-        host.responses.shape[1],
-    )
+def sampling_params(
+    rollout: Any, seed: int, step: int, validate: bool = False, gen_batch: int = 0
+) -> SamplingParams:
+    """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic sampling),
+    or of validation, from `actor_rollout_ref.rollout` and `trainer.seed`: each with its own
+    seed (salts 0, 2, 3, ... for generation batches, 1 for validation)."""
+    salt = 1 if validate else gen_batch + (gen_batch > 0)
+    return SamplingParams.from_config(rollout, validate=validate, seed=step_seed(seed, step, salt))
 
 
-def collect_rewards(pending: concurrent.futures.Future[RewardResult]) -> RewardResult:
-    """Waits for this process's scores and gathers every process's, in row order."""
-    return concat_results(allgather(pending.result()))
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Samples a step's batch: `rollout.n` responses per prompt (multi-turn trajectories with
+    `multi_turn`), plus one greedy response per prompt when the estimator asks for a reward
+    baseline (ReMax). The same code serves the sync `gen` stage and the rollout thread.
+
+    Attributes:
+      engine: the rollout engine (holds the weights it samples with).
+      rollout: `actor_rollout_ref.rollout` (sampling keys).
+      seed: `trainer.seed`.
+      pad_token_id: fills responses past their end.
+      sharding: the training mesh's batch axes (where the batch rows go).
+      first_index: global index of this process's first prompt.
+      multi_turn: tools for multi-turn rollouts, or None.
+      baseline: also decode each prompt greedily.
+    """
+
+    engine: Engine
+    rollout: Any
+    seed: int
+    pad_token_id: int
+    sharding: NamedSharding
+    first_index: int = 0
+    multi_turn: MultiTurn | None = None
+    baseline: bool = False
+
+    def sample(self, prompts: dict[str, Any], step: int, gen_batch: int = 0):
+        """(batch, host columns, (greedy batch, greedy host columns) or None) of `prompts`.
+        Host sync: the whole rollout."""
+        sampling = sampling_params(self.rollout, self.seed, step, gen_batch=gen_batch)
+        run = lambda params: generate_batch(
+            self.engine, prompts, params, self.pad_token_id, self.sharding, self.first_index,
+            self.multi_turn,
+        )  # fmt: skip
+        batch, host = run(sampling)
+        greedy = None
+        if self.baseline:
+            greedy = run(dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0))
+        return batch, host, greedy
+
+
+class RolloutWeights:
+    """The actor's weights as the rollout samples with them: re-laid from the training layout
+    into the rollout pool's generation layout and dtype, as this host's replica's arrays, then
+    set in the engine, or with a rollout thread published to it as a policy version.
+
+    Args:
+      shardings: the generation layout of the actor's parameters.
+      dtype: `rollout.dtype`.
+      engine_mesh: this host's generation replica (`hosts.local_mesh`).
+      co_located: the rollout shares the actor's devices; else each move is timed.
+    The trainer sets `engine` once the engine is built from the first `generation_params`,
+    and `rollout_ahead` when a rollout thread samples.
+    """
+
+    def __init__(self, shardings: Any, dtype: Any, engine_mesh, co_located: bool):
+        self.shardings, self.dtype = shardings, dtype
+        self.engine_mesh, self.co_located = engine_mesh, co_located
+        self.engine: Engine | None = None
+        self.rollout_ahead = None
+        self.sync_time = 0.0  # seconds of the last move between pools (split pools only)
+
+    def generation_params(self, params: Any) -> tuple[Any, int]:
+        """(`params` in the generation layout, as this host's replica's arrays, bytes moved).
+        Split pools time the move as `sync_time` (`timing_s/update_weights`)."""
+        start = time.perf_counter()
+        out, nbytes = sync_weights(params, self.shardings, self.dtype)
+        if not self.co_located:
+            jax.block_until_ready(out)
+            self.sync_time = time.perf_counter() - start
+        return to_local(out, self.engine_mesh), nbytes
+
+    def update(self, params: Any, version: int) -> int:
+        """Re-lays `params` (policy `version`) into the engine, or publishes them to the
+        rollout thread; returns the bytes moved."""
+        out, nbytes = self.generation_params(params)
+        if self.rollout_ahead is None:
+            self.engine.update_weights(out)
+        else:
+            self.rollout_ahead.publish(out, version)
+        return nbytes

@@ -101,8 +101,12 @@ class StepContext:
 
     Attributes:
       step: the RL step (1-based).
-      trainer: the run (`RLTrainer`): `models`, `kl_coef` (stages replace them), `cfg` (the
-        ConfigDict), `stage_cfg`, `engine`, `reward`, `tokenizer`, `train_loader`.
+      deps: what the step reads and never changes (`hybridjax.rl.step.StepDeps`: the config,
+        the engine, the reward stage, the tokenizer, the loader, the shardings); None in toy
+        pipelines that need none of it.
+      models: the run's models (`hybridjax.rl.build.Models`); a stage that changes them
+        (an update, an offload) replaces this field, and the step returns it.
+      kl_coef: the adaptive KL coefficient (float32 scalar on the devices); `adv` replaces it.
       prompts: this step's batch of prompts from the data loader (what `gen` samples from).
       host: per-row host columns of the batch (data source, ground truth, lengths, ...).
       greedy: (batch, host) of one greedy response per prompt, when an estimator needs it.
@@ -114,10 +118,13 @@ class StepContext:
       scoring: (PendingScores, greedy PendingScores or None) of this step's batch, started by
         the rollout thread as soon as it generated the batch (None: the `reward` stage starts
         them).
+      policy_versions: per row, the policy version that generated it (rollout ahead only).
     """
 
     step: int
-    trainer: Any
+    deps: Any = None
+    models: Any = None
+    kl_coef: Any = None
     prompts: dict[str, Any] | None = None
     host: Any = None
     greedy: Any = None
@@ -127,22 +134,17 @@ class StepContext:
     pipeline: Pipeline | None = None
     gen_batches: int = 0
     scoring: Any = None
-
-    @property
-    def models(self):
-        return self.trainer.models
-
-    @models.setter
-    def models(self, value) -> None:
-        self.trainer.models = value
+    policy_versions: Any = None
 
     @property
     def config(self):
-        return self.trainer.cfg
+        """The run's ConfigDict (`deps.config`)."""
+        return self.deps.config
 
     @property
     def stage_config(self):
-        return self.trainer.stage_cfg
+        """The actor pool's `StageConfig` (`deps.stage_cfg`)."""
+        return self.deps.stage_cfg
 
 
 class Pipeline:
@@ -210,18 +212,47 @@ class Pipeline:
     def run(self, ctx: StepContext, batch: RLBatch | None = None) -> RLBatch:
         """Runs every stage on `batch` (None: the first stage makes it); each stage's time,
         including its device work (a sync at its end), goes to `ctx.timing[name]`."""
-        ctx.pipeline = self
-        pending: list[tuple[Stage, Deferred]] = []
-        for s in self.stages:
-            batch = _finish(pending, ctx, batch, s.reads)
+        return Runner(self, ctx).finish(batch)
+
+
+class Runner:
+    """Runs a pipeline's stages in order for one step, at the named points of the function
+    that drives it (`hybridjax.rl.step.train_step`): `runner(STAGE, batch)` runs the stages
+    not run yet up to the one named `STAGE.name` (the default stage, or the edit that
+    replaced it, with the user's stages placed before it), and nothing when the pipeline has
+    no stage of that name (the config left it out, or an edit removed it); `finish` runs the
+    rest and completes the deferred work (module docstring)."""
+
+    def __init__(self, pipeline: Pipeline, ctx: StepContext):
+        self.pipeline, self.ctx = pipeline, ctx
+        self._next = 0  # index of the first stage not run yet
+        self._pending: list[tuple[Stage, Deferred]] = []
+        ctx.pipeline = pipeline
+
+    def __call__(self, point: Stage, batch: RLBatch | None) -> RLBatch | None:
+        names = self.pipeline.names
+        if point.name not in names:
+            return batch
+        return self._run_until(names.index(point.name) + 1, batch)
+
+    def finish(self, batch: RLBatch | None) -> RLBatch:
+        """Runs the stages left, then finishes every deferred piece of work."""
+        batch = self._run_until(len(self.pipeline.stages), batch)
+        return _finish(self._pending, self.ctx, batch, None)
+
+    def _run_until(self, end: int, batch):
+        ctx = self.ctx
+        for s in self.pipeline.stages[self._next : end]:
+            batch = _finish(self._pending, ctx, batch, s.reads)
             with timed(ctx.timing, s.name):
                 out = s.fn(batch, ctx)
                 if isinstance(out, Deferred):
-                    pending.append((s, out))
+                    self._pending.append((s, out))
                 else:
                     batch = jax.block_until_ready(out)
                     jax.block_until_ready(ctx.metrics)
-        return _finish(pending, ctx, batch, None)
+        self._next = max(self._next, end)
+        return batch
 
 
 def _finish(pending, ctx: StepContext, batch, reads: Iterable[str] | None):

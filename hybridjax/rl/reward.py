@@ -32,15 +32,44 @@ from jax.sharding import NamedSharding
 
 from hybridjax.models.packing import PackingConfig
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rewards import RewardConfig, RewardManager, RewardResult, place_scores
+from hybridjax.rewards import (
+    RewardConfig,
+    RewardManager,
+    RewardResult,
+    concat_results,
+    decode_responses,
+    place_scores,
+)
 from hybridjax.rewards.manager import check_outcomes, serves_model
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.build import forward_micro_batch
-from hybridjax.rl.generation import HostColumns, collect_rewards, put_global, submit_rewards
+from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
+from hybridjax.sharding.hosts import allgather
 from hybridjax.sharding.pools import move_rows
+
+
+def submit_rewards(
+    manager: RewardManager, tokenizer: Tokenizer, host: HostColumns
+) -> concurrent.futures.Future[RewardResult]:
+    """Decodes this process's responses and starts scoring them (returns at once)."""
+    host = host.share()
+    texts = decode_responses(tokenizer, host.responses, host.valid_mask)
+    return manager.submit(
+        texts,
+        host.data_source,
+        host.ground_truth,
+        host.extra_info,
+        host.response_lengths,
+        host.responses.shape[1],
+    )
+
+
+def collect_rewards(pending: concurrent.futures.Future[RewardResult]) -> RewardResult:
+    """Waits for this process's scores and gathers every process's, in row order."""
+    return concat_results(allgather(pending.result()))
 
 
 def check_reward_servers(cfg) -> None:

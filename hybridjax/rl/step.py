@@ -1,16 +1,22 @@
-"""The default RL step: a pipeline of named stages built from the config.
+"""One RL step, `train_step(state, prompts, deps) -> (state, metrics)`, stage after stage:
 
     gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
 
-`default_pipeline(cfg)` reads as that line. Stages that a config does not need are left out
-when the pipeline is built, never skipped inside the loop: `old_log_prob` unless the actor
-update is on-policy (`build.recompute_old_log_prob`), `ref` without a KL term, `values` and
-`update_critic` without a critic, `offload`/`onload` around `gen` with no offload key set,
-`filter_groups` (DAPO's dynamic sampling) unless `algorithm.filter_groups.enable`. With an
-estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
-`reward` scores it. Which algorithm runs is the registries' business.
+`train_step` reads as that line; each stage is a function below, in the same order, that takes
+the batch and the step's `StepContext` (its typed, read-only `StepDeps` and the models and KL
+coefficient it may replace) and returns the batch. The stages a run has are its pipeline
+(`default_pipeline(cfg)` plus the `trainer.stages` edits, or one given from Python):
+`train_step` runs the pipeline's stages at its named points, so a user stage placed after
+`reward` runs right after it, and a replaced stage runs in place of the default. Stages that
+a config does not need are left out when the pipeline is built (their point runs nothing):
+`old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
+without a KL term, `values` and `update_critic` without a critic, `offload`/`onload` around
+`gen` with no offload key set, `filter_groups` (DAPO's dynamic sampling) unless
+`algorithm.filter_groups.enable`. With an estimator that asks for a reward baseline (ReMax)
+`gen` also decodes each prompt greedily and `reward` scores it. Which algorithm runs is the
+registries' business.
 
-Each device stage is a jitted function of `hybridjax.rl.passes`, compiled once per process
+Each device stage calls a jitted pass of `hybridjax.rl.passes`, compiled once per process
 and shared by every trainer (graph definitions and `StageConfig` static). `reward` starts
 scoring and returns at once; the pipeline finishes it before `adv`, the first stage that reads
 `token_level_scores`, so scoring overlaps the log-prob and value passes.
@@ -19,30 +25,39 @@ scoring and returns at once; the pipeline finishes it before `adv`, the first st
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
-from hybridjax.metrics import compute_data_metrics
+from hybridjax.metrics import compute_data_metrics, compute_perf_metrics
+from hybridjax.models.config import ModelConfig
+from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rl import passes
+from hybridjax.rl.async_rollout import RolloutAhead, staleness_metrics
 from hybridjax.rl.batch import RLBatch
-from hybridjax.rl.build import recompute_old_log_prob
+from hybridjax.rl.build import Models, recompute_old_log_prob
 from hybridjax.rl.dynamic_sampling import FILTER_GROUPS
-from hybridjax.rl.generation import generate_batch
-from hybridjax.rl.multi_turn import multi_turn_metrics
+from hybridjax.rl.evaluation import generation_samples
+from hybridjax.rl.generation import RolloutWeights, Sampler
+from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
 from hybridjax.rl.offload import any_offload, move_idle_states, offload_configs
+from hybridjax.rl.passes import StageConfig
 from hybridjax.rl.pipeline import (
     Deferred,
     Pipeline,
     PipelineError,
+    Runner,
     Stage,
     StepContext,
     apply_entries,
     timed,
 )
-from hybridjax.sharding import load_to_device, offload_to_host
+from hybridjax.rl.reward import RewardStage
+from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
 from hybridjax.sharding.pools import move_rows
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
@@ -65,7 +80,7 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
     critic = cfg.critic.enable
     return Pipeline([
         OFFLOAD if offload else None,
-        GEN_WITH_BASELINE if baseline else GEN,
+        GEN,
         ONLOAD if offload else None,
         REWARD_WITH_BASELINE if baseline else REWARD,
         FILTER_GROUPS if algo.filter_groups.enable else None,
@@ -118,38 +133,151 @@ def config_problems(cfg: ConfigDict) -> list[str]:
     return problems
 
 
+@dataclasses.dataclass(frozen=True)
+class StepDeps:
+    """What a step reads and never changes, built once by the trainer.
+
+    Attributes:
+      config: the run's ConfigDict (user stages read their keys here).
+      pipeline: the stages this run's step has (see the module docstring).
+      stage_cfg: the `StageConfig` of the jitted passes on the actor's pool.
+      role_stage_cfgs: the `StageConfig` of `ref` / `critic` on pools of their own.
+      sampler: samples the step's batch (the sync `gen`).
+      rollout_ahead: the rollout thread (`trainer.rollout_mode` one_step_off / async) that
+        `gen` takes the batch from; None: `gen` samples with `sampler`.
+      weights: re-lays the actor's weights into the engine (`reshard`).
+      reward: scores responses (`reward`).
+      tokenizer: the actor's tokenizer.
+      train_loader: the prompt loader (DAPO's dynamic sampling draws more batches).
+      batch_sharding: the batch axes of the actor's training mesh.
+      pool_batch_shardings: the batch axes of `ref`, `critic`, `reward_model` on pools of
+        their own (absent: the actor's pool).
+      replicated: a replicated sharding on the actor's training mesh (scalar metrics).
+      multi_turn: tools of multi-turn rollouts, or None.
+      offload: `fsdp_config.*_offload` per role (`offload` / `onload`).
+      use_critic: `critic.enable`.
+      n_devices, actor_config, peak_flops: what `perf/*` metrics are computed from.
+    """
+
+    config: Any
+    pipeline: Pipeline
+    stage_cfg: StageConfig
+    role_stage_cfgs: Mapping[str, StageConfig]
+    sampler: Sampler
+    rollout_ahead: RolloutAhead | None
+    weights: RolloutWeights
+    reward: RewardStage
+    tokenizer: Tokenizer
+    train_loader: Any
+    batch_sharding: NamedSharding
+    pool_batch_shardings: Mapping[str, NamedSharding]
+    replicated: NamedSharding
+    multi_turn: MultiTurn | None
+    offload: Mapping[str, OffloadConfig]
+    use_critic: bool
+    n_devices: int
+    actor_config: ModelConfig
+    peak_flops: float
+
+    def stage_config_of(self, role: str) -> StageConfig:
+        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing
+        follow that pool's data parallelism; the actor's `stage_cfg` when they share one."""
+        return self.role_stage_cfgs.get(role, self.stage_cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """What a step changes: the models (weights and optimizer states) and the adaptive KL
+    coefficient (a float32 scalar on the devices)."""
+
+    models: Models
+    kl_coef: jax.Array
+
+
+def train_step(
+    state: StepState, prompts: dict[str, Any] | None, deps: StepDeps, n: int
+) -> tuple[StepState, dict[str, Any], StepContext]:
+    """RL step `n` on `prompts` (None: `gen` takes the batch the rollout thread sampled).
+
+    Returns:
+      (the new state, the step's metrics as host floats (timers `timing_s/<stage>`, `perf/*`,
+      the stages' metrics, `nan_skipped`: skipped non-finite optimizer steps), the step's
+      context (host columns, prompts, reward result)).
+    Host sync: each stage waits for its device work; metrics are pulled once at the end.
+    """
+    ctx = StepContext(n, deps, state.models, state.kl_coef, prompts)
+    at = Runner(deps.pipeline, ctx)  # each line: the user's stages before it, then the stage
+    with timed(ctx.timing, "step"):
+        batch = at(OFFLOAD, None)  # idle states to host memory while the rollout runs
+        batch = at(GEN, batch)  # rollout.n responses per prompt (+ greedy ones for ReMax)
+        batch = at(ONLOAD, batch)
+        batch = at(REWARD, batch)  # starts scoring; finished before the first reader (adv)
+        batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary
+        batch = at(OLD_LOG_PROB, batch)  # π_old (off-policy updates only)
+        batch = at(REF, batch)  # π_ref (a KL term)
+        batch = at(VALUES, batch)  # V(s) (a critic)
+        batch = at(ADV, batch)  # token rewards (KL penalty), advantages, returns
+        batch = at(UPDATE_CRITIC, batch)
+        batch = at(UPDATE_ACTOR, batch)
+        batch = at(RESHARD, batch)  # the new actor weights into the rollout engine
+        batch = at.finish(batch)  # the user's stages after the last point
+        ctx.metrics |= data_metrics(batch, deps.use_critic)
+        metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
+    return StepState(ctx.models, ctx.kl_coef), metrics | _step_metrics(ctx), ctx
+
+
+def _step_metrics(ctx: StepContext) -> dict[str, Any]:
+    """The timers, `perf/*` and `train/generations` of a finished step."""
+    d, host = ctx.deps, ctx.host
+    metrics = {f"timing_s/{k}": v for k, v in ctx.timing.items()}
+    if not d.weights.co_located:
+        metrics["timing_s/update_weights"] = d.weights.sync_time
+    epochs = d.stage_cfg.actor_update.ppo_epochs
+    seq_lens = host.prompt_lengths + host.response_lengths
+    metrics |= compute_perf_metrics(
+        seq_lens, ctx.timing, d.n_devices, d.actor_config, epochs, d.peak_flops
+    )
+    if k := d.config.trainer.log_train_generations:
+        scores = ctx.reward.scores  # (no filter_groups: these rows are ctx.prompts')
+        metrics["train/generations"] = generation_samples(d.tokenizer, ctx.prompts, host, scores, k)
+    return metrics
+
+
 # ------------------------------------------------------------------------- host stages
 
 
 def _offload(batch, ctx: StepContext):
-    ctx.models = move_idle_states(ctx.models, ctx.trainer.offload, offload_to_host)
+    ctx.models = move_idle_states(ctx.models, ctx.deps.offload, offload_to_host)
     return batch
 
 
 def _onload(batch, ctx: StepContext):
-    ctx.models = move_idle_states(ctx.models, ctx.trainer.offload, load_to_device)
+    ctx.models = move_idle_states(ctx.models, ctx.deps.offload, load_to_device)
     return batch
 
 
-def _gen(batch, ctx: StepContext, greedy: bool = False):
-    """Samples `rollout.n` responses per prompt of `ctx.prompts` (and, with `greedy`, one greedy
-    response per prompt into `ctx.greedy`); sets `ctx.host`. With `rollout.multi_turn` the
-    responses are multi-turn trajectories with tools (adds the `multi_turn/*` metrics)."""
-    t = ctx.trainer
-    sampling = t.sampling(ctx.step, gen_batch=ctx.gen_batches)
-    ctx.gen_batches += 1
-    pad, first = t.tokenizer.pad_token_id, t.train_loader.rows.start or 0  # this process's
-    generate = lambda params: generate_batch(
-        t.engine, ctx.prompts, params, pad, t.batch_sharding, first, t.multi_turn
-    )
-    batch, ctx.host = generate(sampling)
-    if t.multi_turn is not None:
+def _gen(batch, ctx: StepContext):
+    """Samples `rollout.n` responses per prompt of `ctx.prompts` (and, when the estimator asks
+    for a baseline, one greedy response per prompt into `ctx.greedy`), or with a rollout
+    thread takes the batch it sampled for this step (the stage's time is then the wait; the
+    thread's generation time is `timing_s/rollout_gen`, the staleness `async/staleness_*`);
+    sets `ctx.host`. With `rollout.multi_turn` the responses are multi-turn trajectories with
+    tools (adds the `multi_turn/*` metrics)."""
+    d = ctx.deps
+    if d.rollout_ahead is None:
+        batch, ctx.host, ctx.greedy = d.sampler.sample(ctx.prompts, ctx.step, ctx.gen_batches)
+        ctx.gen_batches += 1
+    else:
+        rollout = d.rollout_ahead.take(ctx.step, ctx.timing)
+        ctx.timing["rollout_gen"] = rollout.timing["gen"]
+        ctx.timing["wait_update"] = rollout.timing["wait_update"]
+        ctx.policy_versions = rollout.versions
+        ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
+        ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
+        ctx.scoring = rollout.scoring
+    if d.multi_turn is not None:
         h = ctx.host
         ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)
-    if greedy:
-        ctx.greedy = generate(
-            dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-        )
     return batch
 
 
@@ -158,7 +286,7 @@ def _reward(batch, ctx: StepContext, baseline: bool = False):
     takes the scoring the rollout thread started as soon as it generated the batch
     (`ctx.scoring`); the finish fills `token_level_scores` (and `reward_baselines`: each
     prompt's greedy score)."""
-    reward = ctx.trainer.reward
+    reward = ctx.deps.reward
     if ctx.scoring is not None:
         pending, greedy = ctx.scoring
     else:
@@ -182,9 +310,11 @@ def _reward(batch, ctx: StepContext, baseline: bool = False):
 
 
 def _reshard(batch, ctx: StepContext):
-    """Re-lays the actor's weights out for generation (the hybrid engine)."""
-    nbytes = ctx.trainer._update_weights()
-    jax.block_until_ready(ctx.trainer.engine.state)
+    """Re-lays the actor's weights out for generation (the hybrid engine), as policy version
+    `ctx.step`."""
+    weights = ctx.deps.weights
+    nbytes = weights.update(ctx.models.actor_state.params, ctx.step)
+    jax.block_until_ready(weights.engine.state)
     ctx.metrics["perf/reshard_bytes"] = float(nbytes)
     return batch
 
@@ -218,18 +348,18 @@ def _count_transfer(ctx: StepContext, nbytes: float) -> None:
 def _rows_for(role: str, batch, ctx: StepContext, *fields: str):
     """(the batch a `role` pass reads, its `StageConfig`): on the actor's pool `batch` itself;
     on the role's own pool a batch of the rollout fields and `fields`, moved there."""
-    sharding = ctx.trainer.pool_batch_shardings.get(role)
+    sharding = ctx.deps.pool_batch_shardings.get(role)
     if sharding is None:
         return batch, ctx.stage_config
     rows = RLBatch(**{f: getattr(batch, f) for f in (*ROLLOUT, *fields)})
-    return _to_pool(rows, sharding, ctx), ctx.trainer.stage_config_of(role)
+    return _to_pool(rows, sharding, ctx), ctx.deps.stage_config_of(role)
 
 
 def _back(role: str, batch, ctx: StepContext, **outputs):
     """`batch` with the per-token `outputs` of a `role` pass, moved back to the actor's pool
     when the role has its own."""
-    if role in ctx.trainer.pool_batch_shardings:
-        outputs = _to_pool(outputs, ctx.trainer.batch_sharding, ctx)
+    if role in ctx.deps.pool_batch_shardings:
+        outputs = _to_pool(outputs, ctx.deps.batch_sharding, ctx)
     return batch.replace(**outputs)
 
 
@@ -248,7 +378,7 @@ def _values_stage(batch, ctx: StepContext):
 
 
 def _adv_stage(batch, ctx: StepContext):
-    batch, ctx.trainer.kl_coef, metrics = _advantage(batch, ctx.trainer.kl_coef, ctx.stage_config)
+    batch, ctx.kl_coef, metrics = _advantage(batch, ctx.kl_coef, ctx.stage_config)
     ctx.metrics |= metrics
     return batch
 
@@ -267,9 +397,8 @@ def _update_critic_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
     state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
-    if "critic" in ctx.trainer.pool_batch_shardings:  # scalars, summed with the actor's
-        replicated = NamedSharding(ctx.trainer.meshes.train, PartitionSpec())
-        metrics, nan = jax.device_put((metrics, nan), replicated)
+    if "critic" in ctx.deps.pool_batch_shardings:  # scalars, summed with the actor's
+        metrics, nan = jax.device_put((metrics, nan), ctx.deps.replicated)
     ctx.models = dataclasses.replace(m, critic_state=state)
     _record_update(ctx, metrics, nan)
     return batch
@@ -290,7 +419,6 @@ def _update_actor_stage(batch, ctx: StepContext):
 
 OFFLOAD = Stage("offload", _offload)
 GEN = Stage("gen", _gen, writes=GENERATED)
-GEN_WITH_BASELINE = Stage("gen", lambda b, ctx: _gen(b, ctx, greedy=True), writes=GENERATED)
 ONLOAD = Stage("onload", _onload)
 REWARD = Stage("reward", _reward, reads=ROLLOUT, writes=("token_level_scores",))
 REWARD_WITH_BASELINE = Stage(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from typing import Any
 
 import jax
@@ -26,24 +25,24 @@ from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.config import checks
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
-from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
+from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
 from hybridjax.models.config import to_dtype
 from hybridjax.rl import build, step
-from hybridjax.rl.async_rollout import RolloutAhead, staleness_metrics
-from hybridjax.rl.evaluation import generation_samples, validate
-from hybridjax.rl.generation import generate_batch, step_seed
-from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
+from hybridjax.rl.async_rollout import RolloutAhead
+from hybridjax.rl.evaluation import validate
+from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
+from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rl.nan_guard import NanGuard
 from hybridjax.rl.offload import offload_configs
-from hybridjax.rl.pipeline import Pipeline, Stage, StepContext, timed
+from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     state_shardings,
 )
-from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share, to_local
-from hybridjax.sharding.pools import make_placement, sync_weights
+from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share
+from hybridjax.sharding.pools import make_placement
 
 log = logging.getLogger(__name__)
 
@@ -130,23 +129,31 @@ class RLTrainer:
             self.role_stage_cfgs.get("critic"),
         )
         rollout = cfg.actor_rollout_ref.rollout
-        self.gen_dtype = to_dtype(rollout.dtype)
-        self.gen_shardings = state_shardings(
+        gen_shardings = state_shardings(
             self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
         )
-        engine_config = RolloutConfig.from_config(rollout)
         # one generation replica per host: the engine's host loop sees only local arrays
-        self.engine_mesh = local_mesh(self.meshes.generate)
-        actor = nnx.merge(self.actor_graphdef, self._generation_params()[0])
-        self.engine = Engine(actor, engine_config, mesh=self.engine_mesh)
+        engine_mesh = local_mesh(self.meshes.generate)
+        self.weights = RolloutWeights(
+            gen_shardings, to_dtype(rollout.dtype), engine_mesh, self.placement.co_located
+        )
+        params = self.weights.generation_params(self.actor_state.params)[0]
+        engine_config = RolloutConfig.from_config(rollout)
+        self.engine = Engine(
+            nnx.merge(self.actor_graphdef, params), engine_config, mesh=engine_mesh
+        )
+        self.weights.engine = self.engine
         self.multi_turn = MultiTurn.from_config(rollout.multi_turn, self.tokenizer)
-        self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
-        self.weights_version = 0  # actor updates in the weights the rollout has
-        if self.rollout_ahead is not None:
-            self._update_weights()  # the thread's first weights
-            self.pipeline = self.pipeline.replace(
-                "gen", Stage("gen", self._gen_ahead, writes=step.GENERATED)
-            )
+        self.sampler = Sampler(
+            self.engine,
+            rollout,
+            t.seed,
+            self.tokenizer.pad_token_id,
+            self.batch_sharding,
+            self.train_loader.rows.start or 0,  # this process's share of every batch
+            self.multi_turn,
+            needs_reward_baseline(cfg.algorithm.adv_estimator),
+        )
         self.reward = RewardStage.from_config(
             cfg,
             self.tokenizer,
@@ -155,7 +162,10 @@ class RLTrainer:
             dp,
             self.pool_batch_shardings.get("reward_model"),
         )
+        self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
+        self.weights.rollout_ahead = self.rollout_ahead
         if self.rollout_ahead is not None:
+            self._update_weights(0)  # the thread's first weights
             self.rollout_ahead.score_enabled = self._can_score_ahead()
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
@@ -163,7 +173,29 @@ class RLTrainer:
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
         self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
+        self.deps = step.StepDeps(
+            config=cfg,
+            pipeline=self.pipeline,
+            stage_cfg=sc,
+            role_stage_cfgs=self.role_stage_cfgs,
+            sampler=self.sampler,
+            rollout_ahead=self.rollout_ahead,
+            weights=self.weights,
+            reward=self.reward,
+            tokenizer=self.tokenizer,
+            train_loader=self.train_loader,
+            batch_sharding=self.batch_sharding,
+            pool_batch_shardings=self.pool_batch_shardings,
+            replicated=replicated,
+            multi_turn=self.multi_turn,
+            offload=self.offload,
+            use_critic=self.use_critic,
+            n_devices=self.n_devices,
+            actor_config=self.actor_config,
+            peak_flops=self.peak_flops,
+        )
         self.global_step = 0
+        self.policy_versions = None  # per row of the last step: the policy that sampled it
         self.nan_guard = NanGuard(t.max_consecutive_nan_steps)
 
     @property
@@ -179,30 +211,14 @@ class RLTrainer:
         return self.models.critic_state
 
     def stage_config_of(self, role: str):
-        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing follow
-        that pool's data parallelism; the actor's `stage_cfg` when they share a pool."""
-        return self.role_stage_cfgs.get(role, self.stage_cfg)
+        """The `StageConfig` of `role`'s pool (see `StepDeps.stage_config_of`)."""
+        return self.deps.stage_config_of(role)
 
-    def _generation_params(self) -> tuple[Any, int]:
-        """The actor's weights re-laid into the rollout pool's generation layout, as this
-        host's replica's arrays, and the bytes moved. Split pools time the move as
-        `timing_s/update_weights`."""
-        start = time.perf_counter()
-        params, nbytes = sync_weights(self.actor_state.params, self.gen_shardings, self.gen_dtype)
-        if not self.placement.co_located:
-            jax.block_until_ready(params)
-            self._sync_time = time.perf_counter() - start
-        return to_local(params, self.engine_mesh), nbytes
-
-    def _update_weights(self) -> int:
+    def _update_weights(self, version: int | None = None) -> int:
         """Re-lays the actor's weights into the engine (or, with a rollout ahead, publishes them
-        as `weights_version`); returns bytes moved."""
-        params, nbytes = self._generation_params()
-        if self.rollout_ahead is None:
-            self.engine.update_weights(params)
-        else:
-            self.rollout_ahead.publish(params, self.weights_version)
-        return nbytes
+        as policy `version`, default the last step); returns bytes moved."""
+        version = self.global_step if version is None else version
+        return self.weights.update(self.actor_state.params, version)
 
     # --------------------------------------------------------- placement and asynchrony (issue 16)
 
@@ -214,7 +230,7 @@ class RLTrainer:
         lag = 1 if t.rollout_mode == "one_step_off" else t.staleness_threshold
 
         def generate(prompts, n):
-            batch, host, greedy = self._rollout(prompts, n)
+            batch, host, greedy = self.sampler.sample(prompts, n)
             return (prompts, batch, host, greedy), len(host.response_lengths)
 
         def score(output, n):  # while the actor trains the step before
@@ -249,39 +265,6 @@ class RLTrainer:
         )
         return default and after_gen and model_apart
 
-    def _rollout(self, prompts, n: int):
-        """One batch of samples (+ greedy responses when the estimator needs a baseline), on
-        the rollout thread: the `gen` stage's work, with the weights of the request."""
-        sampling = self.sampling(n)
-        pad, first = self.tokenizer.pad_token_id, self.train_loader.rows.start or 0
-        mt = self.multi_turn
-        batch, host = generate_batch(
-            self.engine, prompts, sampling, pad, self.batch_sharding, first, mt
-        )
-        greedy = None
-        if needs_reward_baseline(self.cfg.algorithm.adv_estimator):
-            argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
-            greedy = generate_batch(
-                self.engine, prompts, argmax, pad, self.batch_sharding, first, mt
-            )
-        return batch, host, greedy
-
-    def _gen_ahead(self, batch, ctx: StepContext):
-        """The `gen` stage with a rollout ahead: takes step `ctx.step`'s batch from the thread
-        (the stage's time is the wait); the thread's generation time is `timing_s/rollout_gen`,
-        the staleness `async/staleness_*`."""
-        rollout = self.rollout_ahead.take(ctx.step, ctx.timing)
-        ctx.timing["rollout_gen"] = rollout.timing["gen"]
-        ctx.timing["wait_update"] = rollout.timing["wait_update"]
-        self.policy_versions = rollout.versions
-        ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
-        ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
-        ctx.scoring = rollout.scoring
-        if self.multi_turn is not None:
-            h = ctx.host
-            ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)
-        return batch
-
     def _data_state(self) -> Any:
         """The loader state after the last trained batch: batches drawn ahead of training are
         drawn again after a restore."""
@@ -294,46 +277,29 @@ class RLTrainer:
         """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic
         sampling), or of validation: each with its own seed."""
         rollout = self.cfg.actor_rollout_ref.rollout
-        salt = 1 if validate else gen_batch + (gen_batch > 0)  # 0, 2, 3, ...
-        seed = step_seed(self.cfg.trainer.seed, step, salt)
-        return SamplingParams.from_config(rollout, validate=validate, seed=seed)
+        return sampling_params(rollout, self.cfg.trainer.seed, step, validate, gen_batch)
 
     # ------------------------------------------------------------------------------ the step
 
     def train_step(self, n: int) -> dict[str, Any]:
-        """RL step `n` on the next training batch: runs the pipeline; returns its metrics."""
-        ctx = StepContext(step=n, trainer=self)
-        with timed(ctx.timing, "step"):
-            epoch = self.train_loader.epoch
-            self.weights_version = n  # this step's update makes policy version n
-            if self.rollout_ahead is None:  # else the gen stage takes them from the thread
-                ctx.prompts = next(self.train_loader)
-            batch = self.pipeline.run(ctx)
-            ctx.metrics |= step.data_metrics(batch, self.use_critic)
-            metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
-        self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
-        metrics |= {f"timing_s/{k}": v for k, v in ctx.timing.items()}
-        if not self.placement.co_located:
-            metrics["timing_s/update_weights"] = self._sync_time
-        seq_lens = ctx.host.prompt_lengths + ctx.host.response_lengths
-        metrics |= compute_perf_metrics(
-            seq_lens,
-            ctx.timing,
-            self.n_devices,
-            self.actor_config,
-            self.stage_cfg.actor_update.ppo_epochs,
-            self.peak_flops,
+        """RL step `n` on the next training batch (`step.train_step`); returns its metrics."""
+        epoch = self.train_loader.epoch
+        # with a rollout ahead, the gen stage takes the prompts from the thread
+        prompts = next(self.train_loader) if self.rollout_ahead is None else None
+        state = step.StepState(self.models, self.kl_coef)
+        state, metrics, ctx = step.train_step(state, prompts, self.deps, n)
+        self.models, self.kl_coef, self.policy_versions = (
+            state.models,
+            state.kl_coef,
+            ctx.policy_versions,
         )
+        self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
         metrics |= {
             "training/global_step": float(n),
             "training/epoch": float(epoch),
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
         }
-        if k := self.cfg.trainer.log_train_generations:
-            scores = ctx.reward.scores  # (no filter_groups: these rows are ctx.prompts')
-            samples = generation_samples(self.tokenizer, ctx.prompts, ctx.host, scores, k)
-            metrics["train/generations"] = samples
         self.global_step = n
         return metrics
 
@@ -346,7 +312,8 @@ class RLTrainer:
         if self.rollout_ahead is None:
             return self._validate(sampling)
         with self.rollout_ahead.engine_lock:  # waits for the batch being generated
-            self.engine.update_weights(self._generation_params()[0])  # each request sets its own
+            params = self.weights.generation_params(self.actor_state.params)[0]
+            self.engine.update_weights(params)  # each request sets its own
             return self._validate(sampling)
 
     def _validate(self, sampling: SamplingParams) -> dict[str, Any]:
@@ -410,7 +377,6 @@ class RLTrainer:
             critic_state=None if critic is None else build.restored(self.critic_state, critic),
         )
         self.kl_coef = tree["kl_coef"]
-        self.weights_version = meta["global_step"]
         self.train_loader.set_state(meta["data"])
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (

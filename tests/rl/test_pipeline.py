@@ -63,7 +63,7 @@ def _toy_pipeline(events: list[str]) -> Pipeline:
 
 def test_stages_run_in_order_timed_with_deferred_work_finished_before_its_reader():
     events = []
-    ctx = StepContext(step=1, trainer=None)
+    ctx = StepContext(step=1)
     batch = _toy_pipeline(events).run(ctx)
     assert events == ["gen", "score started", "passes", "score finished", "adv sees 8.0"]
     assert set(ctx.timing) == {"gen", "reward", "values", "adv"}
@@ -73,7 +73,7 @@ def test_stages_run_in_order_timed_with_deferred_work_finished_before_its_reader
 
 def test_deferred_work_nobody_reads_is_finished_at_the_end():
     events = []
-    batch = _toy_pipeline(events).remove("adv").run(StepContext(step=1, trainer=None))
+    batch = _toy_pipeline(events).remove("adv").run(StepContext(step=1))
     assert events[-1] == "score finished" and batch.token_level_scores is not None
 
 
@@ -127,7 +127,7 @@ def test_trainer_stages_entries_load_user_files_and_modules(tmp_path):
         "remove values",
     ])  # fmt: skip
     assert p.names == ("plain", "gen", "reward", "halve", "adv")
-    ctx = StepContext(step=1, trainer=None)
+    ctx = StepContext(step=1)
     np.testing.assert_array_equal(p.run(ctx).advantages, np.full((4, 2), 0.5))
     assert "halve" in ctx.timing
     module = apply_entries(_toy_pipeline([]), ["replace values: hybridjax.rl.step:RESHARD"])
@@ -167,7 +167,7 @@ def test_default_pipelines_follow_the_config():
         "offload → gen → onload → reward → filter_groups → ref → adv → update_actor → reshard"
     )
     remax = step.default_pipeline(_config(**{"algorithm.adv_estimator": "remax"}))
-    assert remax.stages[0] is step.GEN_WITH_BASELINE
+    assert remax.stages[0] is step.GEN
     assert "reward_baselines" in remax.stages[1].writes
 
 

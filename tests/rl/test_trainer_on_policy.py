@@ -101,13 +101,11 @@ def _two_steps(cfg, monkeypatch):
         batch = batch.replace(rollout_log_probs=(current.old_log_probs - 0.05) * MASK_BxR)
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|
-        run = types.SimpleNamespace(
-            models=models, kl_coef=jnp.float32(0.0), cfg=cfg, stage_cfg=sc, pool_batch_shardings={}
-        )
-        ctx = StepContext(step=n, trainer=run)
+        deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, pool_batch_shardings={})
+        ctx = StepContext(step=n, deps=deps, models=models, kl_coef=jnp.float32(0.0))
         pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
         pipeline.remove("reshard").run(ctx, batch)
-        models = run.models
+        models = ctx.models
         metrics = {k: float(v) for k, v in ctx.metrics.items()}
         out.append((metrics, ctx.timing, diff_mean))
     return models, out

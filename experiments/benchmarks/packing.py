@@ -134,7 +134,7 @@ def _stage_config(spec: dict, variant: str, model_config):
 def measure_update(name: str, repeats: int) -> dict:
     import jax
 
-    from hybridjax.rl import passes
+    from hybridjax.rl import build, passes
 
     spec = WORKLOADS[name]
     graphdef, params, model_config = _model(spec["model"])
@@ -145,7 +145,7 @@ def measure_update(name: str, repeats: int) -> dict:
         {v: [] for v in VARIANTS},
         {v: _stage_config(spec, v, model_config) for v in VARIANTS},
     )
-    states = {v: passes.init_train_state(params, cfgs[v].actor_optim) for v in VARIANTS}
+    states = {v: build.init_train_state(params, cfgs[v].actor_optim) for v in VARIANTS}
     first = {}
     for variant in VARIANTS:  # warm-up: compile + one call
         tic = time.perf_counter()

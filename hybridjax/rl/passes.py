@@ -208,11 +208,6 @@ def compute_advantage(
     return batch, kl_coef, metrics
 
 
-def init_train_state(params: Any, optim: OptimConfig) -> TrainState:
-    """Fresh optimizer state for `params` (jit it so the state takes the params' shardings)."""
-    return TrainState(params, make_optimizer(optim).init(params), jnp.zeros((), jnp.int32))
-
-
 def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
     log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True)
     if cfg.actor_loss.entropy_coeff == 0:

@@ -202,8 +202,8 @@ _update_critic = jax.jit(passes.update_critic, static_argnums=(0, 4))
 def _step(models, cfg):
     """old/ref log-probs, values, then both updates on the ragged batch (made-up advantages)."""
     (graphdef, params), (critic_graphdef, critic_params) = models
-    actor = passes.init_train_state(params, cfg.actor_optim)
-    critic = passes.init_train_state(critic_params, cfg.critic_optim)
+    actor = build.init_train_state(params, cfg.actor_optim)
+    critic = build.init_train_state(critic_params, cfg.critic_optim)
     batch, _ = ragged_batch()
     batch, _ = _old_log_prob(graphdef, params, batch, cfg)
     ref = jax.tree.map(lambda x: x * 1.01, params)
@@ -295,9 +295,9 @@ def _two_rl_steps(models, changes):
     cfg = _stage_config(**changes)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the update stages donate the states
     (graphdef, params), (critic_graphdef, critic_params) = copy(models)
-    actor = passes.init_train_state(copy(params), cfg.actor_optim)
+    actor = build.init_train_state(copy(params), cfg.actor_optim)
     use_critic = changes.get("critic.enable", True)
-    critic = passes.init_train_state(critic_params, cfg.critic_optim) if use_critic else None
+    critic = build.init_train_state(critic_params, cfg.critic_optim) if use_critic else None
     metrics = []
     for n in (1, 2):
         batch, _ = ragged_batch(seed=n, group_sizes=(4, 4, 4, 4))

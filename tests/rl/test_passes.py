@@ -56,7 +56,7 @@ def actor():
         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
     )  # fmt: skip
     graphdef, params = nnx.split(CausalLM(config, nnx.Rngs(0)))
-    state = passes.init_train_state(params, _stage_config().actor_optim)
+    state = build.init_train_state(params, _stage_config().actor_optim)
     return graphdef, state
 
 

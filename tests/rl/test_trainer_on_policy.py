@@ -77,9 +77,9 @@ def _models(cfg, stage: passes.StageConfig) -> build.Models:
     if cfg.critic.enable:
         critic = SequenceClassifier(dataclasses.replace(MODEL, num_labels=1), nnx.Rngs(1))
         critic_graphdef, critic_params = nnx.split(critic)
-        critic_state = passes.init_train_state(critic_params, stage.critic_optim)
+        critic_state = build.init_train_state(critic_params, stage.critic_optim)
     return build.Models(
-        graphdef, passes.init_train_state(params, stage.actor_optim), None,
+        graphdef, build.init_train_state(params, stage.actor_optim), None,
         critic_graphdef, critic_state, None,
     )  # fmt: skip
 
@@ -189,7 +189,7 @@ def test_update_without_the_pass_refuses_several_mini_batches():
     cfg = _config(**GRPO, **{"actor_rollout_ref.actor.recompute_old_log_prob": "false"})
     sc = build.stage_config(cfg, total_steps=2, data_parallel=1)
     graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
-    state = passes.init_train_state(params, sc.actor_optim)
+    state = build.init_train_state(params, sc.actor_optim)
     batch = _batch(0).replace(advantages=jnp.asarray(MASK_BxR))
     two_minis = dataclasses.replace(sc, actor_update=UpdateConfig(1, 2, 2))
     with pytest.raises(ValueError, match="not on-policy"):

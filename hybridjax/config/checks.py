@@ -25,7 +25,7 @@ from hybridjax.algorithms.advantages import (
     compute_advantage,
     needs_reward_baseline,
 )
-from hybridjax.algorithms.config import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+from hybridjax.algorithms.config import KL_CTRL_TYPES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
@@ -52,6 +52,7 @@ from hybridjax.rl.packing import packing_problems
 from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
+from hybridjax.sharding.validate import head_count_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
@@ -189,7 +190,7 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("critic.cliprange_value", positive, "must be > 0"),
         ("algorithm.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
         ("algorithm.lam", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-        ("algorithm.kl_ctrl.type", lambda v: v in ("fixed", "adaptive"), "fixed or adaptive"),
+        ("algorithm.kl_ctrl.type", lambda v: v in KL_CTRL_TYPES, " or ".join(KL_CTRL_TYPES)),
         ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, "must be >= 0"),
         ("algorithm.kl_penalty", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
         ("algorithm.kl_ctrl.target_kl", positive, "must be > 0"),
@@ -522,15 +523,55 @@ def validate(
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += packing_problems(cfg)
         problems += multi_turn_problems(cfg)
-        problems += _pool_problems(cfg, n_devices, model_configs)
+        problems += _pool_problems(cfg, n_devices, None)
         problems += _lora_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
-        if not problems and cfg.trainer.check_memory and model_configs:  # compiles each stage
-            problems += memory_problems(cfg, n_devices, model_configs["actor_rollout_ref.model"])
+        if not problems and model_configs:
+            problems += model_problems(cfg, n_devices, model_configs)
+    _raise(problems)
+
+
+def validate_models(
+    cfg: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig]
+) -> None:
+    """The checks that need the models' shapes, on a config `validate` accepted: attention
+    heads against each pool's tensor axes, and with `trainer.check_memory` the memory plan.
+
+    Raises:
+      ConfigError: listing every problem, one per line, each naming its key and value.
+    """
+    _raise(model_problems(cfg, n_devices, model_configs))
+
+
+def _raise(problems: list[str]) -> None:
     if problems:
         raise ConfigError(
             f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
             + "\n  ".join(problems)
         )
+
+
+def model_problems(
+    c: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig]
+) -> list[str]:
+    """Problems of `validate_models` (see there), each naming the pool when there are several."""
+    sizes, _ = pool_sizes(c, n_devices)
+    if len(sizes) == 1:
+        pools = {"": (c, n_devices)}
+    else:
+        used = {c.placement[r] for r in ROLES}
+        pools = {n: (pool_config(c, n, size), size) for n, size in sizes.items() if n in used}
+    problems = []
+    for name, (config, size) in pools.items():
+        mesh = MeshConfig.from_config(config)
+        found = head_count_problems(
+            mesh.train_sizes(size), mesh.generate_sizes(size), model_configs
+        )
+        roles = [r for r in ROLES if c.placement[r] == name]
+        prefix = f"resource_pool.{name} ({size} devices, roles {roles}): " if name else ""
+        problems += [prefix + p for p in found]
+    if not problems and c.trainer.check_memory:  # compiles each stage
+        problems += memory_problems(c, n_devices, model_configs["actor_rollout_ref.model"])
+    return problems

@@ -11,7 +11,11 @@ their type, so `None` defaults would break `--config.a.b=x` overrides).
 
 from __future__ import annotations
 
+import dataclasses
+
 from ml_collections import ConfigDict, FieldReference
+
+from hybridjax.algorithms.config import KLControlConfig
 
 
 def _optim(lr: float) -> ConfigDict:
@@ -186,7 +190,7 @@ def base_config() -> ConfigDict:
         norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False,
         kl_penalty="kl",
-        kl_ctrl=dict(type="fixed", kl_coef=0.001, horizon=10000, target_kl=0.1),
+        kl_ctrl=dataclasses.asdict(KLControlConfig()),  # fixed, 0.001, target 0.1, horizon 1e4
         # rollout/trainer mismatch (hybridjax.algorithms.rollout_correction); 0.0 = not set
         rollout_is=False,  # apply the weights to the policy loss (else metrics only)
         rollout_is_threshold=0.0,  # upper bound; 0 = no importance weights at all

@@ -46,6 +46,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
+from hybridjax.config.roles import Roles, batch_sharding, data_parallel_size
 from hybridjax.memory.counts import LoopStep, stage_bytes
 
 log = logging.getLogger(__name__)
@@ -281,9 +282,10 @@ def plan_memory(
     capacity = capacity_bytes or device_capacity(available[0], len(jax.local_devices()))
     meshes = make_meshes(MeshConfig.from_config(cfg), available[:devices])
     train, gen = meshes.train, meshes.generate
-    dp = train.shape["data"] * train.shape["fsdp"]
+    dp = data_parallel_size(train)
     sc = build.stage_config(cfg, max(cfg.trainer.total_training_steps, 1), dp, actor_config)
-    use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
+    roles = Roles.from_config(cfg)
+    use_ref = roles.reference
     a = cfg.actor_rollout_ref
 
     actor_def, actor_params = abstract_model(CausalLM, actor_config, train, ACTOR_TRAIN_RULES)
@@ -295,7 +297,7 @@ def plan_memory(
     if use_ref:
         resident["ref params"] = resident["actor params"]
     critic_def = critic_state = None
-    if cfg.critic.enable:
+    if roles.critic:
         critic_cfg = build.critic_model_config(cfg, actor_config)
         critic_def, critic_params = abstract_model(
             SequenceClassifier, critic_cfg, train, CRITIC_RULES
@@ -303,7 +305,7 @@ def plan_memory(
         critic_state = abstract_train_state(critic_params, sc.critic_optim)
         resident["critic params"] = device_bytes(critic_state.params)
         resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
-    if cfg.reward_model.enable:
+    if roles.reward_model:  # (a served one holds no device memory)
         rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
         _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES)
         resident["reward model params"] = device_bytes(rm)
@@ -319,11 +321,11 @@ def plan_memory(
 
     rows = cfg.data.train_batch_size * a.rollout.n
     prompt, response = cfg.data.max_prompt_length, r.response_length
-    sharding = NamedSharding(train, PartitionSpec(("data", "fsdp")))
+    sharding = batch_sharding(train)
     forward_batch = abstract_batch(rows, prompt, response, sharding)
     fields = ["advantages", "returns", "token_level_scores", "token_level_rewards"]
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
-    fields += ["values"] * cfg.critic.enable + ["rollout_is_weights"] * sc.algorithm.rollout_is
+    fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
     update_batch = abstract_batch(rows, prompt, response, sharding, fields)
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))

@@ -132,7 +132,7 @@ def filter_groups(batch: RLBatch, ctx: StepContext) -> RLBatch:
             more.gen_batches,
             more.models,  # offload / onload around gen replace them
         )
-    batch, ctx.host = _take(parts, wanted, ctx.deps.batch_sharding)
+    batch, ctx.host = _take(parts, wanted, ctx.deps.run.batch_sharding)
     ctx.metrics |= {
         "train/num_gen_batches": float(ctx.gen_batches),
         "train/num_kept_groups": float(kept),

@@ -33,8 +33,9 @@ from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
+from hybridjax.config.roles import Roles
+from hybridjax.config.run import RunConfig
 from hybridjax.metrics import compute_data_metrics, compute_perf_metrics
-from hybridjax.models.config import ModelConfig
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rl import passes
 from hybridjax.rl.async_rollout import RolloutAhead, staleness_metrics
@@ -74,10 +75,10 @@ GENERATED = (*ROLLOUT, "rollout_log_probs")
 
 def default_pipeline(cfg: ConfigDict) -> Pipeline:
     """The step for `cfg` (see the module docstring), before `trainer.stages` edits."""
-    a, algo = cfg.actor_rollout_ref, cfg.algorithm
+    algo, roles = cfg.algorithm, Roles.from_config(cfg)
     offload = any_offload(offload_configs(cfg))
     baseline = needs_reward_baseline(algo.adv_estimator)
-    critic = cfg.critic.enable
+    critic = roles.critic
     return Pipeline([
         OFFLOAD if offload else None,
         GEN,
@@ -85,7 +86,7 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
         REWARD_WITH_BASELINE if baseline else REWARD,
         FILTER_GROUPS if algo.filter_groups.enable else None,
         OLD_LOG_PROB if recompute_old_log_prob(cfg) else None,
-        REF if a.actor.use_kl_loss or algo.use_kl_in_reward else None,
+        REF if roles.reference else None,
         VALUES if critic else None,
         ADV,
         UPDATE_CRITIC if critic else None,
@@ -138,10 +139,9 @@ class StepDeps:
     """What a step reads and never changes, built once by the trainer.
 
     Attributes:
-      config: the run's ConfigDict (user stages read their keys here).
+      run: the resolved run config (`hybridjax.config.run.RunConfig`: the ConfigDict, roles,
+        shardings, the `StageConfig` of each pool).
       pipeline: the stages this run's step has (see the module docstring).
-      stage_cfg: the `StageConfig` of the jitted passes on the actor's pool.
-      role_stage_cfgs: the `StageConfig` of `ref` / `critic` on pools of their own.
       sampler: samples the step's batch (the sync `gen`).
       rollout_ahead: the rollout thread (`trainer.rollout_mode` one_step_off / async) that
         `gen` takes the batch from; None: `gen` samples with `sampler`.
@@ -149,40 +149,35 @@ class StepDeps:
       reward: scores responses (`reward`).
       tokenizer: the actor's tokenizer.
       train_loader: the prompt loader (DAPO's dynamic sampling draws more batches).
-      batch_sharding: the batch axes of the actor's training mesh.
-      pool_batch_shardings: the batch axes of `ref`, `critic`, `reward_model` on pools of
-        their own (absent: the actor's pool).
       replicated: a replicated sharding on the actor's training mesh (scalar metrics).
       multi_turn: tools of multi-turn rollouts, or None.
       offload: `fsdp_config.*_offload` per role (`offload` / `onload`).
-      use_critic: `critic.enable`.
-      n_devices, actor_config, peak_flops: what `perf/*` metrics are computed from.
+      n_devices, peak_flops: what `perf/*` metrics are computed from, with the actor's shape.
     """
 
-    config: Any
+    run: RunConfig
     pipeline: Pipeline
-    stage_cfg: StageConfig
-    role_stage_cfgs: Mapping[str, StageConfig]
     sampler: Sampler
     rollout_ahead: RolloutAhead | None
     weights: RolloutWeights
     reward: RewardStage
     tokenizer: Tokenizer
     train_loader: Any
-    batch_sharding: NamedSharding
-    pool_batch_shardings: Mapping[str, NamedSharding]
     replicated: NamedSharding
     multi_turn: MultiTurn | None
     offload: Mapping[str, OffloadConfig]
-    use_critic: bool
     n_devices: int
-    actor_config: ModelConfig
     peak_flops: float
 
-    def stage_config_of(self, role: str) -> StageConfig:
-        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing
-        follow that pool's data parallelism; the actor's `stage_cfg` when they share one."""
-        return self.role_stage_cfgs.get(role, self.stage_cfg)
+    @property
+    def config(self) -> ConfigDict:
+        """The run's ConfigDict (user stages read their keys here)."""
+        return self.run.cfg
+
+    @property
+    def stage_cfg(self) -> StageConfig:
+        """The `StageConfig` of the passes on the actor's pool."""
+        return self.run.stage_cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +216,7 @@ def train_step(
         batch = at(UPDATE_ACTOR, batch)
         batch = at(RESHARD, batch)  # the new actor weights into the rollout engine
         batch = at.finish(batch)  # the user's stages after the last point
-        ctx.metrics |= data_metrics(batch, deps.use_critic)
+        ctx.metrics |= data_metrics(batch, deps.run.roles.critic)
         metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
     return StepState(ctx.models, ctx.kl_coef), metrics | _step_metrics(ctx), ctx
 
@@ -235,7 +230,7 @@ def _step_metrics(ctx: StepContext) -> dict[str, Any]:
     epochs = d.stage_cfg.actor_update.ppo_epochs
     seq_lens = host.prompt_lengths + host.response_lengths
     metrics |= compute_perf_metrics(
-        seq_lens, ctx.timing, d.n_devices, d.actor_config, epochs, d.peak_flops
+        seq_lens, ctx.timing, d.n_devices, d.run.actor_model, epochs, d.peak_flops
     )
     if k := d.config.trainer.log_train_generations:
         scores = ctx.reward.scores  # (no filter_groups: these rows are ctx.prompts')
@@ -348,18 +343,18 @@ def _count_transfer(ctx: StepContext, nbytes: float) -> None:
 def _rows_for(role: str, batch, ctx: StepContext, *fields: str):
     """(the batch a `role` pass reads, its `StageConfig`): on the actor's pool `batch` itself;
     on the role's own pool a batch of the rollout fields and `fields`, moved there."""
-    sharding = ctx.deps.pool_batch_shardings.get(role)
+    sharding = ctx.deps.run.pool_batch_shardings.get(role)
     if sharding is None:
         return batch, ctx.stage_config
     rows = RLBatch(**{f: getattr(batch, f) for f in (*ROLLOUT, *fields)})
-    return _to_pool(rows, sharding, ctx), ctx.deps.stage_config_of(role)
+    return _to_pool(rows, sharding, ctx), ctx.deps.run.stage_config_of(role)
 
 
 def _back(role: str, batch, ctx: StepContext, **outputs):
     """`batch` with the per-token `outputs` of a `role` pass, moved back to the actor's pool
     when the role has its own."""
-    if role in ctx.deps.pool_batch_shardings:
-        outputs = _to_pool(outputs, ctx.deps.batch_sharding, ctx)
+    if role in ctx.deps.run.pool_batch_shardings:
+        outputs = _to_pool(outputs, ctx.deps.run.batch_sharding, ctx)
     return batch.replace(**outputs)
 
 
@@ -397,7 +392,7 @@ def _update_critic_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
     state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
-    if "critic" in ctx.deps.pool_batch_shardings:  # scalars, summed with the actor's
+    if "critic" in ctx.deps.run.pool_batch_shardings:  # scalars, summed with the actor's
         metrics, nan = jax.device_put((metrics, nan), ctx.deps.replicated)
     ctx.models = dataclasses.replace(m, critic_state=state)
     _record_update(ctx, metrics, nan)

@@ -24,6 +24,7 @@ from ml_collections import ConfigDict
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.config import checks
+from hybridjax.config.run import resolve
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
 from hybridjax.models.config import to_dtype
@@ -42,7 +43,6 @@ from hybridjax.sharding import (
     state_shardings,
 )
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share
-from hybridjax.sharding.pools import make_placement
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class RLTrainer:
         checks.validate(cfg, self.n_devices)  # before any file is read or model built
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
-        checks.validate(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
+        models = {"actor_rollout_ref.model": self.actor_config}
+        checks.validate_models(cfg, self.n_devices, models)  # head counts, memory: once each
         if pipeline is not None:
             if cfg.trainer.stages:
                 raise ValueError(
@@ -78,12 +79,6 @@ class RLTrainer:
             pipeline.check()
         self.pipeline = pipeline or step.configured_pipeline(cfg)
         check_reward_servers(cfg)  # fails fast, before any model is loaded
-        # placement: training mesh of the actor's pool, generation mesh of the rollout's pool
-        self.placement = make_placement(cfg)
-        self.meshes = self.placement.meshes()
-        dp = self.meshes.train.shape["data"] * self.meshes.train.shape["fsdp"]
-        self.batch_sharding = NamedSharding(self.meshes.train, PartitionSpec(("data", "fsdp")))
-
         data = dataclasses.replace(
             DataConfig.from_config(cfg.data),
             any_ground_truth=bool(cfg.custom_reward_function.path),
@@ -92,40 +87,22 @@ class RLTrainer:
         self.train_loader = train_loader(data, self.tokenizer, share)
         self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
         t = cfg.trainer
-        self.total_steps = (
-            t.total_training_steps
-            if t.total_training_steps > 0
-            else len(self.train_loader) * t.total_epochs
-        )
-        self.stage_cfg = sc = build.stage_config(cfg, self.total_steps, dp, self.actor_config)
-        self.use_critic = cfg.critic.enable
-        self.use_ref = sc.actor_loss.use_kl_loss or sc.algorithm.use_kl_in_reward
+        # every derived fact (roles, placement, meshes, shardings, stage configs), once
+        self.run = run = resolve(cfg, self.actor_config, len(self.train_loader))
+        self.placement, self.meshes, self.total_steps = run.placement, run.meshes, run.total_steps
+        sc = self.stage_cfg = run.stage_cfg
+        self.role_stage_cfgs = run.role_stage_cfgs
+        self.batch_sharding = run.batch_sharding
+        self.pool_batch_shardings = run.pool_batch_shardings
+        self.use_critic, self.use_ref = run.roles.critic, run.roles.reference
         self.offload = offload_configs(cfg)
-        # ref, critic, reward model on pools of their own (placement.<role>): their meshes,
-        # the batch axes their inputs move to, and the stage config of their data parallelism
-        role_meshes = {
-            role: self.placement.train_mesh(role)
-            for role in ("ref", "critic", "reward_model")
-            if self.placement.roles[role] != self.placement.roles["actor"]
-        }
-        self.pool_batch_shardings = {
-            role: NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-            for role, mesh in role_meshes.items()
-        }
-        self.role_stage_cfgs = {
-            role: build.stage_config(
-                cfg, self.total_steps, mesh.shape["data"] * mesh.shape["fsdp"], self.actor_config
-            )
-            for role, mesh in role_meshes.items()
-            if role in ("ref", "critic")
-        }
         self.models = build.build_models(
             cfg,
             self.actor_config,
             self.meshes.train,
             sc,
             self.use_ref,
-            role_meshes,
+            run.role_meshes,
             self.role_stage_cfgs.get("critic"),
         )
         rollout = cfg.actor_rollout_ref.rollout
@@ -159,7 +136,7 @@ class RLTrainer:
             self.tokenizer,
             self.models.reward_model,
             self.batch_sharding,
-            dp,
+            run.data_parallel,
             self.pool_batch_shardings.get("reward_model"),
         )
         self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
@@ -172,26 +149,20 @@ class RLTrainer:
         )
         self.peak_flops = t.peak_flops or measure_peak_flops()
         replicated = NamedSharding(self.meshes.train, PartitionSpec())
-        self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
+        self.kl_coef = jax.device_put(jnp.float32(sc.algorithm.kl_ctrl.kl_coef), replicated)
         self.deps = step.StepDeps(
-            config=cfg,
+            run=run,
             pipeline=self.pipeline,
-            stage_cfg=sc,
-            role_stage_cfgs=self.role_stage_cfgs,
             sampler=self.sampler,
             rollout_ahead=self.rollout_ahead,
             weights=self.weights,
             reward=self.reward,
             tokenizer=self.tokenizer,
             train_loader=self.train_loader,
-            batch_sharding=self.batch_sharding,
-            pool_batch_shardings=self.pool_batch_shardings,
             replicated=replicated,
             multi_turn=self.multi_turn,
             offload=self.offload,
-            use_critic=self.use_critic,
             n_devices=self.n_devices,
-            actor_config=self.actor_config,
             peak_flops=self.peak_flops,
         )
         self.global_step = 0
@@ -211,8 +182,8 @@ class RLTrainer:
         return self.models.critic_state
 
     def stage_config_of(self, role: str):
-        """The `StageConfig` of `role`'s pool (see `StepDeps.stage_config_of`)."""
-        return self.deps.stage_config_of(role)
+        """The `StageConfig` of `role`'s pool (see `RunConfig.stage_config_of`)."""
+        return self.run.stage_config_of(role)
 
     def _update_weights(self, version: int | None = None) -> int:
         """Re-lays the actor's weights into the engine (or, with a rollout ahead, publishes them

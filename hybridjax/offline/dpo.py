@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-from hybridjax.checkpointing.export import check_export_target
 from hybridjax.errors import ConfigError, UserError, cli_errors
 from hybridjax.models.lora import adapters_off
 from hybridjax.models.tokenizer import Tokenizer
@@ -52,8 +51,6 @@ from hybridjax.offline.sft import (
     sft_config,
     tokenize_pairs,
 )
-from hybridjax.rl.build import init_train_state
-from hybridjax.rl.optim import OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -277,15 +274,8 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     check_keys(cfg, dpo_config(), name="DPO")
     config = DPOConfig(**cfg.dpo.to_dict())
     t, bs = cfg.trainer, cfg.data.train_batch_size
-    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    check_export_target(os.path.abspath(out), overwrite)
-    tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
-    mesh, rows = loop.train_mesh(cfg)
-    train = load_preferences(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_preferences(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    total = loop.total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
-    optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
-    graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
+    run = loop.setup(cfg, overwrite, load_preferences, build_model)
+    graphdef, params, train, val, rows = run.graphdef, run.params, run.train, run.val, run.rows
     ref_train = reference_log_probs(graphdef, params, train, bs, rows)  # before any resume
     ref_val = None if val is None else reference_log_probs(graphdef, params, val, bs, rows)
 
@@ -298,13 +288,9 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     if val is not None:
         validate = lambda p: evaluate(graphdef, p, val, ref_val, bs, rows, config)  # noqa: E731
     step_fn = functools.partial(
-        loop.train_step, graphdef, optim, DPOObjective(config), TRL_METRIC_NAMES
+        loop.train_step, graphdef, run.optim, DPOObjective(config), TRL_METRIC_NAMES
     )
-    state = init_train_state(params, optim)
-    state, metrics = loop.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
-    loop.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path, overwrite)
-    print(f"DPO model written to {out}", flush=True)
-    return metrics
+    return loop.train_and_export(cfg, run, step_fn, batch_fn, validate, overwrite, "DPO")
 
 
 def main(argv: list[str]) -> None:

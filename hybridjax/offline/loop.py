@@ -25,18 +25,19 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
-from hybridjax.checkpointing.export import write_hf_export
+from hybridjax.checkpointing.export import check_export_target, write_hf_export
+from hybridjax.config.roles import batch_sharding
 from hybridjax.metrics import Tracking
 from hybridjax.models.lora import (
     merge_trainable,
     split_trainable,
 )
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rl.build import checkpointed, restored
+from hybridjax.rl.build import checkpointed, init_train_state, restored
 from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.rl.update import TrainState
 from hybridjax.sharding import TRAIN_AXES, MeshConfig, make_meshes
@@ -158,7 +159,7 @@ def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:
     """The training mesh of `mesh.train` and the sharding of a batch's rows over it."""
     sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
     mesh = make_meshes(MeshConfig(train=sizes)).train
-    return mesh, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return mesh, batch_sharding(mesh)
 
 
 def total_steps(cfg: ConfigDict, num_rows: int, data_parallel: int) -> int:
@@ -182,3 +183,73 @@ def total_steps(cfg: ConfigDict, num_rows: int, data_parallel: int) -> int:
 def place(rows: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
     """Host rows → device arrays split over the batch axis of `sharding`."""
     return {k: jax.device_put(v, sharding) for k, v in rows.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What an offline run builds before its first step (`setup`).
+
+    Attributes:
+      out: the HF export directory (`trainer.output_dir`, else `<default_local_dir>/hf`).
+      tokenizer: `data.tokenizer`, else `model.path`'s.
+      mesh, rows: the training mesh and its batch-row sharding (`train_mesh`).
+      train, val: the tokenized rows of `data.train_files` / `data.val_files` (None: none).
+      total: optimizer steps of the run (`total_steps`).
+      optim: the optimizer (`optim.*`, its schedule over `total` steps).
+      graphdef, params: the model (`nnx.split`).
+    """
+
+    out: str
+    tokenizer: Tokenizer
+    mesh: Mesh
+    rows: NamedSharding
+    train: dict[str, np.ndarray]
+    val: dict[str, np.ndarray] | None
+    total: int
+    optim: OptimConfig
+    graphdef: nnx.GraphDef
+    params: Any
+
+
+def setup(
+    cfg: ConfigDict,
+    overwrite: bool,
+    load: Callable[[str, Tokenizer, ConfigDict], dict[str, np.ndarray]],
+    build_model: Callable[[ConfigDict, Tokenizer, Mesh], nnx.Module],
+) -> Setup:
+    """The export target checked first, then the tokenizer, the mesh, the rows
+    (`load(files, tokenizer, cfg.data)`), the step count, the optimizer and the model.
+
+    Raises:
+      ExportError: `trainer.output_dir` is not empty and `overwrite` is False.
+    """
+    t = cfg.trainer
+    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
+    check_export_target(os.path.abspath(out), overwrite)
+    tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
+    mesh, rows = train_mesh(cfg)
+    train = load(cfg.data.train_files, tokenizer, cfg.data)
+    val = load(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    total = total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
+    optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
+    graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
+    return Setup(out, tokenizer, mesh, rows, train, val, total, optim, graphdef, params)
+
+
+def train_and_export(
+    cfg: ConfigDict,
+    run: Setup,
+    step_fn: Callable,
+    batch_fn: Callable[[int], dict[str, jax.Array]],
+    validate: Callable[[Any], dict[str, float]] | None,
+    overwrite: bool,
+    name: str,
+) -> dict[str, Any]:
+    """`fit` from fresh optimizer state (or the checkpoint it resumes), then the HF export of
+    the trained model to `run.out`; returns the last metrics."""
+    state = init_train_state(run.params, run.optim)
+    state, metrics = fit(cfg, run.graphdef, state, run.total, step_fn, batch_fn, validate)
+    model = nnx.merge(run.graphdef, state.params)
+    export(model, run.tokenizer, run.out, cfg.model.path, overwrite)
+    print(f"{name} model written to {run.out}", flush=True)
+    return metrics

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
-from hybridjax.checkpointing.export import check_export_target
+from hybridjax.config.roles import data_parallel_size
 from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
@@ -44,9 +44,7 @@ from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora, merge_trainable
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.offline import loop
-from hybridjax.rl.build import init_train_state
 from hybridjax.rl.forward import response_log_probs
-from hybridjax.rl.optim import OptimConfig
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
     init_sharded,
@@ -374,22 +372,15 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     ):
         if value not in choices:
             raise ConfigError(f"{key}: one of {choices} (got {value!r})")
-    out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    check_export_target(os.path.abspath(out), overwrite)
-    tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
-    mesh, rows = loop.train_mesh(cfg)
-    train = load_split(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_split(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
+    run = loop.setup(cfg, overwrite, load_split, build_model)
+    graphdef, train, val, rows = run.graphdef, run.train, run.val, run.rows
     bs = cfg.data.train_batch_size
-    total = loop.total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
-    optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
-    graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
     objective = sft_objective
     if cfg.model.use_remove_padding:  # rows of max_length; budget = the padded batch's tokens
-        pieces = mesh.shape["data"] * mesh.shape["fsdp"]
+        pieces = data_parallel_size(run.mesh)
         packed = packing.PackingConfig(cfg.data.max_length, max(bs // pieces, 1), pieces, False)
         objective = loop.WithGradients(packed_sft_gradients, packed)
-    step_fn = functools.partial(loop.train_step, graphdef, optim, objective, SFT_METRIC_NAMES)
+    step_fn = functools.partial(loop.train_step, graphdef, run.optim, objective, SFT_METRIC_NAMES)
     num_rows = len(train["input_ids"])
     batch_fn = lambda step: loop.place(  # noqa: E731
         {k: v[batch_indices(num_rows, bs, step, t.seed)] for k, v in train.items()}, rows
@@ -397,11 +388,7 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     validate = None
     if val is not None:
         validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows)}  # noqa: E731
-    state = init_train_state(params, optim)
-    state, metrics = loop.fit(cfg, graphdef, state, total, step_fn, batch_fn, validate)
-    loop.export(nnx.merge(graphdef, state.params), tokenizer, out, cfg.model.path, overwrite)
-    print(f"SFT model written to {out}", flush=True)
-    return metrics
+    return loop.train_and_export(cfg, run, step_fn, batch_fn, validate, overwrite, "SFT")
 
 
 def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows) -> float:

@@ -1,1 +1,2 @@
-"""The run config: the schema with every key's default (`schema`) and its checks (`checks`)."""
+"""The run config: every key with its default (`schema`), the start-up check (`checks`), the
+facts derived from it in one place (`roles`) and the resolved run (`run.resolve -> RunConfig`)."""

@@ -1,11 +1,13 @@
-"""The RL trainer: one controller running the step's pipeline of named stages.
+"""The RL trainer: builds the run once, then loops `step.train_step` and checkpoints.
 
     gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
 
-The pipeline (`trainer.step.configured_pipeline`: the config's default step plus the
-`trainer.stages` edits, or one given from Python) is built and checked at construction. Each
-stage is timed as `timing_s/<stage>`. Metrics of a step are pulled to the host in one
-`device_get`.
+At construction the config is checked (`hybridjax.config.checks`) and resolved
+(`hybridjax.config.run.resolve`), the models, the rollout engine, the reward stage and the
+pipeline (`step.configured_pipeline`: the config's default step plus the `trainer.stages`
+edits, or one given from Python) are built, and what a step reads is frozen into
+`step.StepDeps`. Each step returns the new models and KL coefficient (`step.StepState`), which
+the trainer keeps and checkpoints.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Nothing a reward function does reaches the caller as an exception.
 Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`
 re-imports the trainer for every replacement) through `pebble.ProcessPool`, which kills a
 worker whose call outlives its timeout and replaces any worker that dies. Each worker loads the
-function once from its `FunctionSpec`; rows travel as pickles (cost: ≈0.1 ms per call, measured
-in experiments/benchmarks/reward_service.py, against µs for the built-in regex checks, which is
-why trusted built-ins stay on threads).
+function once from its `FunctionSpec`; rows travel as pickles, a cost per call far above the
+µs of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
+experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def source_comments(fn: Callable[..., Any]) -> dict[str, str]:
         if line in seen:
             return ""
         seen.add(line)
-        block, above = [], line - 1
+        block: list[str] = []
+        above = line - 1
         while above in alone:
             block.insert(0, alone[above])
             above -= 1
@@ -119,7 +120,7 @@ def source_comments(fn: Callable[..., Any]) -> dict[str, str]:
     fn_node = helpers.get(fn.__name__)
     for node in ast.walk(fn_node) if fn_node else ():
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
-            section, seen = node.targets[0].attr, set()
+            section, seen = node.targets[0].attr, set[int]()
             if text := note(node.lineno, seen):
                 notes[section] = text
             visit(node.value, section + ".", seen)

@@ -157,6 +157,7 @@ def _load_in_worker(spec: FunctionSpec) -> None:
 
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
+    assert _WORKER_FN is not None, "the worker's initializer loads the function"
     return call_rows(_WORKER_FN, rows, batched)
 
 
@@ -182,7 +183,7 @@ class RowScorer:
         self.fn, self.timeout_s, self.batched = fn, timeout_s, batched
         self.num_workers = num_workers
         if fn is not None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
+            self._pool: Any = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
         else:
             context = multiprocessing.get_context("forkserver")
             # Workers fork from a server that already imported this module (its replacements

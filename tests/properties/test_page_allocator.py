@@ -85,7 +85,7 @@ groups = st.lists(
 def _holders(tables: list[list[int]], prefixes: list) -> collections.Counter:
     """References each page should have: one per live page table holding it, and one per
     pending prefix for its shared pages (the prefix's own, until its last sample is in)."""
-    held = collections.Counter()
+    held: collections.Counter[int] = collections.Counter()
     for table in tables:
         held.update(table)
     for prefix in prefixes:

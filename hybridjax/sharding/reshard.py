@@ -105,7 +105,8 @@ def update_weights(
     """
     leaves, treedef = jax.tree.flatten(params)
     try:
-        targets = treedef.flatten_up_to(
+        # flatten_up_to is jaxlib's PyTreeDef method, missing from its stubs
+        targets = treedef.flatten_up_to(  # type: ignore[attr-defined]
             jax.tree.broadcast(shardings, params, is_leaf=lambda x: isinstance(x, Sharding))
         )
     except (ValueError, TypeError) as err:

@@ -34,7 +34,7 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
 What this leaves out: XLA CPU's own buffers (it fuses less and keeps more intermediates; its
 memory analysis is reported beside the count as `xla_cpu_scratch`), allocator fragmentation,
 and the runtime's fixed costs (CUDA context, cuDNN and cuBLAS workspaces: hundreds of MB).
-The README gives the error against measured CPU peaks.
+docs/memory-planner.md gives the error against measured CPU peaks.
 """
 
 from __future__ import annotations

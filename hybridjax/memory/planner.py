@@ -27,7 +27,7 @@ The KV pool is sized as the engine sizes it: `rollout.num_pages`, else
 allocated through every stage (verl instead frees vLLM's cache after each rollout).
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
-(see the README for the error measured on CPU). `trainer.check_memory=True` runs the same plan,
+(docs/memory-planner.md: its error on CPU). `trainer.check_memory=True` runs the same plan,
 without compiling (`compile_stages=False`), on the run's own devices in the up-front config
 check.
 """

@@ -38,7 +38,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...
     v5 (`rope_parameters`, which also holds `rope_theta`) `config.json`."""
     params = dict(hf.get("rope_parameters") or {})
     params.update(hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", 10000.0)
+    theta: Any = params.pop("rope_theta", 10000.0)
     theta = hf.get("rope_theta", theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in {"default", "linear", "llama3"}:

@@ -306,6 +306,7 @@ class RewardManager:
             self.remote.reset_counters()
             outcomes = self.remote.score_rows(rows)
         else:
+            assert self.scorer is not None  # set whenever there is no remote
             outcomes = self.scorer.score(rows)
         first = self._batches_done == 0
         metrics = check_outcomes(outcomes, [r[0] for r in rows], self.config.on_error, first)

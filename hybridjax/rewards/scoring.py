@@ -9,9 +9,9 @@ Nothing a reward function does reaches the caller as an exception.
 Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`
 re-imports the trainer for every replacement) through `pebble.ProcessPool`, which kills a
 worker whose call outlives its timeout and replaces any worker that dies. Each worker loads the
-function once from its `FunctionSpec`; rows travel as pickles (cost: ≈0.1 ms per call, measured
-in experiments/benchmarks/reward_service.py, against µs for the built-in regex checks, which is
-why trusted built-ins stay on threads).
+function once from its `FunctionSpec`; rows travel as pickles, a cost per call far above the
+µs of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
+experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ def _load_in_worker(spec: FunctionSpec) -> None:
 
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
+    assert _WORKER_FN is not None, "the worker's initializer loads the function"
     return call_rows(_WORKER_FN, rows, batched)
 
 
@@ -182,7 +183,7 @@ class RowScorer:
         self.fn, self.timeout_s, self.batched = fn, timeout_s, batched
         self.num_workers = num_workers
         if fn is not None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
+            self._pool: Any = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
         else:
             context = multiprocessing.get_context("forkserver")
             # Workers fork from a server that already imported this module (its replacements

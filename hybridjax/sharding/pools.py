@@ -94,8 +94,8 @@ def _pool_mesh(cfg: Any, pool: Mapping[str, Any]) -> MeshConfig:
     train |= dict(pool.get("train", {}))
     generate |= dict(pool.get("generate", {}))
     return MeshConfig(
-        train=tuple(int(train[a]) for a in TRAIN_AXES),
-        generate=tuple(int(generate[a]) for a in GENERATE_AXES),
+        train=tuple(int(train[a]) for a in TRAIN_AXES),  # type: ignore[arg-type]
+        generate=tuple(int(generate[a]) for a in GENERATE_AXES),  # type: ignore[arg-type]
     )
 
 

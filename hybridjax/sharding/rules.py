@@ -172,7 +172,8 @@ def model_shardings(model: nnx.Module, mesh: Mesh, rules: Rules) -> Any:
 def _initializer(model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rules: Rules):
     """(graphdef, jitted `key -> state` writing each variable into its shards); cached, so
     models of one class, config and layout (e.g. actor and reference) compile once."""
-    make = lambda key: model_cls(model_config, nnx.Rngs(key))  # Rngs(seed) == Rngs(key(seed))
+    # Rngs(seed) == Rngs(key(seed)); nnx.Module's own __init__ takes no config
+    make = lambda key: model_cls(model_config, nnx.Rngs(key))  # type: ignore[call-arg]
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
     shardings = state_shardings(abstract_state, mesh, rules)
     return graphdef, jax.jit(lambda key: nnx.split(make(key))[1], out_shardings=shardings)

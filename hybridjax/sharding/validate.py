@@ -35,7 +35,9 @@ def _get(config: Any, key: str) -> Any:
     return node
 
 
-def _mesh_problems(mesh: MeshConfig, num_devices: int) -> tuple[list[str], dict, dict]:
+def _mesh_problems(
+    mesh: MeshConfig, num_devices: int
+) -> tuple[list[str], dict[str, int] | None, dict[str, int] | None]:
     problems, resolved = [], {}
     for layout, sizes, names in (
         ("train", mesh.train, TRAIN_AXES),

@@ -7,11 +7,12 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 from hybridjax.tools.base import Tool, register_tool
 
-_BINARY = {
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -20,8 +21,17 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "sqrt": math.sqrt,
+    "abs": abs,
+    "round": round,
+    "min": min,
+    "max": max,
+}
 MAX_EXPONENT = 100
 MAX_MAGNITUDE = 1e100
 MAX_LENGTH = 200
@@ -44,6 +54,7 @@ def evaluate(expression: str) -> int | float:
 
 
 def _eval(node: ast.AST) -> int | float:
+    value: Any
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         value = node.value
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:

@@ -58,7 +58,7 @@ class ToolExecutor:
         max_response_length: int = 256,
         truncate_side: str = "middle",
     ):
-        self.tools = {}
+        self.tools: dict[str, Tool] = {}
         for t in tools:
             if t.name in self.tools:
                 raise ValueError(f"two tools are named {t.name!r}")
@@ -75,8 +75,8 @@ class ToolExecutor:
         """The tools' OpenAI function schemas (for the chat template's `tools`)."""
         return [t.schema for t in self.tools.values()]
 
-    def submit(self, call: ToolCall | ParseError) -> concurrent.futures.Future[ToolResult]:
-        """Starts one call; the future's result is always a `ToolResult`."""
+    def submit(self, call: ToolCall | ParseError) -> concurrent.futures.Future:
+        """Starts one call; the future's result is a `ToolResult` or the tool's text."""
         if isinstance(call, ParseError):
             return _done(ToolResult(f"Error: malformed tool call ({call.reason})", True))
         if call.name not in self.tools:

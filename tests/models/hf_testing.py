@@ -4,6 +4,8 @@ HF initialises weights with std 0.02, which makes logits nearly constant; `_spre
 redraws them larger (norm scales around 1) so that a wrong transpose, rope or mask shows.
 """
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -11,7 +13,7 @@ import transformers
 from flax import nnx
 
 VOCAB = 128
-COMMON = dict(
+COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -39,7 +41,7 @@ FAMILIES = {
     ),
     # GQA, untied, llama3 rope scaling
     "llama": lambda: (
-        transformers.LlamaConfig(
+        transformers.LlamaConfig(  # type: ignore[call-arg]  # rope keys go through **kwargs
             **COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE
         ),
         transformers.LlamaForCausalLM,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 from ml_collections import ConfigDict
@@ -49,7 +50,7 @@ class _Recorder:
 
     def __init__(self, cfg: ConfigDict, monkeypatch):
         self.read: set[str] = set()
-        self.node_path = {}
+        self.node_path: dict[int, str] = {}
         self._index(cfg, "")
         get, items, to_dict = ConfigDict.__getitem__, ConfigDict.items, ConfigDict.to_dict
         recorder = self
@@ -81,7 +82,7 @@ class _Recorder:
         prefix = self.node_path.get(id(node))
         if prefix is None:
             return
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:  # reads made by the config check do not count
             if frame.f_code.co_filename.endswith(VALIDATE):
                 return

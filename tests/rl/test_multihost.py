@@ -6,7 +6,7 @@ The one-process run also starts `jax.distributed` (a single process), so its all
 gloo's ring as in the two-process run. Without it XLA's in-process all-reduce sums the 8 devices'
 gradients in device order, the ring in another order: the float32 roundings then differ (Adam's
 moments by up to ~6e-7 of each tensor's largest) and Adam's g/(|g|+ε) turns that into up to ~1e-6
-of a parameter where |g| ~ ε = 1e-8 (README, "Several processes and hosts"). With the same
+of a parameter where |g| ~ ε = 1e-8 (docs/placement.md, several hosts). With the same
 collectives the runs agree bit for bit, so any difference comes from the host-side split."""
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from hybridjax.checkpointing.export import check_export_target
+from hybridjax.checkpointing.run_lock import hold_outputs
 from hybridjax.errors import ConfigError, UserError, cli_errors
 from hybridjax.models.lora import adapters_off
 from hybridjax.models.tokenizer import Tokenizer
@@ -279,6 +280,7 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     t, bs = cfg.trainer, cfg.data.train_batch_size
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     check_export_target(os.path.abspath(out), overwrite)
+    hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = offline.train_mesh(cfg)
     train = load_preferences(cfg.data.train_files, tokenizer, cfg.data)

@@ -36,6 +36,7 @@ from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.checkpointing.export import check_export_target
+from hybridjax.checkpointing.run_lock import hold_outputs
 from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
@@ -376,6 +377,7 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
             raise ConfigError(f"{key}: one of {choices} (got {value!r})")
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     check_export_target(os.path.abspath(out), overwrite)
+    hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = offline.train_mesh(cfg)
     train = load_split(cfg.data.train_files, tokenizer, cfg.data)

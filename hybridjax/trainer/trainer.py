@@ -24,8 +24,10 @@ from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
+from hybridjax.checkpointing.run_lock import hold_run_directory
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
+from hybridjax.metrics.console import announce
 from hybridjax.models.config import to_dtype
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
@@ -67,6 +69,7 @@ class RLTrainer:
         num_compiles()  # starts counting: `perf/num_compiles` includes this run's first compiles
         self.n_devices = jax.device_count()
         validate_config(cfg, self.n_devices)  # before any file is read or model built
+        self.run_lock = None if read_only or not is_main() else hold_run_directory(cfg)
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         validate_config(cfg, self.n_devices, {"actor_rollout_ref.model": self.actor_config})
@@ -418,7 +421,7 @@ class RLTrainer:
             meta["nan_total"],
         )
         self._update_weights()
-        log.info("resumed from step %d", step)
+        announce(log, f"resumed from step {step} of {self.cfg.trainer.default_local_dir}")
         return step
 
     def _meta_problems(self, meta: dict) -> list[str]:
@@ -507,3 +510,5 @@ class RLTrainer:
             self.rollout_ahead.close()
         self.checkpointer.close()
         self.reward.close()
+        if self.run_lock is not None:
+            self.run_lock.release()

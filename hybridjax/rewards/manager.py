@@ -24,7 +24,11 @@ returns NaN/inf never ends the run: the row is counted (`reward/num_errors`,
 `reward/num_timeouts`, `reward/num_nonfinite`) and handled by `reward_model.on_error`: `zero`
 scores it 0, `raise` stops with `RewardFunctionError` naming the row. A function that fails on
 every row of the first batch stops the run with its first error whatever the policy (a wrong
-signature or a missing dependency, not a reason to train on zeros).
+signature or a missing dependency, not a reason to train on zeros); later, steps in which most
+rows failed are never checkpointed, and `reward_model.max_consecutive_failed_steps` of them in
+a row stop the run (`hybridjax.rewards.guard`). A function that returns something other than
+a number or a dict with a numeric `score`, or a score that is NaN/inf in float32 or beyond
+±1e6, fails its row (`hybridjax.rewards.scoring.normalize`).
 """
 
 from __future__ import annotations
@@ -163,12 +167,14 @@ class RewardResult:
       metrics: `reward/num_errors`, `reward/num_timeouts`, `reward/num_nonfinite`,
         `reward/<key>/mean` per numeric extra key; with servers `reward/remote_latency_ms`
         and `reward/num_retries`.
+      first_error: the first failing row's error ("" when none failed).
     """
 
     token_level_scores: np.ndarray
     scores: np.ndarray
     extra: dict[str, np.ndarray]
     metrics: dict[str, float]
+    first_error: str = ""  # what the first failing row's function or server said
 
 
 def concat_results(results: Sequence[RewardResult]) -> RewardResult:
@@ -201,6 +207,7 @@ def concat_results(results: Sequence[RewardResult]) -> RewardResult:
         np.concatenate([r.scores for r in results]),
         extra,
         metrics,
+        next((r.first_error for r in results if r.first_error), ""),
     )
 
 
@@ -323,7 +330,8 @@ class RewardManager:
                 continue
             if np.any(np.isfinite(extra[key])):
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(extra[key]))
-        return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics)
+        error = next((f"{o.kind}: {o.error}" for o in outcomes if o.kind != "ok"), "")
+        return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics, error)
 
 
 def build_scorer(

@@ -29,6 +29,7 @@ from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
 from hybridjax.metrics.console import announce
 from hybridjax.models.config import to_dtype
+from hybridjax.rewards.guard import RewardFailureGuard
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -168,6 +169,7 @@ class RLTrainer:
         self.kl_coef = jax.device_put(jnp.float32(cfg.algorithm.kl_ctrl.kl_coef), replicated)
         self.global_step = 0
         self.nan_guard = NanGuard(t.max_consecutive_nan_steps)
+        self.reward_guard = RewardFailureGuard.from_config(cfg)
 
     @property
     def actor_graphdef(self):
@@ -315,6 +317,7 @@ class RLTrainer:
             ctx.metrics |= step.data_metrics(batch, self.use_critic)
             metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
         self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
+        self.reward_guard.count(ctx.reward, n)  # raises before a checkpoint of failed steps
         metrics |= {f"timing_s/{k}": v for k, v in ctx.timing.items()}
         if not self.placement.co_located:
             metrics["timing_s/update_weights"] = self._sync_time
@@ -476,7 +479,7 @@ class RLTrainer:
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
                     periodic = t.save_freq > 0 and step % t.save_freq == 0
-                    if last or stopping or periodic:
+                    if (last or stopping or periodic) and self.reward_guard.may_save():
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]

@@ -110,6 +110,12 @@ class RewardConfig:
             )
 
     @property
+    def uses_builtin(self) -> bool:
+        """Whether rows are scored here by the built-in dispatch on `data_source` (no custom
+        function, no rule servers)."""
+        return not (self.custom_path or self.remote.urls)
+
+    @property
     def function_spec(self) -> FunctionSpec:
         return FunctionSpec(self.custom_path, self.custom_name, self.custom_kwargs)
 

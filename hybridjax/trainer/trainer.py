@@ -29,7 +29,9 @@ from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, compute_perf_metrics, measure_peak_flops, num_compiles
 from hybridjax.metrics.console import announce
 from hybridjax.models.config import to_dtype
+from hybridjax.rewards import RewardConfig
 from hybridjax.rewards.guard import RewardFailureGuard
+from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -96,6 +98,11 @@ class RLTrainer:
         # each process collates, generates and scores only its share of every batch
         self.train_loader = train_loader(data, self.tokenizer, share)
         self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
+        loaders = {"data.train_files": self.train_loader, "data.val_files": self.val_loader}
+        check_data_sources(  # before any model is built
+            {k: v.dataset.data_sources() for k, v in loaders.items() if v is not None},
+            custom=not RewardConfig.from_config(cfg).uses_builtin,
+        )
         t = cfg.trainer
         self.total_steps = (
             t.total_training_steps

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridjax.errors import UserError
 from hybridjax.rewards.registry import default_compute_score, registered_data_sources
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.scoring import FunctionSpec, Outcome, RowScorer, check_signature
@@ -52,8 +53,9 @@ COMBINE = ("replace", "sum")
 _MAX_LOGGED_ERRORS = 3  # per batch; the rest are only counted
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function failed on a row (policy `raise`) or on every row of the first batch."""
+class RewardFunctionError(UserError, RuntimeError):
+    """A reward function failed on a row (policy `raise`) or on every row of the first batch
+    (a user error: the command line reports it in one line, naming the row)."""
 
 
 @dataclasses.dataclass(frozen=True)

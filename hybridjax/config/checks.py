@@ -219,6 +219,8 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("reward_model.timeout_s", lambda v: v >= 0, "must be >= 0 (0: no limit)"),
         ("reward_model.remote.timeout_s", positive, "must be > 0"),
         ("reward_model.remote.max_retries", lambda v: v >= 0, "must be >= 0"),
+        ("reward_model.remote.retry_backoff_s", lambda v: v >= 0, "must be >= 0"),
+        ("reward_model.max_consecutive_failed_steps", positive, "must be > 0"),
         ("reward_model.remote.concurrency", positive, "must be > 0"),
         ("reward_model.remote.batch_size", positive, "must be > 0"),
         ("reward_model.overlong_buffer.len", lambda v: v >= 0, "must be >= 0"),

@@ -178,7 +178,17 @@ def base_config() -> ConfigDict:
         timeout_s=30.0,  # per call of a custom reward function in a worker process; 0 = none
         combine="replace",  # rule score with a reward model's: replace (model only) | sum
         # reward servers (python -m hybridjax.rewards.serve); urls comma-separated, "" = local
-        remote=dict(urls="", timeout_s=60.0, max_retries=2, concurrency=4, batch_size=32),
+        remote=dict(
+            urls="",
+            timeout_s=60.0,
+            max_retries=2,
+            retry_backoff_s=0.5,  # before the first retry, doubling after each
+            concurrency=4,
+            batch_size=32,
+        ),
+        # stop the run after this many consecutive steps in which most rows' rewards failed
+        # (whatever on_error says); such steps are never checkpointed (hybridjax.rewards.guard)
+        max_consecutive_failed_steps=3,
         # DAPO soft overlong punishment on token_level_rewards (hybridjax.algorithms.overlong)
         overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0),
     )

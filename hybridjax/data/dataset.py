@@ -294,6 +294,10 @@ class PromptDataset:
             "special_token_rows": self.num_special_token_rows,
         }
 
+    def data_sources(self) -> set[str]:
+        """The distinct `data_source` values of the files (every row, kept or filtered)."""
+        return {str(v) for t in self._tables for v in t["data_source"].unique().to_pylist()}
+
     def __len__(self) -> int:
         return len(self._locations)
 

@@ -24,13 +24,13 @@ import json
 import logging
 import math
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from hybridjax.errors import InputFileError, MissingFileError, read_json
@@ -171,7 +171,10 @@ class CheckpointReader:
                 raise MissingFileError(
                     f"checkpoint shard {file} (listed in {INDEX_FILE}) is missing"
                 )
-            self._open[file] = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+            with _readable(file):
+                self._open[file] = self._stack.enter_context(
+                    safe_open(str(file), framework="numpy")
+                )
         return self._open[file]
 
     def names(self) -> list[str]:
@@ -182,7 +185,41 @@ class CheckpointReader:
 
     def get(self, name: str) -> np.ndarray:
         """One tensor as a host numpy array in the checkpoint's dtype (bf16 via ml_dtypes)."""
-        return self._handle(self.files[name]).get_tensor(name)
+        with _readable(self.files[name], name):
+            return self._handle(self.files[name]).get_tensor(name)
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (`F32`, `BF16`, `I32`, ...)."""
+        return str(self._handle(self.files[name]).get_slice(name).get_dtype())
+
+
+@contextlib.contextmanager
+def _readable(file: pathlib.Path, tensor: str = "") -> Iterator[None]:
+    """Reports a truncated or corrupt safetensors file as an InputFileError naming it."""
+    try:
+        yield
+    except SafetensorError as err:
+        what = f" (tensor {tensor!r})" if tensor else ""
+        raise InputFileError(
+            f"{file}{what}: not a readable safetensors file ({err}); the file may be truncated "
+            "(an interrupted download or copy): fetch it again"
+        ) from err
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_float_dtypes(reader: CheckpointReader, names: Iterable[str]) -> None:
+    """Raises InputFileError naming the file and every tensor of `names` that is not floating
+    point (an integer or boolean tensor would be cast silently into meaningless weights)."""
+    bad = [(n, reader.dtype(n)) for n in names if reader.dtype(n) not in FLOAT_DTYPES]
+    if bad:
+        listed = ", ".join(f"{n!r} ({d}, in {reader.files[n].name})" for n, d in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise InputFileError(
+            f"checkpoint {reader.path}: weights must be floating point ({', '.join(FLOAT_DTYPES)});"
+            f" found {listed}{more}"
+        )
 
 
 def _check_tensors(
@@ -279,6 +316,7 @@ def load_pretrained(
         if config.tie_word_embeddings or new_head:
             ignored.add("lm_head.weight")  # tied: HF drops it; fresh critic: not ours
         _check_tensors(reader, expected, optional, ignored)
+        check_float_dtypes(reader, [n for n in expected if n in reader.files])
         dtype = to_dtype(config.param_dtype)
         for p, var in params:
             shape = var.get_value().shape

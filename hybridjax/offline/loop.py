@@ -32,6 +32,7 @@ from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
 from hybridjax.config.roles import batch_sharding
 from hybridjax.metrics import Tracking
+from hybridjax.metrics.console import announce
 from hybridjax.models.lora import (
     merge_trainable,
     split_trainable,
@@ -112,7 +113,7 @@ def fit(
     if t.resume_mode == "auto" and (saved := checkpointer.restore(checkpointed(state))):
         start, tree, _ = saved
         state = restored(state, tree)
-        log.info("resumed from step %d", start)
+        announce(log, f"resumed from step {start} of {t.default_local_dir}")
     logs = os.path.join(t.default_local_dir, "logs")
     run_name = (t.project_name, t.experiment_name)
     tracker = Tracking(

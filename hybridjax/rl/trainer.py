@@ -25,11 +25,16 @@ from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
+from hybridjax.checkpointing.run_lock import hold_run_directory
 from hybridjax.config import checks
 from hybridjax.config.run import resolve
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
+from hybridjax.metrics.console import announce
 from hybridjax.models.config import to_dtype
+from hybridjax.rewards import RewardConfig
+from hybridjax.rewards.guard import RewardFailureGuard
+from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rl import build, step
 from hybridjax.rl.async_rollout import RolloutAhead
 from hybridjax.rl.evaluation import validate
@@ -68,6 +73,7 @@ class RLTrainer:
         num_compiles()  # starts counting: `perf/num_compiles` includes this run's first compiles
         self.n_devices = jax.device_count()
         checks.validate(cfg, self.n_devices)  # before any file is read or model built
+        self.run_lock = None if read_only or not is_main() else hold_run_directory(cfg)
         self.tokenizer = build.load_tokenizer(cfg)
         self.actor_config = build.actor_model_config(cfg, self.tokenizer)
         models = {"actor_rollout_ref.model": self.actor_config}
@@ -88,6 +94,11 @@ class RLTrainer:
         # each process collates, generates and scores only its share of every batch
         self.train_loader = train_loader(data, self.tokenizer, share)
         self.val_loader = val_loader(data, self.tokenizer, share) if data.val_files else None
+        loaders = {"data.train_files": self.train_loader, "data.val_files": self.val_loader}
+        check_data_sources(  # before any model is built
+            {k: v.dataset.data_sources() for k, v in loaders.items() if v is not None},
+            custom=not RewardConfig.from_config(cfg).uses_builtin,
+        )
         t = cfg.trainer
         # every derived fact (roles, placement, meshes, shardings, stage configs), once
         self.run = run = resolve(cfg, self.actor_config, len(self.train_loader))
@@ -170,6 +181,7 @@ class RLTrainer:
         self.global_step = 0
         self.policy_versions = None  # per row of the last step: the policy that sampled it
         self.nan_guard = NanGuard(t.max_consecutive_nan_steps)
+        self.reward_guard = RewardFailureGuard.from_config(cfg)
 
     @property
     def actor_graphdef(self):
@@ -267,6 +279,7 @@ class RLTrainer:
             ctx.policy_versions,
         )
         self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
+        self.reward_guard.count(ctx.reward, n)  # raises before a checkpoint of failed steps
         metrics |= {
             "training/global_step": float(n),
             "training/epoch": float(epoch),
@@ -357,7 +370,7 @@ class RLTrainer:
             meta["nan_total"],
         )
         self._update_weights()
-        log.info("resumed from step %d", step)
+        announce(log, f"resumed from step {step} of {self.cfg.trainer.default_local_dir}")
         return step
 
     def _meta_problems(self, meta: dict) -> list[str]:
@@ -412,7 +425,7 @@ class RLTrainer:
                             metrics |= self.validate()
                         metrics["timing_s/testing"] = timing["testing"]
                     periodic = t.save_freq > 0 and step % t.save_freq == 0
-                    if last or stopping or periodic:
+                    if (last or stopping or periodic) and self.reward_guard.may_save():
                         with timed(timing := {}, "save_checkpoint"):
                             self.save()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
@@ -446,3 +459,5 @@ class RLTrainer:
             self.rollout_ahead.close()
         self.checkpointer.close()
         self.reward.close()
+        if self.run_lock is not None:
+            self.run_lock.release()

@@ -171,7 +171,7 @@ def test_multi_turn_tool_config_file_problems(tmp_path):
     unknown.write_text("tools:\n  - class_name: web_search\n")
     line = _one_problem(**on, **{f"{MT}.tool_config_path": str(unknown)})
     assert line.startswith(f"{MT}.tool_config_path: {unknown}: tools[0]: class_name 'web_search'")
-    assert "['calculator', 'python']" in line
+    assert "['calculator', 'python', 'sandbox_fusion']" in line
     twice = tmp_path / "twice.yaml"
     twice.write_text("tools:\n  - class_name: calculator\n  - class_name: calculator\n")
     line = _one_problem(**on, **{f"{MT}.tool_config_path": str(twice)})

@@ -30,6 +30,7 @@ from ml_collections import ConfigDict
 
 from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
+from hybridjax.checkpointing.run_lock import hold_outputs
 from hybridjax.config.roles import batch_sharding
 from hybridjax.metrics import Tracking
 from hybridjax.metrics.console import announce
@@ -227,6 +228,7 @@ def setup(
     t = cfg.trainer
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     check_export_target(os.path.abspath(out), overwrite)
+    hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = train_mesh(cfg)
     train = load(cfg.data.train_files, tokenizer, cfg.data)

@@ -163,6 +163,25 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
 
+    def __post_init__(self):
+        """Raises ValueError for an unknown family or an inconsistent mixture of experts."""
+        if self.family not in FAMILY_PREFIX:
+            raise ValueError(
+                f"unknown family {self.family!r}; expected one of {sorted(FAMILY_PREFIX)}"
+            )
+        if self.num_experts and self.family != "qwen3_moe":
+            raise ValueError(f"num_experts={self.num_experts} needs family 'qwen3_moe'")
+        if self.family == "qwen3_moe" and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                "qwen3_moe needs 0 < num_experts_per_tok <= num_experts and "
+                f"moe_intermediate_size > 0 (got {self.num_experts_per_tok}, {self.num_experts}, "
+                f"{self.moe_intermediate_size})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
     @property
     def qk_norm(self) -> bool:
         """Whether attention applies a per-head RMSNorm to q and k before RoPE (Qwen3)."""

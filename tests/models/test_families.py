@@ -150,3 +150,20 @@ def test_qwen3_config_checks():
         ModelConfig.from_hf_dict({**moe, "num_experts": 2, "num_experts_per_tok": 3})
     config = ModelConfig.from_hf_dict({**moe, "num_experts": 4, "num_experts_per_tok": 2})
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"family": "gemma"}, "unknown family 'gemma'"),
+        ({"num_experts": 4}, "needs family 'qwen3_moe'"),
+        (
+            {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+            "num_experts_per_tok",
+        ),
+        ({"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}, "moe_intermediate"),
+    ],
+)
+def test_inconsistent_model_configs_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**fields)

@@ -12,7 +12,10 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
   split over `tensor`.
 * activations: per token a layer holds about 6 hidden-size vectors (residual, norms, attention
   input and output, MLP output) and 3 MLP-size ones (gate, up, their product) in the compute
-  dtype; q, k, v and the attention output; with the jnp attention (float32, CPU, TPU) two
+  dtype (a mixture-of-experts layer instead: its k routed copies of the token and their
+  outputs, 3 · k expert-width vectors, and the router's E float32 probabilities; the
+  larger of the two counts when the model has both kinds of layer); q, k, v and the
+  attention output; with the jnp attention (float32, CPU, TPU) two
   float32 query chunks of logits and probabilities (H × T/n × T each, n query chunks) forward,
   all of them backward. A forward pass holds one layer's; an update holds 2 (recomputed
   forward + its gradients), plus each layer's input with rematerialisation
@@ -96,6 +99,18 @@ def _gathered(params: Any, mesh_shape: dict[str, int]) -> tuple[int, int]:
     return layers, outer
 
 
+def mlp_bytes_per_token(m, tp: int) -> int:
+    """Live bytes per token of one layer's MLP (see the module docstring), compute dtype."""
+    c = jnp.dtype(m.dtype).itemsize
+    dense = MLP_VECTORS * m.intermediate_size // tp * c
+    if not m.num_moe_layers:
+        return dense
+    k = m.num_experts_per_tok
+    routed = (2 * k * m.hidden_size + MLP_VECTORS * k * m.moe_intermediate_size // tp) * c
+    routed += m.num_experts * F32
+    return max(routed, dense if m.num_moe_layers < m.num_hidden_layers else 0)
+
+
 def stage_bytes(
     kind: str,
     model_config,
@@ -139,7 +154,7 @@ def stage_bytes(
 
     t, d, hd = step.tokens, m.hidden_size, m.resolved_head_dim
     heads, kv = m.num_attention_heads // tp, max(m.num_key_value_heads // tp, 1)
-    layer = t * (HIDDEN_VECTORS * d + MLP_VECTORS * m.intermediate_size // tp) * c
+    layer = t * (HIDDEN_VECTORS * d * c + mlp_bytes_per_token(m, tp))
     layer += t * 2 * (heads + kv) * hd * c  # q, k, v and the attention output
     if attention == "jnp":
         chunks = min(4, max(step.row_length // 64, 1))  # decoder.MAX/MIN_QUERY_CHUNK(S)

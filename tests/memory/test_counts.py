@@ -83,3 +83,23 @@ def test_unknown_kind_is_refused():
     params, shape = _params(MODEL, 2, 1)
     with pytest.raises(ValueError, match="forward|update"):
         stage_bytes("backward", MODEL, params, shape, LoopStep(1, 1, 1, 1), "jnp")
+
+
+def test_moe_layers_hold_routed_copies_expert_widths_and_router_probabilities():
+    moe = dataclasses.replace(
+        MODEL,
+        family="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=(1,),  # layer 1 dense: the larger of the two counts
+    )
+    params, shape = _params(moe, 2, 1)
+    step = LoopStep(tokens=48, head_tokens=40, rows=2, row_length=24)
+    got = stage_bytes("forward", moe, params, shape, step, "fused")
+    routed = (2 * 2 * D + 3 * 2 * 24) * F32 + 8 * F32  # 408 floats, more than the dense 384
+    assert routed > 3 * F * F32
+    assert got["activations"] == 48 * (6 * D * F32 + routed) + 48 * 2 * (H + KV) * HD * F32
+    dense_only = dataclasses.replace(moe, moe_intermediate_size=1, num_experts_per_tok=1)
+    got = stage_bytes("forward", dense_only, params, shape, step, "fused")
+    assert got["activations"] == 48 * (6 * D + 3 * F) * F32 + 48 * 2 * (H + KV) * HD * F32

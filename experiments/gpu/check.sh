@@ -8,13 +8,14 @@
 #   PYTHON=... picks the interpreter (default python3, the GPU image's, which holds torch)
 #
 # Packages the image lacks come from experiments/gpu/wheels (experiments/gpu/fetch_wheels.sh,
-# on a machine with a network): installed once into experiments/gpu/wheels/site with
-# `pip install --no-index --no-deps --target`, then put on PYTHONPATH. Steps and results:
-# experiments/gpu/check.py.
+# on a machine with a network): installed into experiments/gpu/.site with `pip install
+# --no-index --no-deps --target` (again when the wheels change), then put on PYTHONPATH.
+# GPU_CHECK_WHEELS / GPU_CHECK_SITE move either folder. Steps and results: experiments/gpu/check.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python3}"
 WHEELS="${GPU_CHECK_WHEELS:-experiments/gpu/wheels}"
+SITE="${GPU_CHECK_SITE:-experiments/gpu/.site}"
 part=""
 args=()
 while [[ $# -gt 0 ]]; do
@@ -34,14 +35,14 @@ if [[ " ${args[*]-} " != *" --dry-run "* ]] && ! nvidia-smi >/dev/null 2>&1; the
   exit 1
 fi
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  site="$WHEELS/site"
-  if [[ ! -f "$site/.installed" || "$WHEELS/wheels.txt" -nt "$site/.installed" ]]; then
-    rm -rf "$site"
+  listing="$(cd "$WHEELS" && ls -- *.whl)"
+  if [[ ! -f "$SITE/.installed" || "$(cat "$SITE/.installed")" != "$listing" ]]; then
+    rm -rf "$SITE"
     "$PYTHON" -m pip install -q --no-index --no-deps --disable-pip-version-check \
-      --target "$site" "$WHEELS"/*.whl
-    touch "$site/.installed"
+      --target "$SITE" "$WHEELS"/*.whl
+    echo "$listing" >"$SITE/.installed"
   fi
-  export PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else
   echo "check.sh: no wheels in $WHEELS (experiments/gpu/fetch_wheels.sh); using what is installed" >&2
 fi

@@ -46,8 +46,8 @@ def schemas() -> list[Schema]:
     """The RL trainer's, SFT's and DPO's configs, where they live today."""
     from hybridjax.dpo import dpo_config
     from hybridjax.sft import sft_config
-    from hybridjax.trainer.config import base_config
-    from hybridjax.trainer.validate import _range_rules
+    from hybridjax.config.schema import base_config
+    from hybridjax.config.checks import _range_rules
 
     return [
         Schema(

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from hybridjax.rewards.guard import RewardFailureError
-from hybridjax.trainer.trainer import RLTrainer
+from hybridjax.rl.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, tiny_config
 
 pytestmark = pytest.mark.slow

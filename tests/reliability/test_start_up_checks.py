@@ -9,8 +9,8 @@ import pytest
 
 from hybridjax.errors import ConfigError
 from hybridjax.rewards.registry import check_data_sources
-from hybridjax.trainer import build
-from hybridjax.trainer.trainer import RLTrainer
+from hybridjax.rl import build
+from hybridjax.rl.trainer import RLTrainer
 from tests.trainer.tiny_run import gsm8k_subset, tiny_config
 
 

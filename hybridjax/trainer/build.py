@@ -23,6 +23,7 @@ from hybridjax.algorithms.config import (
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
+from hybridjax.models.logprobs import LogProbConfig
 from hybridjax.models.lora import (
     LoRAConfig,
     adapters_off,
@@ -296,6 +297,11 @@ def stage_config(
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],
+        head=LogProbConfig(
+            use_fused_kernels=a.model.use_fused_kernels,
+            entropy_checkpointing=a.actor.entropy_checkpointing,
+            entropy_from_logits_with_chunking=a.actor.entropy_from_logits_with_chunking,
+        ),
     )
 
 

@@ -63,6 +63,9 @@ def base_config() -> ConfigDict:
             target_modules="all-linear",
             # packed sequences (no padding) in the actor's, ref's and old-log-prob passes
             use_remove_padding=True,
+            # the LM head fused with log-softmax and entropy, chunk by chunk over positions
+            # (hybridjax.models.logprobs): no B×T×V logits in any pass
+            use_fused_kernels=True,
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
@@ -86,6 +89,10 @@ def base_config() -> ConfigDict:
             loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length
             policy_loss=dict(loss_mode="vanilla"),
             entropy_coeff=0.0,
+            # without use_fused_kernels: the entropy recomputed in the backward (no softmax
+            # kept) and computed over chunks of positions (verl's keys)
+            entropy_checkpointing=True,
+            entropy_from_logits_with_chunking=True,
             use_kl_loss=False,
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",

@@ -20,11 +20,12 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits) and drops what `fsdp_config.*_offload` moves to host while it runs; `reshard` holds a
-second copy of the rollout weights while the new one lands (`hybridjax.sharding.update_weights`).
-The KV pool is sized as the engine sizes it: `rollout.num_pages`, else
-`gpu_memory_utilization` × (capacity − what is resident when the engine starts); it stays
-allocated through every stage (verl instead frees vLLM's cache after each rollout).
+logits) and drops what `fsdp_config.*_offload` moves to host while it runs. The KV pool is
+sized as the engine sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity −
+what is resident when the engine starts). With `rollout.free_cache_engine` (the default; sync
+rollouts) the engine sleeps after `gen` (`hybridjax.trainer.residency`): no training stage
+holds the pool or the generation weights, and `reshard` writes the one new copy; without it
+both stay through every stage and `reshard` holds a second copy while the new one lands.
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
 (see the README for the error measured on CPU). `trainer.check_memory=True` runs the same plan,
@@ -270,6 +271,7 @@ def plan_memory(
     )
     from hybridjax.trainer import build, stages
     from hybridjax.trainer.offload import offload_configs
+    from hybridjax.trainer.residency import free_cache_engine
 
     available = jax.devices()
     devices = devices or len(available)
@@ -346,6 +348,9 @@ def plan_memory(
     decode = _decode_scratch(actor_config, r, gen.shape["data"], tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
+    # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training
+    asleep = ("KV pool", "rollout weights") if free_cache_engine(cfg) else ()
+    training = {k: v for k, v in resident.items() if k not in asleep}
     fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
     mesh_shape = dict(train.shape)
 
@@ -358,7 +363,7 @@ def plan_memory(
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
-        others = {k: v for k, v in resident.items() if k not in used}
+        others = {k: v for k, v in training.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
         new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
@@ -370,7 +375,9 @@ def plan_memory(
         params = state.params if kind == "update" else state
         opt = device_bytes(state.opt_state) if kind == "update" else 0
         attention = "fused" if fused else "jnp"
-        return stage_bytes(kind, model_cfg, params, mesh_shape, step, attention, head, opt)
+        chunk = sc.head.chunk_size if sc.head.use_fused_kernels else 0
+        args = (kind, model_cfg, params, mesh_shape, step, attention, head, opt, chunk)
+        return stage_bytes(*args)
 
     log_micro = sc.log_prob_micro_batch_size
     if sc.recompute_old_log_prob:
@@ -400,7 +407,7 @@ def plan_memory(
     stage("update_actor", updater(stages.update_actor), args, update_batch, used, c)
     largest_leaf = max(device_bytes(x) for x in jax.tree.leaves(gen_params))
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
-    plans.append(StagePlan("reshard", resident | reshard))
+    plans.append(StagePlan("reshard", training | reshard))
 
     full = pages // max(r.pages_per_seq, 1)
     plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)

@@ -118,6 +118,8 @@ def base_config() -> ConfigDict:
             response_length=512,
             dtype="float32",  # generation-layout dtype (update_weights casts to it)
             gpu_memory_utilization=0.5,
+            # release the KV pool and the generation weights after gen (hybridjax.trainer.residency)
+            free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
             page_size=16,
             max_num_seqs=256,

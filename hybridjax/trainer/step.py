@@ -6,7 +6,9 @@
 when the pipeline is built, never skipped inside the loop: `old_log_prob` unless the actor
 update is on-policy (`build.recompute_old_log_prob`), `ref` without a KL term, `values` and
 `update_critic` without a critic, `offload`/`onload` around `gen` with no offload key set,
-`filter_groups` (DAPO's dynamic sampling) unless `algorithm.filter_groups.enable`. With an
+`filter_groups` (DAPO's dynamic sampling) unless `algorithm.filter_groups.enable`, `sleep`
+(the engine's KV pool released after the rollout, `hybridjax.trainer.residency`) unless
+`rollout.free_cache_engine`. With an
 estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
 `reward` scores it. Which algorithm runs is the registries' business.
 
@@ -44,6 +46,7 @@ from hybridjax.trainer.pipeline import (
     apply_entries,
     timed,
 )
+from hybridjax.trainer.residency import free_cache_engine, sleep_engine
 
 _old_log_prob = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
 _ref_log_prob = jax.jit(stages.compute_ref_log_prob, static_argnums=(0, 3))
@@ -62,13 +65,15 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
     a, algo = cfg.actor_rollout_ref, cfg.algorithm
     offload = any_offload(offload_configs(cfg))
     baseline = needs_reward_baseline(algo.adv_estimator)
-    critic = cfg.critic.enable
+    critic, sleep = cfg.critic.enable, free_cache_engine(cfg)
     return Pipeline([
         OFFLOAD if offload else None,
         GEN_WITH_BASELINE if baseline else GEN,
+        SLEEP if sleep and not algo.filter_groups.enable else None,
         ONLOAD if offload else None,
         REWARD_WITH_BASELINE if baseline else REWARD,
         FILTER_GROUPS if algo.filter_groups.enable else None,
+        SLEEP if sleep and algo.filter_groups.enable else None,  # it generates more batches
         OLD_LOG_PROB if recompute_old_log_prob(cfg) else None,
         REF if a.actor.use_kl_loss or algo.use_kl_in_reward else None,
         VALUES if critic else None,
@@ -128,6 +133,13 @@ def _offload(batch, ctx: StepContext):
 
 def _onload(batch, ctx: StepContext):
     ctx.models = move_idle_states(ctx.models, ctx.trainer.offload, load_to_device)
+    return batch
+
+
+def _sleep(batch, ctx: StepContext):
+    """Releases the engine's KV pool (and its own weights) until the next rollout."""
+    t = ctx.trainer
+    ctx.metrics["perf/sleep_bytes"] = float(sleep_engine(t.engine, t.actor_state.params))
     return batch
 
 
@@ -292,6 +304,7 @@ OFFLOAD = Stage("offload", _offload)
 GEN = Stage("gen", _gen, writes=GENERATED)
 GEN_WITH_BASELINE = Stage("gen", lambda b, ctx: _gen(b, ctx, greedy=True), writes=GENERATED)
 ONLOAD = Stage("onload", _onload)
+SLEEP = Stage("sleep", _sleep)
 REWARD = Stage("reward", _reward, reads=ROLLOUT, writes=("token_level_scores",))
 REWARD_WITH_BASELINE = Stage(
     "reward",

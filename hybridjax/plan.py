@@ -294,8 +294,10 @@ def plan_memory(
         "actor params": device_bytes(actor_state.params),
         "actor optimizer state": device_bytes(actor_state.opt_state),
     }
-    if use_ref:
-        resident["ref params"] = resident["actor params"]
+    if use_ref:  # `build.frozen_copy`: in `ref.fsdp_config.model_dtype`
+        ref_dtype = jnp.dtype(a.ref.fsdp_config.model_dtype)
+        _, ref = abstract_model(CausalLM, actor_config, train, ACTOR_TRAIN_RULES, ref_dtype)
+        resident["ref params"] = device_bytes(ref)
     critic_def = critic_state = None
     if cfg.critic.enable:
         critic_cfg = build.critic_model_config(cfg, actor_config)
@@ -307,7 +309,8 @@ def plan_memory(
         resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
     if cfg.reward_model.enable:
         rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
-        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES)
+        rm_dtype = jnp.dtype(cfg.reward_model.model.dtype)
+        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES, rm_dtype)
         resident["reward model params"] = device_bytes(rm)
     param_dtype = jnp.dtype(actor_config.param_dtype)
     gen_dtype = jnp.dtype(a.rollout.dtype)
@@ -530,6 +533,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", f.devices)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from hybridjax.allocator import ENV, memory_fraction
     from hybridjax.sharding import check_parallelism
     from hybridjax.trainer import build
 
@@ -542,8 +546,13 @@ def main(argv: list[str]) -> None:
         check_parallelism(cfg, f.devices, {"actor_rollout_ref.model": actor_config})
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    capacity = int(f.device_memory_gb * GB)
+    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if f.target == "gpu" else 1.0
+    capacity = int(f.device_memory_gb * GB * fraction)
     plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
+    print(
+        f"budget per device: {size(capacity)} = {fraction:g} × {f.device_memory_gb:g} GB "
+        f"(the allocator's fraction: trainer.device_memory_fraction or {ENV})"
+    )
     print(plan.report())
     if f.json:
         summary = {"num_params": actor_config.num_params(), **plan.to_dict()}

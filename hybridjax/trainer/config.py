@@ -105,7 +105,9 @@ def base_config() -> ConfigDict:
             log_prob_use_dynamic_bsz=False,
             log_prob_max_token_len_per_gpu=16384,
             use_prefix_sharing=True,
-            fsdp_config=dict(param_offload=False),
+            # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; not with LoRA,
+            # whose reference is the actor's base weights)
+            fsdp_config=dict(param_offload=False, model_dtype="float32"),
         ),
         rollout=dict(
             name="hybridjax",
@@ -172,7 +174,7 @@ def base_config() -> ConfigDict:
     )
     c.reward_model = dict(
         enable=False,
-        model=dict(path="", use_remove_padding=True),
+        model=dict(path="", use_remove_padding=True, dtype="float32"),  # dtype: its params
         micro_batch_size_per_gpu=16,
         use_dynamic_bsz=False,
         forward_max_token_len_per_gpu=32768,
@@ -237,6 +239,9 @@ def base_config() -> ConfigDict:
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,
+        # fraction of each GPU JAX's allocator takes (hybridjax.allocator); set before JAX
+        # starts, XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; CPU ignores it
+        device_memory_fraction=0.9,
         # edits of the default step (hybridjax.trainer.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),

@@ -76,6 +76,16 @@ def test_a_kept_engine_holds_its_pool_and_two_copies_in_reshard(tiny):
     assert stages["reshard"]["rollout weights"] == stages["reshard"]["new rollout weights"]
 
 
+def test_frozen_reference_in_bfloat16_halves_its_bytes(tiny):
+    c, actor, p = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    c.actor_rollout_ref.ref.fsdp_config.model_dtype = "bfloat16"
+    half = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    update = {s.name: s.consumers for s in half.stages}["update_actor"]
+    assert 2 * update["ref params"] == update["actor params"]
+
+
 def test_fsdp_splits_the_states(tiny):
     c, actor, replicated = tiny
     c = _grpo(2, fsdp=2)

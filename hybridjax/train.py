@@ -15,6 +15,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
+from hybridjax.allocator import set_allocator_fraction
 from hybridjax.errors import ConfigError, cli_errors, run_main
 from hybridjax.metrics.console import configure_logging
 
@@ -45,6 +46,7 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
 
     configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
+        set_allocator_fraction(config.trainer.device_memory_fraction)  # before JAX starts
         initialize(DistributedConfig.from_config(config))  # before any other JAX call
     except ValueError as err:
         raise ConfigError(str(err)) from err

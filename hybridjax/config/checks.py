@@ -55,6 +55,7 @@ from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, poo
 from hybridjax.sharding.validate import head_count_problems
 
 TRUNCATIONS = ("error", "left", "right", "middle")
+REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
 ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
 RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
 WARMUP_STYLES = ("constant", "cosine")
@@ -153,6 +154,8 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("actor_rollout_ref.actor.kl_loss_type", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
         ("actor_rollout_ref.model.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
         ("actor_rollout_ref.rollout.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
+        (REF_DTYPE, lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
+        ("reward_model.model.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
         (
             "actor_rollout_ref.rollout.attention_impl",
             lambda v: v in ATTENTION_IMPLS,
@@ -233,6 +236,7 @@ def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
         ("trainer.rollout_mode", lambda v: v in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
         ("trainer.staleness_threshold", lambda v: v >= 0, "must be >= 0"),
         ("trainer.peak_flops", lambda v: v >= 0, "must be >= 0"),
+        ("trainer.device_memory_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]"),
         ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
         ("trainer.test_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
@@ -341,6 +345,11 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         t.rollout_mode == "sync" or not algo.filter_groups.enable,
         f"algorithm.filter_groups.enable draws more batches within a step; with "
         f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
+    )
+    need(
+        a.model.lora_rank == 0 or a.ref.fsdp_config.model_dtype == "float32",
+        f"{REF_DTYPE}={a.ref.fsdp_config.model_dtype!r}: with LoRA the reference is the "
+        "actor's own base weights (adapters off); leave it 'float32'",
     )
     offloads = [
         f"{section}.fsdp_config.{key}"

@@ -67,6 +67,9 @@ def base_config() -> ConfigDict:
             target_modules="all-linear",
             # packed sequences (no padding) in the actor's, ref's and old-log-prob passes
             use_remove_padding=True,
+            # the LM head fused with log-softmax and entropy, chunk by chunk over positions
+            # (hybridjax.models.logprobs): no B×T×V logits in any pass
+            use_fused_kernels=True,
         ),
         actor=dict(
             ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
@@ -90,6 +93,10 @@ def base_config() -> ConfigDict:
             loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length
             policy_loss=dict(loss_mode="vanilla"),
             entropy_coeff=0.0,
+            # without use_fused_kernels: the entropy recomputed in the backward (no softmax
+            # kept) and computed over chunks of positions (verl's keys)
+            entropy_checkpointing=True,
+            entropy_from_logits_with_chunking=True,
             use_kl_loss=False,
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",
@@ -102,7 +109,9 @@ def base_config() -> ConfigDict:
             log_prob_use_dynamic_bsz=False,
             log_prob_max_token_len_per_gpu=16384,
             use_prefix_sharing=True,
-            fsdp_config=dict(param_offload=False),
+            # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; not with LoRA,
+            # whose reference is the actor's base weights)
+            fsdp_config=dict(param_offload=False, model_dtype="float32"),
         ),
         rollout=dict(
             name="hybridjax",
@@ -115,6 +124,8 @@ def base_config() -> ConfigDict:
             response_length=512,
             dtype="float32",  # generation-layout dtype (update_weights casts to it)
             gpu_memory_utilization=0.5,
+            # release the KV pool and the generation weights after gen (hybridjax.rl.residency)
+            free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
             page_size=16,
             max_num_seqs=256,
@@ -167,7 +178,7 @@ def base_config() -> ConfigDict:
     )
     c.reward_model = dict(
         enable=False,
-        model=dict(path="", use_remove_padding=True),
+        model=dict(path="", use_remove_padding=True, dtype="float32"),  # dtype: its params
         micro_batch_size_per_gpu=16,
         use_dynamic_bsz=False,
         forward_max_token_len_per_gpu=32768,
@@ -242,6 +253,9 @@ def base_config() -> ConfigDict:
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,
+        # fraction of each GPU JAX's allocator takes (hybridjax.allocator); set before JAX
+        # starts, XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; CPU ignores it
+        device_memory_fraction=0.9,
         # edits of the default step (hybridjax.rl.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),

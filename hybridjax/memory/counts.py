@@ -23,7 +23,10 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
 * logits: float32 over the vocabulary (split over `tensor`) for each position the LM head
   runs on: 2 copies forward (logits, log-softmax; the exponent's sums are fused reductions),
   4 in an update (plus the scatter of the chosen token's gradient and the logits' gradient),
-  as many as XLA's buffer assignment of these programs holds at once on CPU. The critic's
+  as many as XLA's buffer assignment of these programs holds at once on CPU. With the fused
+  head (`use_fused_kernels`, `hybridjax.models.logprobs`) only one chunk of positions exists
+  at a time: rows × `chunk_size` positions, 2 copies forward (logits, probabilities) and 3 in
+  an update (the recomputed logits, probabilities and the logits' gradient). The critic's
   scalar head has none.
 * gradients (updates): the accumulator over micro-batches and one micro-batch's gradient,
   each the size of the trainable parameters' shards (= AdamW's moments / 2).
@@ -53,6 +56,7 @@ F32 = 4
 HIDDEN_VECTORS = 6  # hidden-size vectors a layer holds per token (see the module docstring)
 MLP_VECTORS = 3  # intermediate-size vectors (gate, up, product)
 FORWARD_LOGITS, UPDATE_LOGITS = 2, 4  # float32 vocabulary-size copies per position
+FUSED_FORWARD_LOGITS, FUSED_UPDATE_LOGITS = 2, 3  # the same, per position of a fused chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ def stage_bytes(
     attention: str,
     with_head: bool = True,
     opt_state_bytes: int = 0,
+    head_chunk: int = 0,
 ) -> dict[str, int]:
     """Scratch per device of one stage, by component (see the module docstring).
 
@@ -134,6 +139,7 @@ def stage_bytes(
       with_head: the pass runs the LM head over the vocabulary (False: a scalar head).
       opt_state_bytes: the role's optimizer state per device (updates; AdamW's two moments,
         so the trainable parameters are half of it).
+      head_chunk: positions per chunk of the fused LM head (0: full logits, unfused).
     Returns:
       component name → bytes; the keys are "gathered weights", "activations", "logits" and,
       for updates, "gradients" and "optimizer step".
@@ -166,8 +172,12 @@ def stage_bytes(
         activations = m.num_hidden_layers * t * d * c + 2 * layer
     else:
         activations = (m.num_hidden_layers + 1) * layer
-    copies = UPDATE_LOGITS if update else FORWARD_LOGITS
-    logits = step.head_tokens * (-(-m.vocab_size // tp) if with_head else 1) * F32 * copies
+    copies, head_tokens = (UPDATE_LOGITS if update else FORWARD_LOGITS), step.head_tokens
+    if head_chunk > 0:
+        copies = FUSED_UPDATE_LOGITS if update else FUSED_FORWARD_LOGITS
+        rows = max(step.rows, 1)
+        head_tokens = rows * min(head_chunk, -(-step.head_tokens // rows))
+    logits = head_tokens * (-(-m.vocab_size // tp) if with_head else 1) * F32 * copies
     out = {"gathered weights": gathered, "activations": activations, "logits": logits}
     if update:
         out["gradients"] = opt_state_bytes  # accumulator + one micro-batch's (AdamW: 2 moments)

@@ -20,11 +20,12 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits) and drops what `fsdp_config.*_offload` moves to host while it runs; `reshard` holds a
-second copy of the rollout weights while the new one lands (`hybridjax.sharding.update_weights`).
-The KV pool is sized as the engine sizes it: `rollout.num_pages`, else
-`gpu_memory_utilization` × (capacity − what is resident when the engine starts); it stays
-allocated through every stage (verl instead frees vLLM's cache after each rollout).
+logits) and drops what `fsdp_config.*_offload` moves to host while it runs. The KV pool is
+sized as the engine sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity −
+what is resident when the engine starts). With `rollout.free_cache_engine` (the default; sync
+rollouts) the engine sleeps after `gen` (`hybridjax.rl.residency`): no training stage
+holds the pool or the generation weights, and `reshard` writes the one new copy; without it
+both stay through every stage and `reshard` holds a second copy while the new one lands.
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
 (docs/memory-planner.md: its error on CPU). `trainer.check_memory=True` runs the same plan,
@@ -263,6 +264,7 @@ def plan_memory(
     from hybridjax.models.hf_io import read_hf_config
     from hybridjax.rl import build, passes
     from hybridjax.rl.offload import offload_configs
+    from hybridjax.rl.residency import free_cache_engine
     from hybridjax.sharding import (
         ACTOR_GENERATE_RULES,
         ACTOR_TRAIN_RULES,
@@ -294,8 +296,10 @@ def plan_memory(
         "actor params": device_bytes(actor_state.params),
         "actor optimizer state": device_bytes(actor_state.opt_state),
     }
-    if use_ref:
-        resident["ref params"] = resident["actor params"]
+    if use_ref:  # `build.frozen_copy`: in `ref.fsdp_config.model_dtype`
+        ref_dtype = jnp.dtype(a.ref.fsdp_config.model_dtype)
+        _, ref = abstract_model(CausalLM, actor_config, train, ACTOR_TRAIN_RULES, ref_dtype)
+        resident["ref params"] = device_bytes(ref)
     critic_def = critic_state = None
     if roles.critic:
         critic_cfg = build.critic_model_config(cfg, actor_config)
@@ -307,7 +311,8 @@ def plan_memory(
         resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
     if roles.reward_model:  # (a served one holds no device memory)
         rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
-        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES)
+        rm_dtype = jnp.dtype(cfg.reward_model.model.dtype)
+        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES, rm_dtype)
         resident["reward model params"] = device_bytes(rm)
     param_dtype = jnp.dtype(actor_config.param_dtype)
     gen_dtype = jnp.dtype(a.rollout.dtype)
@@ -348,6 +353,9 @@ def plan_memory(
     decode = _decode_scratch(actor_config, r, gen.shape["data"], tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
+    # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training
+    asleep = ("KV pool", "rollout weights") if free_cache_engine(cfg) else ()
+    training = {k: v for k, v in resident.items() if k not in asleep}
     fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
     mesh_shape = dict(train.shape)
 
@@ -360,7 +368,7 @@ def plan_memory(
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
-        others = {k: v for k, v in resident.items() if k not in used}
+        others = {k: v for k, v in training.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
         new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
@@ -372,7 +380,9 @@ def plan_memory(
         params = state.params if kind == "update" else state
         opt = device_bytes(state.opt_state) if kind == "update" else 0
         attention = "fused" if fused else "jnp"
-        return stage_bytes(kind, model_cfg, params, mesh_shape, step, attention, head, opt)
+        chunk = sc.head.chunk_size if sc.head.use_fused_kernels else 0
+        args = (kind, model_cfg, params, mesh_shape, step, attention, head, opt, chunk)
+        return stage_bytes(*args)
 
     log_micro = sc.log_prob_micro_batch_size
     if sc.recompute_old_log_prob:
@@ -402,7 +412,7 @@ def plan_memory(
     stage("update_actor", updater(passes.update_actor), args, update_batch, used, c)
     largest_leaf = max(device_bytes(x) for x in jax.tree.leaves(gen_params))
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
-    plans.append(StagePlan("reshard", resident | reshard))
+    plans.append(StagePlan("reshard", training | reshard))
 
     full = pages // max(r.pages_per_seq, 1)
     plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)
@@ -525,6 +535,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", f.devices)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from hybridjax.allocator import ENV, memory_fraction
     from hybridjax.rl import build
     from hybridjax.sharding import check_parallelism
 
@@ -537,8 +548,13 @@ def main(argv: list[str]) -> None:
         check_parallelism(cfg, f.devices, {"actor_rollout_ref.model": actor_config})
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    capacity = int(f.device_memory_gb * GB)
+    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if f.target == "gpu" else 1.0
+    capacity = int(f.device_memory_gb * GB * fraction)
     plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
+    print(
+        f"budget per device: {size(capacity)} = {fraction:g} × {f.device_memory_gb:g} GB "
+        f"(the allocator's fraction: trainer.device_memory_fraction or {ENV})"
+    )
     print(plan.report())
     if f.json:
         summary = {"num_params": actor_config.num_params(), **plan.to_dict()}

@@ -267,6 +267,13 @@ class CausalLM(nnx.Module):
                 to_dtype(config.param_dtype),
             )
 
+    def head_weight(self) -> tuple[jax.Array, str]:
+        """(LM head weight, its layout): the embedding (V, D) as "vd" when tied, else
+        `lm_head` (D, V) as "dv"; in the parameter dtype."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens[...], "vd"
+        return self.lm_head[...], "dv"
+
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         """Logits B×T×V in float32 from hidden states."""
         if self.config.tie_word_embeddings:

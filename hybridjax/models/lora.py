@@ -171,6 +171,9 @@ class LoRAModel(nnx.Module):
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         return self.base.logits(hidden_BxTxD)
 
+    def head_weight(self) -> tuple[jax.Array, str]:
+        return self.base.head_weight()
+
     def __call__(self, *args, **kwargs) -> jax.Array:
         return self.merged()(*args, **kwargs)
 

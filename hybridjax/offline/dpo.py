@@ -40,6 +40,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from hybridjax.errors import ConfigError, UserError, cli_errors
+from hybridjax.models.logprobs import FUSED, LogProbConfig, next_token_log_probs
 from hybridjax.models.lora import adapters_off
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.offline import loop
@@ -151,14 +152,12 @@ def dpo_metrics(loss, chosen_rewards, rejected_rewards, chosen_logps, rejected_l
 
 
 def sequence_log_probs(
-    graphdef, params, batch: dict[str, jax.Array]
+    graphdef, params, batch: dict[str, jax.Array], head: LogProbConfig = FUSED
 ) -> tuple[jax.Array, jax.Array]:
     """(Σ log π over each row's response tokens and EOS, their count), each N float32, for rows
-    laid out as `tokenize_pairs` writes them."""
+    laid out as `tokenize_pairs` writes them; `head` as `models.logprobs`."""
     model = nnx.merge(graphdef, params)
-    logits_NxTxV = model(batch["input_ids"], batch["attention_mask"])[:, :-1]
-    log_probs = jax.nn.log_softmax(logits_NxTxV, axis=-1)
-    token_NxT = jnp.take_along_axis(log_probs, batch["input_ids"][:, 1:, None], axis=-1)[..., 0]
+    token_NxT = next_token_log_probs(model, batch["input_ids"], batch["attention_mask"], head)
     mask_NxT = batch["loss_mask"][:, 1:]
     return (token_NxT * mask_NxT).sum(-1), mask_NxT.sum(-1)
 

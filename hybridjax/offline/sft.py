@@ -41,6 +41,7 @@ from hybridjax.models import packing
 from hybridjax.models.config import DTYPE_NAMES, ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
+from hybridjax.models.logprobs import FUSED, LogProbConfig, next_token_log_probs
 from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora, merge_trainable
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.offline import loop
@@ -281,16 +282,15 @@ def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.nd
 # ---------------------------------------------------------------------------------- steps
 
 
-def sft_loss(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def sft_loss(
+    graphdef, params, batch: dict[str, jax.Array], head: LogProbConfig = FUSED
+) -> tuple[jax.Array, jax.Array]:
     """(sum of response-token NLL, number of response tokens), float32. Token t's target is
-    token t+1, so the loss mask is shifted by one."""
+    token t+1, so the loss mask is shifted by one; `head` as `models.logprobs`."""
     model = nnx.merge(graphdef, params)
-    logits_BxTxV = model(batch["input_ids"], batch["attention_mask"])[:, :-1]
-    targets_BxT = batch["input_ids"][:, 1:]
+    log_probs = next_token_log_probs(model, batch["input_ids"], batch["attention_mask"], head)
     mask_BxT = batch["loss_mask"][:, 1:]
-    log_probs = jax.nn.log_softmax(logits_BxTxV, axis=-1)
-    nll_BxT = -jnp.take_along_axis(log_probs, targets_BxT[..., None], axis=-1)[..., 0]
-    return (nll_BxT * mask_BxT).sum(), mask_BxT.sum()
+    return -(log_probs * mask_BxT).sum(), mask_BxT.sum()
 
 
 def sft_objective(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:

@@ -23,6 +23,7 @@ from hybridjax.algorithms.config import (
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
+from hybridjax.models.logprobs import LogProbConfig
 from hybridjax.models.lora import (
     LoRAConfig,
     adapters_off,
@@ -156,10 +157,12 @@ def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Seque
 def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
     """The reward model (`reward_model.model.path`, an HF `*ForSequenceClassification`),
     forward-only, in the reward-model layout of the training mesh."""
+    dtype = cfg.reward_model.model.dtype  # parameters and compute (`reward_model.model.dtype`)
     return load_pretrained(
         cfg.reward_model.model.path,
         kind="classifier",
         shardings=sharding_fn(mesh, REWARD_MODEL_RULES),
+        config_overrides={"param_dtype": dtype, "dtype": dtype},
     )
 
 
@@ -296,6 +299,11 @@ def stage_config(
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],
+        head=LogProbConfig(
+            use_fused_kernels=a.model.use_fused_kernels,
+            entropy_checkpointing=a.actor.entropy_checkpointing,
+            entropy_from_logits_with_chunking=a.actor.entropy_from_logits_with_chunking,
+        ),
     )
 
 
@@ -332,6 +340,14 @@ def restored(state: TrainState, saved: TrainState) -> TrainState:
     return dataclasses.replace(saved, params=merge_trainable(saved.params, frozen))
 
 
+def frozen_copy(params: Any, cfg: ConfigDict) -> Any:
+    """A copy of `params` (same shardings) for the reference model, floating leaves in
+    `ref.fsdp_config.model_dtype` (verl's key: bfloat16 halves a frozen model's bytes)."""
+    dtype = jnp.dtype(cfg.actor_rollout_ref.ref.fsdp_config.model_dtype)
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else jnp.copy(x), params)
+
+
 def build_models(
     cfg: ConfigDict,
     actor_config: ModelConfig,
@@ -363,9 +379,9 @@ def build_models(
     if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)
         base = adapters_off(params)
         shardings = state_shardings(base, role_meshes["ref"], REFERENCE_RULES)
-        ref_params, ref_is_base = jax.device_put(base, shardings), False
+        ref_params, ref_is_base = frozen_copy(jax.device_put(base, shardings), cfg), False
     elif use_ref and not lora:
-        ref_params = jax.tree.map(jnp.copy, params)
+        ref_params = frozen_copy(params, cfg)
     return Models(
         actor_graphdef=actor_graphdef,
         actor_state=init_sharded_train_state(params, stage.actor_optim),

@@ -3,8 +3,10 @@
 The model reads `input_ids = prompts ++ responses` B×(P+R); the logit at position P−1+t predicts
 response token t, so response quantities are positions [P−1, P+R−1). Log-probs apply the
 sampler's temperature first (logits / T), as the rollout engine does, so old, rollout and
-current log-probs are of the same distribution. Values follow verl's critic: the value of
-response token t is the critic's output at position P−1+t (the state before emitting it).
+current log-probs are of the same distribution; the LM head runs fused with the log-softmax
+(`hybridjax.models.logprobs`), so no pass holds B×R×V logits. Values follow verl's
+critic: the value of response token t is the critic's output at position P−1+t (the state
+before emitting it).
 
 Packed passes (`hybridjax.models.packing`): `fields` then also holds `pack_plan` and
 `pack_buffer` (the buffer index k); the model reads buffer k and the outputs come back in the
@@ -20,16 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridjax.algorithms.entropy import entropy_from_logits
 from hybridjax.models import packing
-
-
-def _response_logits(model, input_ids, attention_mask, position_ids, response_len, temperature):
-    # The LM head runs on the R response positions only, not all P+R: B·R·D·V multiply-adds
-    # instead of B·(P+R)·D·V, forward and backward (the hidden states are sliced first).
-    hidden_BxTxD, _ = model.model(input_ids, position_ids, attention_mask)
-    logits_BxRxV = model.logits(hidden_BxTxD[:, -response_len - 1 : -1])
-    return logits_BxRxV / jnp.float32(max(temperature, 1e-6))
+from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs
 
 
 def response_log_probs(
@@ -38,33 +32,31 @@ def response_log_probs(
     fields: dict[str, jax.Array],
     temperature: float,
     with_entropy: bool = False,
+    head: LogProbConfig = FUSED,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log π(response_t | prefix) and (optionally) the entropy at each response position.
 
     Args:
       graphdef, params: a `CausalLM` split with `nnx.split`.
       fields: `input_ids`, `attention_mask`, `position_ids` (B×(P+R)) and `responses` (B×R).
-      temperature: the rollout temperature (a Python float; 0 is treated as 1e-6 → greedy).
+      temperature: the rollout temperature (a Python float; 0 is treated as 1 (greedy)).
+      head: how the LM head, log-softmax and entropy run (`hybridjax.models.logprobs`; fused
+        by default: no B×R×V array).
     Returns:
       (log_probs B×R float32, entropy B×R float32 or None). Values at padding are garbage;
       callers mask with `response_mask`.
     """
     model = nnx.merge(graphdef, params)
     responses = fields["responses"]
+    temperature = temperature if temperature > 0 else 1.0
     if "pack_plan" in fields:
-        return _packed_log_probs(model, fields, temperature or 1.0, with_entropy)
-    logits = _response_logits(
-        model,
-        fields["input_ids"],
-        fields["attention_mask"],
-        fields["position_ids"],
-        responses.shape[1],
-        temperature if temperature > 0 else 1.0,
-    )
-    log_probs_BxRxV = jax.nn.log_softmax(logits, axis=-1)
-    log_probs = jnp.take_along_axis(log_probs_BxRxV, responses[..., None], axis=-1)[..., 0]
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+        return _packed_log_probs(model, fields, temperature, with_entropy, head)
+    # The LM head runs on the R response positions only, not all P+R: B·R·D·V multiply-adds
+    # instead of B·(P+R)·D·V, forward and backward (the hidden states are sliced first).
+    ids, mask, positions = fields["input_ids"], fields["attention_mask"], fields["position_ids"]
+    hidden_BxTxD, _ = model.model(ids, positions, mask)
+    hidden_BxRxD = hidden_BxTxD[:, -responses.shape[1] - 1 : -1]
+    return token_log_probs(model, hidden_BxRxD, responses, temperature, head, with_entropy)
 
 
 def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.Array]) -> jax.Array:
@@ -88,7 +80,7 @@ def _packed_call(fn, fields):
     return fn(buf["input_ids"], buf["positions"], buf["valid"], segments), buf
 
 
-def _packed_log_probs(model, fields, temperature, with_entropy):
+def _packed_log_probs(model, fields, temperature, with_entropy, head):
     # The LM head runs on the buffer's slots (capacity per device), each slot fed the hidden
     # state that predicts its token (`source_index`): the prompt's last token for the first
     # token of every response of a group.
@@ -96,13 +88,12 @@ def _packed_log_probs(model, fields, temperature, with_entropy):
     (hidden, _), buf = _packed_call(lambda i, p, v, s: model.model(i, p, v, segments=s), fields)
     src = packing.source_index(pl, k)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
-    logits = model.logits(hidden) / jnp.float32(max(temperature, 1e-6))
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    log_probs = jnp.take_along_axis(log_probs, buf["input_ids"][..., None], axis=-1)[..., 0]
+    log_probs, entropy = token_log_probs(
+        model, hidden, buf["input_ids"], temperature, head, with_entropy
+    )
     r = fields["responses"].shape[1]
-    entropy = None
     if with_entropy:
-        entropy = packing.gather_response(pl, entropy_from_logits(logits), k, r)
+        entropy = packing.gather_response(pl, entropy, k, r)
     return packing.gather_response(pl, log_probs, k, r), entropy
 
 

@@ -38,6 +38,7 @@ from hybridjax.algorithms.rollout_correction import (
     compute_rollout_importance_weights,
     rollout_probs_diff_metrics,
 )
+from hybridjax.models.logprobs import LogProbConfig
 from hybridjax.models.packing import PackingConfig
 from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.forward import (
@@ -72,6 +73,7 @@ class StageConfig:
     old_log_prob_packing: PackingConfig | None = None
     ref_packing: PackingConfig | None = None
     values_packing: PackingConfig | None = None
+    head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -107,7 +109,7 @@ def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None
 
 
 def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micro=0) -> jax.Array:
-    fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature)[0]
+    fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature, head=cfg.head)[0]
     return _forward(fn, batch, cfg, packing, micro)
 
 
@@ -209,7 +211,7 @@ def compute_advantage(
 
 
 def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
-    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True)
+    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True, cfg.head)
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
     rows = {}

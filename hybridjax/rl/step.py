@@ -12,8 +12,10 @@ a config does not need are left out when the pipeline is built (their point runs
 `old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
 without a KL term, `values` and `update_critic` without a critic, `offload`/`onload` around
 `gen` with no offload key set, `filter_groups` (DAPO's dynamic sampling) unless
-`algorithm.filter_groups.enable`. With an estimator that asks for a reward baseline (ReMax)
-`gen` also decodes each prompt greedily and `reward` scores it. Which algorithm runs is the
+`algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
+after the rollout, `hybridjax.rl.residency`) unless `rollout.free_cache_engine`. With an
+estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
+`reward` scores it. Which algorithm runs is the
 registries' business.
 
 Each device stage calls a jitted pass of `hybridjax.rl.passes`, compiled once per process
@@ -57,6 +59,7 @@ from hybridjax.rl.pipeline import (
     apply_entries,
     timed,
 )
+from hybridjax.rl.residency import free_cache_engine, sleep_engine
 from hybridjax.rl.reward import RewardStage
 from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
 from hybridjax.sharding.pools import move_rows
@@ -78,13 +81,15 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
     algo, roles = cfg.algorithm, Roles.from_config(cfg)
     offload = any_offload(offload_configs(cfg))
     baseline = needs_reward_baseline(algo.adv_estimator)
-    critic = roles.critic
+    critic, sleep = roles.critic, free_cache_engine(cfg)
     return Pipeline([
         OFFLOAD if offload else None,
         GEN,
+        SLEEP if sleep and not algo.filter_groups.enable else None,
         ONLOAD if offload else None,
         REWARD_WITH_BASELINE if baseline else REWARD,
         FILTER_GROUPS if algo.filter_groups.enable else None,
+        SLEEP if sleep and algo.filter_groups.enable else None,  # it generates more batches
         OLD_LOG_PROB if recompute_old_log_prob(cfg) else None,
         REF if roles.reference else None,
         VALUES if critic else None,
@@ -205,6 +210,7 @@ def train_step(
     with timed(ctx.timing, "step"):
         batch = at(OFFLOAD, None)  # idle states to host memory while the rollout runs
         batch = at(GEN, batch)  # rollout.n responses per prompt (+ greedy ones for ReMax)
+        batch = at(SLEEP, batch)  # KV pool freed until the next gen (after DAPO's filter)
         batch = at(ONLOAD, batch)
         batch = at(REWARD, batch)  # starts scoring; finished before the first reader (adv)
         batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary
@@ -248,6 +254,13 @@ def _offload(batch, ctx: StepContext):
 
 def _onload(batch, ctx: StepContext):
     ctx.models = move_idle_states(ctx.models, ctx.deps.offload, load_to_device)
+    return batch
+
+
+def _sleep(batch, ctx: StepContext):
+    """Releases the engine's KV pool (and its own weights) until the next rollout."""
+    engine = ctx.deps.weights.engine
+    ctx.metrics["perf/sleep_bytes"] = float(sleep_engine(engine, ctx.models.actor_state.params))
     return batch
 
 
@@ -415,6 +428,7 @@ def _update_actor_stage(batch, ctx: StepContext):
 OFFLOAD = Stage("offload", _offload)
 GEN = Stage("gen", _gen, writes=GENERATED)
 ONLOAD = Stage("onload", _onload)
+SLEEP = Stage("sleep", _sleep)
 REWARD = Stage("reward", _reward, reads=ROLLOUT, writes=("token_level_scores",))
 REWARD_WITH_BASELINE = Stage(
     "reward",

@@ -104,10 +104,8 @@ class Engine:
         self.num_decode_steps = 0  # decode-loop iterations run so far (all rows in one step)
         self.num_decode_rows = 0  # rows those iterations ran on (padding rows included)
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
-        k, v = PagedKVCache.create_pool(
-            model.config, self.num_pages, config.page_size, self.kv_dtype
-        )
-        self.k_pools, self.v_pools = self._place_pools(k), self._place_pools(v)
+        self.k_pools = self.v_pools = None
+        self.wake_up()
         self.slots = Slots.empty(config.max_num_seqs, config.pages_per_seq, MAX_STOP_IDS)
         self._slot_pages: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
         self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
@@ -128,6 +126,41 @@ class Engine:
         if self._param_shardings is not None:
             state = jax.device_put(state, self._param_shardings)
         self.state = state
+
+    def sleep(self, level: int = 1) -> int:
+        """Releases the KV page pool (level 1) and also the weights (level 2), as vLLM's sleep
+        mode: the buffers are deleted, not only unreferenced, so training stages get the
+        memory back. Level 2 is for weights that are the engine's own copy (the trainer's
+        generation layout); `update_weights` brings them back. Returns the bytes released
+        per device summed over devices. Raises RuntimeError while sequences are running."""
+        if self.num_active or any(self._slot_pages):
+            raise RuntimeError("Engine.sleep: sequences still hold slots; free them first")
+        if level not in (1, 2):
+            raise ValueError(f"Engine.sleep: level must be 1 or 2, got {level}")
+        released = [self.k_pools, self.v_pools] + ([self.state] if level == 2 else [])
+        leaves = [x for x in jax.tree.leaves(released) if not x.is_deleted()]
+        nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+        for x in leaves:
+            x.delete()
+        self.k_pools = self.v_pools = None
+        if level == 2:
+            self.state = None
+        return nbytes
+
+    def wake_up(self) -> None:
+        """Rebuilds a released KV page pool (zeros, same pages and sharding: no recompile);
+        `prefill` calls it, so a sleeping engine wakes when the next rollout starts."""
+        if self.k_pools is not None:
+            return
+        k, v = PagedKVCache.create_pool(
+            self.model_config, self.num_pages, self.config.page_size, self.kv_dtype
+        )
+        self.k_pools, self.v_pools = self._place_pools(k), self._place_pools(v)
+
+    @property
+    def asleep(self) -> bool:
+        """True between `sleep` and the next `wake_up` (no KV page pool on the devices)."""
+        return self.k_pools is None
 
     def _pool_size(self) -> int:
         """Pages per layer: explicit, else from free device memory, else the CPU default."""
@@ -253,6 +286,9 @@ class Engine:
         """Prefills prompts (all but their last token) in one call and reserves their groups'
         pages. Raises ValueError if a request can never fit, RuntimeError if its group does not
         fit now (check `can_prefill` first). Host sync: none (the call is queued)."""
+        if self.state is None:
+            raise RuntimeError("Engine.prefill: weights released by sleep(2); update_weights")
+        self.wake_up()
         prefixes = []
         for r in requests:
             self.check_request(r)

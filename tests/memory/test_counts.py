@@ -103,3 +103,16 @@ def test_moe_layers_hold_routed_copies_expert_widths_and_router_probabilities():
     dense_only = dataclasses.replace(moe, moe_intermediate_size=1, num_experts_per_tok=1)
     got = stage_bytes("forward", dense_only, params, shape, step, "fused")
     assert got["activations"] == 48 * (6 * D + 3 * F) * F32 + 48 * 2 * (H + KV) * HD * F32
+
+
+def test_fused_head_holds_one_chunk_of_logits():
+    """2 rows × 40 head positions in chunks of 16: 2 × 16 positions of float32 logits, 2
+    copies forward and 3 in an update; a chunk longer than the rows is the rows' length."""
+    params, shape = _params(MODEL, 2, 1)
+    step = LoopStep(tokens=96, head_tokens=80, rows=2, row_length=48)
+    forward = stage_bytes("forward", MODEL, params, shape, step, "fused", head_chunk=16)
+    assert forward["logits"] == 2 * 16 * V * F32 * 2
+    update = stage_bytes("update", MODEL, params, shape, step, "fused", True, 8, head_chunk=16)
+    assert update["logits"] == 2 * 16 * V * F32 * 3
+    whole = stage_bytes("forward", MODEL, params, shape, step, "fused", head_chunk=256)
+    assert whole["logits"] == 80 * V * F32 * 2

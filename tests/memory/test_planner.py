@@ -43,14 +43,17 @@ def tiny():
 
 def test_resident_states_are_the_shard_bytes(tiny):
     c, actor, p = tiny
-    update = {s.name: s for s in p.stages}["update_actor"].consumers
+    stages = {s.name: s.consumers for s in p.stages}
+    gen, update = stages["gen"], stages["update_actor"]
     params = actor.num_params() * F32  # replicated over data=2
     assert update["actor params"] == params
     # AdamW's two moments, plus a few scalars (step count, injected learning rate)
     assert 2 * params <= update["actor optimizer state"] <= 2 * params + 64
-    assert update["rollout weights"] == params  # float32 rollout, tensor=1
+    assert gen["rollout weights"] == params  # float32 rollout, tensor=1
     # KV pool: 10 pages × 2 (k, v) × 2 layers × 2 kv heads × page 4 × head_dim 16 × 4 bytes
-    assert p.kv_page_bytes == 2 * 2 * 2 * 4 * 16 * F32 and update["KV pool"] == 10 * p.kv_page_bytes
+    assert p.kv_page_bytes == 2 * 2 * 2 * 4 * 16 * F32 and gen["KV pool"] == 10 * p.kv_page_bytes
+    # the engine sleeps after gen (rollout.free_cache_engine): training holds neither
+    assert "rollout weights" not in update and "KV pool" not in update
     # live bytes counted from shapes (tests/memory/test_counts.py): AdamW's moments are
     # two parameter-sized buffers, so the gradients (accumulator + one micro-batch's) are too
     assert update["update_actor gradients"] == update["actor optimizer state"]
@@ -58,9 +61,29 @@ def test_resident_states_are_the_shard_bytes(tiny):
     assert p.xla_cpu_scratch["update_actor"] > 0  # XLA's CPU figure, kept as a reference
     # on-policy GRPO without a KL term: no old_log_prob or ref pass to plan
     assert [s.name for s in p.stages] == ["gen", "update_actor", "reshard"]
-    # re-layout holds a second copy of the rollout weights while the new one lands
-    reshard = {s.name: s for s in p.stages}["reshard"].consumers
-    assert reshard["new rollout weights"] == params
+    # re-layout writes the one new copy of the rollout weights into the sleeping engine
+    assert stages["reshard"]["new rollout weights"] == params
+    assert "rollout weights" not in stages["reshard"]
+
+
+def test_a_kept_engine_holds_its_pool_and_two_copies_in_reshard(tiny):
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.rollout.free_cache_engine = False
+    p = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    stages = {s.name: s.consumers for s in p.stages}
+    assert stages["update_actor"]["KV pool"] == stages["gen"]["KV pool"] > 0
+    assert stages["reshard"]["rollout weights"] == stages["reshard"]["new rollout weights"]
+
+
+def test_frozen_reference_in_bfloat16_halves_its_bytes(tiny):
+    c, actor, p = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    c.actor_rollout_ref.ref.fsdp_config.model_dtype = "bfloat16"
+    half = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    update = {s.name: s.consumers for s in half.stages}["update_actor"]
+    assert 2 * update["ref params"] == update["actor params"]
 
 
 def test_fsdp_splits_the_states(tiny):

@@ -21,9 +21,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridjax.config.schema import base_config
 from hybridjax.models import packing
 from hybridjax.models.packing import STEPS_PER_BUDGET, PackingConfig, row_responses
-from hybridjax.config.schema import base_config
 from hybridjax.rl.packing import PASSES, packing_configs
 
 FAST = settings(max_examples=20, deadline=None)

@@ -251,9 +251,9 @@ def test_a_poisonous_reward_fails_its_row(value):
 
 
 def test_most_rows_failing_for_steps_stops_the_run():
+    from hybridjax.config.schema import base_config
     from hybridjax.rewards import RewardResult
     from hybridjax.rewards.guard import RewardFailureError, RewardFailureGuard
-    from hybridjax.config.schema import base_config
 
     guard = RewardFailureGuard.from_config(base_config())
     zeros = RewardResult(np.zeros((4, 1)), np.zeros(4), {}, {"reward/num_errors": 4.0})

@@ -10,7 +10,7 @@ import pytest
 
 from hybridjax.rewards.guard import RewardFailureError
 from hybridjax.rl.trainer import RLTrainer
-from tests.trainer.tiny_run import gsm8k_subset, tiny_config
+from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 pytestmark = pytest.mark.slow
 

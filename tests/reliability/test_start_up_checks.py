@@ -11,7 +11,7 @@ from hybridjax.errors import ConfigError
 from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rl import build
 from hybridjax.rl.trainer import RLTrainer
-from tests.trainer.tiny_run import gsm8k_subset, tiny_config
+from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 
 def test_unknown_data_sources_are_named_per_key():

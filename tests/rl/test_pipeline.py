@@ -154,7 +154,8 @@ def _config(**changes):
 def test_default_pipelines_follow_the_config():
     ppo = _config(**{"critic.enable": True})
     assert str(step.default_pipeline(ppo)) == (
-        "gen → reward → old_log_prob → values → adv → update_critic → update_actor → reshard"
+        "gen → sleep → reward → old_log_prob → values → adv → update_critic → update_actor → "
+        "reshard"
     )
     grpo = _config(**{
         "algorithm.adv_estimator": "grpo",
@@ -164,11 +165,14 @@ def test_default_pipelines_follow_the_config():
         "algorithm.filter_groups.enable": True,
     })  # fmt: skip
     assert str(step.default_pipeline(grpo)) == (
-        "offload → gen → onload → reward → filter_groups → ref → adv → update_actor → reshard"
+        "offload → gen → onload → reward → filter_groups → sleep → ref → adv → update_actor → "
+        "reshard"
     )
+    kept = _config(**{"actor_rollout_ref.rollout.free_cache_engine": False})
+    assert "sleep" not in step.default_pipeline(kept).names
     remax = step.default_pipeline(_config(**{"algorithm.adv_estimator": "remax"}))
     assert remax.stages[0] is step.GEN
-    assert "reward_baselines" in remax.stages[1].writes
+    assert "reward_baselines" in remax.stages[2].writes  # after gen and sleep
 
 
 def test_config_problems_name_their_keys(tmp_path):

@@ -21,6 +21,7 @@ from hybridjax.rl import step
 from hybridjax.rl.generation import generate_batch, step_seed
 from hybridjax.rl.offload import any_offload, move_idle_states
 from hybridjax.rl.pipeline import timed
+from hybridjax.rl.residency import sleep_engine
 from hybridjax.rl.trainer import RLTrainer
 from hybridjax.rollout import SamplingParams
 from hybridjax.sharding import load_to_device, offload_to_host
@@ -54,6 +55,8 @@ def _frozen_train_step(t: RLTrainer, n: int) -> dict:
             if cfg.algorithm.adv_estimator == "remax":
                 argmax = dataclasses.replace(sampling, n=1, temperature=0.0, top_k=-1, top_p=1.0)
                 greedy = generate_batch(t.engine, prompts, argmax, pad, t.batch_sharding)
+        with timed(timing, "sleep"):  # rollout.free_cache_engine (the default)
+            released = sleep_engine(t.engine, t.actor_state.params)
         if offload:
             with timed(timing, "onload"):
                 t.models = move_idle_states(t.models, t.offload, load_to_device)
@@ -118,6 +121,7 @@ def _frozen_train_step(t: RLTrainer, n: int) -> dict:
     )
     metrics |= {
         "perf/reshard_bytes": float(nbytes),
+        "perf/sleep_bytes": float(released),
         "training/global_step": float(n),
         "training/epoch": float(epoch),
         "training/nan_skipped_updates_total": float(t.nan_guard.total),

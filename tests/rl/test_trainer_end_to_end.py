@@ -25,7 +25,9 @@ from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 pytestmark = pytest.mark.slow
 
 PPO_KEYS = {
-    *(f"timing_s/{s}" for s in ("step", "gen", "reward", "old_log_prob", "values", "adv")),
+    *(f"timing_s/{s}" for s in ("step", "gen", "sleep", "reward", "old_log_prob", "values")),
+    "timing_s/adv",
+    "perf/sleep_bytes",
     *(f"timing_s/{s}" for s in ("update_critic", "update_actor", "reshard", "save_checkpoint")),
     "perf/total_num_tokens",
     "perf/throughput",

@@ -9,8 +9,8 @@ import math
 import pytest
 from flax import nnx
 
-from tests.trainer.test_trainer_end_to_end import _run
-from tests.trainer.tiny_run import gsm8k_subset, read_metrics, tiny_config
+from tests.rl.test_trainer_end_to_end import _run
+from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
 

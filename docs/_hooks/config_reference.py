@@ -46,8 +46,8 @@ def schemas() -> list[Schema]:
     """The RL trainer's, SFT's and DPO's configs, where they live today."""
     from hybridjax.config.checks import _range_rules
     from hybridjax.config.schema import base_config
-    from hybridjax.dpo import dpo_config
-    from hybridjax.sft import sft_config
+    from hybridjax.offline.dpo import dpo_config
+    from hybridjax.offline.sft import sft_config
 
     return [
         Schema(

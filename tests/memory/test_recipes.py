@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from hybridjax import plan
+from hybridjax.memory import planner as plan
 from hybridjax.rl import build
 from tests.rl.tiny_run import REPO
 

@@ -18,13 +18,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hybridjax.dpo import sequence_log_probs
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.logprobs import LogProbConfig, token_log_probs
-from hybridjax.rl import stages
+from hybridjax.offline.dpo import sequence_log_probs
+from hybridjax.offline.sft import sft_loss
+from hybridjax.rl import passes as stages
 from hybridjax.rl.forward import response_log_probs
-from hybridjax.sft import sft_loss
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
 from tests.rl.test_packing import (
     CONFIG,

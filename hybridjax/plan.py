@@ -340,9 +340,9 @@ def plan_memory(
         "critic optimizer state": offload["critic"].optimizer_offload,
     }
     on_device = {k: v for k, v in resident.items() if not off.get(k)}
-    impl = "jnp" if target != "gpu" or r.attention_impl == "jnp" else "pallas"
-    if actor_config.sliding_window is not None:
-        impl = "jnp"
+    from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
+
+    impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
     decode = _decode_scratch(actor_config, r, gen.shape["data"], tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 

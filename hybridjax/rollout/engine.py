@@ -38,7 +38,8 @@ from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
 from hybridjax.rollout import steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, resolve_attention_impl
+from hybridjax.rollout.decode_attention import select_decode_kernel
+from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
 from hybridjax.rollout.pages import PageBook, Prefix, Request, num_pages
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
@@ -49,6 +50,7 @@ from hybridjax.rollout.slots import (
     decode_batch_size,
     power_of_two_bucket,
     prefill_bucket,
+    table_width,
 )
 
 log = logging.getLogger(__name__)
@@ -92,9 +94,7 @@ class Engine:
         self._param_shardings = param_shardings
         self.update_weights(state)
         window = model.config.sliding_window
-        self.impl = resolve_attention_impl(config.attention_impl, window)
-        if self.impl == "pallas" and window is not None:
-            raise ValueError("the Pallas paged-attention kernel has no sliding window; use 'jnp'")
+        self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
         self.num_pages = self._pool_size()
         self.pages = PageBook(config, self.num_pages)
@@ -399,20 +399,17 @@ class Engine:
             steps.decode_loop,
             impl=self.impl,
             sliding_window=self.model_config.sliding_window,
+            mesh=self.mesh,
             constrain_pools=self._constrain_pools,
             **static,
         )
         return loop(self.graphdef, state, k_pools, v_pools, batch, exit_when_done)
 
     def _table_width(self, num_steps: int) -> int:
-        """Page-table columns the next `num_steps` steps can touch, rounded up to a quarter of
-        the full width: attention gathers only these pages, so early steps of long responses
-        do not pay for the full length. At most 4 widths (decode compiles per variant)."""
+        """Page-table columns the next `num_steps` steps can touch (`slots.table_width`)."""
         s = self.slots
         last = int(np.max(np.where(s.active, s.position + num_steps - 1, 0)))
-        step = -(-self.config.pages_per_seq // 4)
-        need = last // self.config.page_size + 1
-        return min(-(-need // step) * step, self.config.pages_per_seq)
+        return table_width(last // self.config.page_size + 1, self.config.pages_per_seq)
 
     def decode_rows(self) -> tuple[np.ndarray, int]:
         """(the active slots in slot order, rows of the decode batch that runs them)."""

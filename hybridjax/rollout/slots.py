@@ -41,6 +41,23 @@ def decode_batch_size(num_active: int, max_num_seqs: int, multiple: int = 1) -> 
     return min(power_of_two_bucket(num_active, multiple), max_num_seqs)
 
 
+TABLE_WIDTHS = 4  # page-table widths a decode call may take (one compile each)
+
+
+def table_width(pages_needed: int, pages_per_seq: int) -> int:
+    """Page-table columns of a decode call whose rows touch `pages_needed` pages: rounded up to
+    a quarter (`TABLE_WIDTHS`) of the full width `pages_per_seq`, so attention gathers only
+    these pages (early steps of long responses do not pay for the full length) and a run
+    compiles at most 4 widths."""
+    step = -(-pages_per_seq // TABLE_WIDTHS)
+    return min(-(-pages_needed // step) * step, pages_per_seq)
+
+
+def table_widths(pages_per_seq: int) -> list[int]:
+    """Every width `table_width` returns for a slot of `pages_per_seq` pages (ascending)."""
+    return sorted({table_width(n, pages_per_seq) for n in range(1, pages_per_seq + 1)})
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What one `Engine.generate` call produced (host numpy), indexed by slot. B = max_num_seqs,

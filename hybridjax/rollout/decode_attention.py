@@ -182,18 +182,20 @@ def paged_attention_pallas(
     return out[:, None].astype(q_BxTxHxD.dtype)
 
 
-def _mesh_axis(mesh: Mesh, name: str, size: int) -> str | None:
-    """`name` when that mesh axis splits a dimension of `size` evenly (and exists), else None."""
-    n = mesh.shape.get(name, 1)
-    return name if n > 1 and size % n == 0 else None
+def _mesh_axis(mesh, name: str, size: int, manual: frozenset[str]) -> str | None:
+    """`name` when that mesh axis exists, is not already manual (inside an enclosing
+    `shard_map`) and splits a dimension of `size` evenly, else None."""
+    n = dict(mesh.shape).get(name, 1)
+    return name if n > 1 and size % n == 0 and name not in manual else None
 
 
-def decode_specs(mesh: Mesh, rows: int, heads: int, kv_heads: int):
+def decode_specs(mesh, rows: int, heads: int, kv_heads: int, manual=frozenset()):
     """(q, pool, table/positions) PartitionSpecs of decode attention on `mesh`: rows by
     `data`, query and kv heads by `tensor` (both, or neither: a device's query heads must
-    attend to its own kv heads), pool pages replicated."""
-    data = _mesh_axis(mesh, "data", rows)
-    tensor = _mesh_axis(mesh, "tensor", kv_heads)
+    attend to its own kv heads), the pool's pages whole. Axes in `manual` (already split by an
+    enclosing `shard_map`, e.g. the engine's per-replica region over `data`) are left out."""
+    data = _mesh_axis(mesh, "data", rows, manual)
+    tensor = _mesh_axis(mesh, "tensor", kv_heads, manual)
     tensor = tensor if tensor and heads % mesh.shape["tensor"] == 0 else None
     return PartitionSpec(data, None, tensor), PartitionSpec(tensor), PartitionSpec(data)
 
@@ -216,6 +218,8 @@ def decode_attention(
 
     With `mesh` (axes "data", "tensor"), the kernel runs per device inside `jax.shard_map`
     (`decode_specs`): no collective at all, each device attends its rows with its heads.
+    Inside an enclosing `shard_map` (the engine's per-replica region, manual over `data`) only
+    the axes not yet manual are split.
     Raises ValueError for an unknown kernel (and see `paged_attention_pallas`).
     """
     if kernel == "jnp":
@@ -229,10 +233,14 @@ def decode_attention(
     if mesh is None:
         return fn(q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)
     rows, _, heads, _ = q_BxTxHxD.shape
-    q_spec, pool_spec, row_spec = decode_specs(mesh, rows, heads, k_pages_KxNxSxD.shape[0])
+    context = jax.sharding.get_abstract_mesh()
+    manual = frozenset(() if context.empty else context.manual_axes)
+    specs = decode_specs(mesh, rows, heads, k_pages_KxNxSxD.shape[0], manual)
+    q_spec, pool_spec, row_spec = specs
     sharded = jax.shard_map(
         fn,
-        mesh=mesh,
+        mesh=context if manual else mesh,
+        axis_names=frozenset(mesh.axis_names) - manual,
         in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
         out_specs=q_spec,
         check_vma=False,  # pallas_call has no varying-manual-axes rule

@@ -212,13 +212,14 @@ def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats:
     return pages, page, r
 
 
-def _decode_scratch(actor, r, data: int, tp: int, impl: str) -> int:
+def _decode_scratch(actor, r, tp: int, impl: str) -> int:
     """Decode-loop scratch per device (an estimate; the engine is not compiled here): logits of
-    the slots (float32, three copies for sampling) and, on the jnp path, the K/V of every slot
-    gathered out of the pool at full width (`PagedKVCache.gathered`)."""
+    the slots of its replica (`max_num_seqs` per data-parallel replica; float32, three copies
+    for sampling) and, on the jnp path, the K/V of every slot gathered out of the pool at full
+    width (`PagedKVCache.gathered`)."""
     from hybridjax.models.config import to_dtype
 
-    slots = -(-r.max_num_seqs // data)
+    slots = r.max_num_seqs
     logits = 3 * slots * -(-actor.vocab_size // tp) * 4
     if impl != "jnp":
         return logits
@@ -347,10 +348,10 @@ def plan_memory(
         "critic optimizer state": offload["critic"].optimizer_offload,
     }
     on_device = {k: v for k, v in resident.items() if not off.get(k)}
-    impl = "jnp" if target != "gpu" or r.attention_impl == "jnp" else "pallas"
-    if actor_config.sliding_window is not None:
-        impl = "jnp"
-    decode = _decode_scratch(actor_config, r, gen.shape["data"], tp, impl)
+    from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
+
+    impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
+    decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
     # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training

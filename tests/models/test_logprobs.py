@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hybridjax.dpo import sequence_log_probs
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.models.logprobs import LogProbConfig, token_log_probs
+from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs
 from hybridjax.sft import sft_loss
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
 from hybridjax.trainer import stages
@@ -238,3 +238,42 @@ def test_xla_memory_analysis_of_the_update_saves_at_least_the_logits():
     logits = 8 * 1536 * MID.vocab_size * 4
     fused, full = update_temp_bytes(LogProbConfig()), update_temp_bytes(UNFUSED)
     assert full - fused >= logits, (full, fused, logits)
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunking", [False, True])
+def test_entropy_keys_choose_remat_and_chunks_of_the_full_logit_path(checkpointing, chunking):
+    """Without the fused head, `entropy_checkpointing` wraps the entropy in a remat and
+    `entropy_from_logits_with_chunking` walks chunks (a scan); the values do not change."""
+    graphdef, params = _head(tie=False)
+    hidden = jax.random.normal(jax.random.key(1), (2, 9, 16))
+    targets = jnp.zeros((2, 9), jnp.int32)
+    head = LogProbConfig(False, checkpointing, chunking, chunk_size=4)
+
+    def entropy_sum(params):
+        model = nnx.merge(graphdef, params)
+        return token_log_probs(model, hidden, targets, 1.0, head, True)[1].sum()
+
+    jaxpr = jax.make_jaxpr(entropy_sum)(params).jaxpr
+    top = {eqn.primitive.name for eqn in jaxpr.eqns}  # the chunks remat inside their scan
+    assert bool({"checkpoint", "remat2"} & top) == checkpointing, top
+    assert ("scan" in _primitives(jaxpr)) == chunking
+    fused = token_log_probs(nnx.merge(graphdef, params), hidden, targets, 1.0, FUSED, True)[1]
+    np.testing.assert_allclose(
+        token_log_probs(nnx.merge(graphdef, params), hidden, targets, 1.0, head, True)[1],
+        fused,
+        **TOL,
+    )

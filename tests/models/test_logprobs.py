@@ -20,9 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.models.logprobs import LogProbConfig, token_log_probs
+from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs
 from hybridjax.offline.dpo import sequence_log_probs
 from hybridjax.offline.sft import sft_loss
+from hybridjax.rl import build
 from hybridjax.rl import passes as stages
 from hybridjax.rl.forward import response_log_probs
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
@@ -171,7 +172,7 @@ def _passes(head: LogProbConfig):
     cfg = dataclasses.replace(cfg, head=head)
     adv = batch.response_mask * 0.5
     batch = batch.replace(advantages=adv, old_log_probs=adv, ref_log_prob=adv)
-    state = jax.eval_shape(lambda p: stages.init_train_state(p, cfg.actor_optim), params)
+    state = jax.eval_shape(lambda p: build.init_train_state(p, cfg.actor_optim), params)
     seq = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
@@ -238,3 +239,42 @@ def test_xla_memory_analysis_of_the_update_saves_at_least_the_logits():
     logits = 8 * 1536 * MID.vocab_size * 4
     fused, full = update_temp_bytes(LogProbConfig()), update_temp_bytes(UNFUSED)
     assert full - fused >= logits, (full, fused, logits)
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunking", [False, True])
+def test_entropy_keys_choose_remat_and_chunks_of_the_full_logit_path(checkpointing, chunking):
+    """Without the fused head, `entropy_checkpointing` wraps the entropy in a remat and
+    `entropy_from_logits_with_chunking` walks chunks (a scan); the values do not change."""
+    graphdef, params = _head(tie=False)
+    hidden = jax.random.normal(jax.random.key(1), (2, 9, 16))
+    targets = jnp.zeros((2, 9), jnp.int32)
+    head = LogProbConfig(False, checkpointing, chunking, chunk_size=4)
+
+    def entropy_sum(params):
+        model = nnx.merge(graphdef, params)
+        return token_log_probs(model, hidden, targets, 1.0, head, True)[1].sum()
+
+    jaxpr = jax.make_jaxpr(entropy_sum)(params).jaxpr
+    top = {eqn.primitive.name for eqn in jaxpr.eqns}  # the chunks remat inside their scan
+    assert bool({"checkpoint", "remat2"} & top) == checkpointing, top
+    assert ("scan" in _primitives(jaxpr)) == chunking
+    fused = token_log_probs(nnx.merge(graphdef, params), hidden, targets, 1.0, FUSED, True)[1]
+    np.testing.assert_allclose(
+        token_log_probs(nnx.merge(graphdef, params), hidden, targets, 1.0, head, True)[1],
+        fused,
+        **TOL,
+    )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,9 @@ def token_log_probs(
 
 def _unfused_entropy(logits_BxTxV: jax.Array, config: LogProbConfig) -> jax.Array:
     chunk = config.chunk_size if config.entropy_from_logits_with_chunking else None
-    fn = functools.partial(entropy_from_logits, chunk_size=chunk or logits_BxTxV.shape[1])
+    fn: Callable[..., jax.Array] = functools.partial(
+        entropy_from_logits, chunk_size=chunk or logits_BxTxV.shape[1]
+    )
     if config.entropy_checkpointing:
         fn = jax.checkpoint(fn)
     return fn(logits_BxTxV)

@@ -185,8 +185,9 @@ class MoEMLP(nnx.Module):
         if self.record:
             self._sow_stats(probs, ids, token_mask_BxT, (b, t))
         experts = self.experts
-        w = (experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...])
-        w = tuple(a.astype(dt) for a in w)
+        w = tuple(
+            a[...].astype(dt) for a in (experts.gate_proj, experts.up_proj, experts.down_proj)
+        )
         mesh = _expert_parallel_mesh(w[0].shape[0])
         if mesh is None:
             y = _combine(x, ids, weights, *w)

@@ -136,7 +136,7 @@ class ToolExecutor:
 
 def _execute(tool: Tool | None, arguments: dict | None) -> str | ToolResult | None:
     """Runs in a worker process (`tool` None: nothing, the pool's warm-up)."""
-    return None if tool is None else tool.execute(arguments)
+    return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
 
 
 def _import(modules: list[str]) -> None:

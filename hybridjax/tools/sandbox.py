@@ -161,7 +161,8 @@ def _run(command: list[str], limits: Limits, cwd: str | None) -> tuple[int, str,
         raise TimeoutError(f"code ran longer than {limits.timeout_s} s") from e
     finally:
         _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
-        out.join(), err.join()
+        out.join()
+        err.join()
     return rc, out.text(head=True), err.text(head=False)
 
 
@@ -203,7 +204,7 @@ def limits_of(config: dict[str, Any]) -> Limits:
         raise ValueError(f"unknown python tool config keys {sorted(unknown)}; known: "
                          f"{sorted(fields) + ['isolation']}")  # fmt: skip
     cast = {"timeout_s": float}
-    return Limits(**{k: cast.get(k, int)(v) for k, v in config.items() if k in fields})
+    return Limits(**{k: cast.get(k, int)(v) for k, v in config.items() if k in fields})  # type: ignore[arg-type]
 
 
 @register_tool("python")

@@ -358,6 +358,9 @@ class Engine:
     def run_prefill(self, prefixes: list[Prefix]) -> None:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
         call (each replica a block of rows, `replicas.per_replica`). Host sync: none."""
+        if self.state is None:
+            raise RuntimeError("Engine.run_prefill: weights released by sleep(2); update_weights")
+        self.wake_up()  # a sleeping engine's pool comes back with the next rollout
         todo = [p for p in prefixes if len(p.request.prompt) > 1]
         if not todo:
             return

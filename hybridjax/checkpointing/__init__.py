@@ -1,8 +1,6 @@
-"""Checkpoints: orbax save/restore with resume, signal-triggered saves, HF export, and the
-lock by which one run owns its directory."""
+"""Checkpoints: orbax save/restore with resume, signal-triggered saves, HF export."""
 
 from hybridjax.checkpointing.manager import Checkpointer, all_finite, split_checkpoint_path
-from hybridjax.checkpointing.run_lock import hold as hold_directory
 from hybridjax.checkpointing.signals import StopRequest
 
-__all__ = ["Checkpointer", "StopRequest", "all_finite", "hold_directory", "split_checkpoint_path"]
+__all__ = ["Checkpointer", "StopRequest", "all_finite", "split_checkpoint_path"]

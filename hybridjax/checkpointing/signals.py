@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True

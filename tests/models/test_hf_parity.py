@@ -15,9 +15,7 @@ from safetensors import safe_open
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 
 PARITY_TOL = 1e-4
-MEASURED: dict[
-    str, float
-] = {}  # family -> max |Δlogit|, printed at the end of the module (run with -s)
+MEASURED = {}  # family -> max |Δlogit|, printed at the end of the module (run with -s)
 
 
 def _params(model) -> dict:

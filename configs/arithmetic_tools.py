@@ -31,7 +31,7 @@ start learned the call format from its teacher.
 
 import os
 
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

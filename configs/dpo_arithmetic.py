@@ -17,7 +17,7 @@ breaks).
 import os
 
 import hybridjax
-from hybridjax.dpo import dpo_config
+from hybridjax.offline.dpo import dpo_config
 
 ASSETS = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "quickstart")
 

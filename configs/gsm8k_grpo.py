@@ -15,7 +15,7 @@ How it differs from textbook GRPO (Shao et al. 2024, DeepSeekMath), as verl's re
 Data: `python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k`.
 """
 
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 
 def get_config():

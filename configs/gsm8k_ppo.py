@@ -15,7 +15,7 @@ How it differs from textbook PPO (Schulman et al. 2017), as verl does:
 Data: `python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k`.
 """
 
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 
 def get_config():

@@ -35,7 +35,7 @@ Reproduce the shipped assets (data, then the warm start):
 import os
 
 import hybridjax
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 ASSETS = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "quickstart")
 

@@ -27,7 +27,7 @@ numbers right; at lr 2e-3 the loss was still 0.32 after 520 of 700 steps.)
 import os
 
 import hybridjax
-from hybridjax.sft import sft_config
+from hybridjax.offline.sft import sft_config
 
 TOKENIZER = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "tokenizers", "gsm8k_bpe")
 

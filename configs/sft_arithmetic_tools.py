@@ -19,7 +19,7 @@ then `configs/arithmetic_tools.py` (GRPO with the calculator), and measures both
 import os
 
 import hybridjax
-from hybridjax.sft import sft_config
+from hybridjax.offline.sft import sft_config
 
 QUICKSTART = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "quickstart")
 

@@ -15,7 +15,7 @@ Switch to GRPO: --config.algorithm.adv_estimator=grpo --config.critic.enable=Fal
 import os
 
 import hybridjax
-from hybridjax.trainer.config import base_config
+from hybridjax.config.schema import base_config
 
 TOKENIZER = os.path.join(os.path.dirname(hybridjax.__file__), "assets", "tokenizers", "gsm8k_bpe")
 

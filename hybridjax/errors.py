@@ -21,6 +21,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
 
 DEBUG_ENV = "HYBRIDJAX_DEBUG"
 EXIT_USER_ERROR = 2  # absl's flag errors exit with 1; a bad input exits with 2
@@ -43,7 +44,7 @@ class MissingFileError(UserError, FileNotFoundError):
     """A file or directory the run needs does not exist (names the path)."""
 
 
-def read_json(path) -> object:
+def read_json(path) -> Any:
     """The parsed JSON file `path`.
 
     Raises:
@@ -75,14 +76,16 @@ def _disk_full(err: BaseException) -> OSError | None:
     """The ENOSPC/EDQUOT `OSError` in `err`'s cause chain, if any (orbax and TensorStore wrap
     the writer's error in their own)."""
     seen = set()
-    while err is not None and id(err) not in seen:
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        err = cause
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return err
         text = str(err)
         if "No space left on device" in text or "Disk quota exceeded" in text:
             return OSError(errno.ENOSPC, text.splitlines()[0] if text else "disk full")
-        err = err.__cause__ or err.__context__
+        cause = err.__cause__ or err.__context__
     return None
 
 

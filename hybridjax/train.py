@@ -15,6 +15,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
+from hybridjax.allocator import set_allocator_fraction
 from hybridjax.errors import ConfigError, cli_errors, run_main
 from hybridjax.metrics.console import configure_logging
 
@@ -37,12 +38,15 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     Raises:
       UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
     """
+    from hybridjax.checkpointing import hold_directory
     from hybridjax.checkpointing.export import check_export_target, export_actor
+    from hybridjax.checkpointing.run_lock import hold_run_directory
+    from hybridjax.rl.trainer import RLTrainer
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
-    from hybridjax.trainer.trainer import RLTrainer
 
     configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
+        set_allocator_fraction(config.trainer.device_memory_fraction)  # before JAX starts
         initialize(DistributedConfig.from_config(config))  # before any other JAX call
     except ValueError as err:
         raise ConfigError(str(err)) from err
@@ -52,9 +56,11 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     out = config.trainer.default_local_dir
     logs = os.path.join(out, "logs")
     writable = not export_hf and (os.path.isdir(out) or not os.path.lexists(out))
+    lock = hold_run_directory(config) if writable and is_main() else None  # before any write
     configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
     if export_hf:
         check_export_target(os.path.abspath(export_hf), overwrite)
+        lock = hold_directory(export_hf, "--export_hf", create=False) if is_main() else None
     trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
         if export_hf:
@@ -69,6 +75,8 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
                 write_plots(logs)
     finally:
         trainer.close()
+        if lock is not None:
+            lock.release()
 
 
 def main(argv: list[str]) -> None:

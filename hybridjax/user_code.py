@@ -25,6 +25,8 @@ def load_module(target: str) -> ModuleType:
     if os.path.isfile(target):
         name = "hybridjax_user_" + re.sub(r"\W", "_", os.path.abspath(target))
         spec = importlib.util.spec_from_file_location(name, target)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{target}: not a Python source file")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

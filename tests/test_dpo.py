@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridjax.dpo import DPOConfig, dpo_metrics, pair_losses
+from hybridjax.offline.dpo import DPOConfig, dpo_metrics, pair_losses
 
 # Two pairs: sequence log-probs (policy, reference) of chosen and rejected, response lengths.
 PC, PR = np.array([-2.0, -5.0], np.float32), np.array([-4.0, -3.0], np.float32)
@@ -166,7 +166,7 @@ def _write_preferences(path, n):
 
 def _dpo_config(tmp_path, steps, **changes):
     from configs.sft_arithmetic import TOKENIZER
-    from hybridjax.dpo import dpo_config
+    from hybridjax.offline.dpo import dpo_config
     from tests.quickstart.test_sft import TINY
 
     c = dpo_config()
@@ -189,8 +189,8 @@ def _dpo_config(tmp_path, steps, **changes):
 def test_lora_dpo_learns_resumes_exactly_and_exports(tmp_path):
     from flax import nnx
 
-    from hybridjax.dpo import run_dpo
     from hybridjax.models.hf_io import load_pretrained
+    from hybridjax.offline.dpo import run_dpo
 
     _write_preferences(tmp_path / "pairs.jsonl", 32)
     straight = run_dpo(_dpo_config(tmp_path, 8, **{"trainer.val_before_train": True}))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjax.rewards import decode_responses
-from hybridjax.trainer import stage
+from hybridjax.rl import stage
 
 BANNED = ("sorry", "I cannot")
 
@@ -21,7 +21,7 @@ BANNED = ("sorry", "I cannot")
 @stage(reads=("responses", "response_mask", "token_level_scores"), writes=("token_level_scores",))
 def zero_banned(batch, ctx):
     """token_level_scores × 0 on responses containing one of `BANNED` (host sync: decodes)."""
-    texts = decode_responses(ctx.trainer.tokenizer, ctx.host.responses, ctx.host.response_mask)
+    texts = decode_responses(ctx.deps.tokenizer, ctx.host.responses, ctx.host.response_mask)
     banned_B = np.array([any(word in text for word in BANNED) for text in texts])
     ctx.metrics["reward/banned"] = float(banned_B.mean())
     keep_Bx1 = jnp.asarray(~banned_B, jnp.float32)[:, None]

@@ -59,7 +59,7 @@ def _accuracy(val_metrics: dict) -> float | None:
 def train_curve(trainer_cfg, steps: int, test_freq: int) -> list[dict]:
     """Validates, then trains `steps` steps; returns per step {step, reward, val_acc (or None),
     step_time_s, response_length}, starting with step 0 (validation only)."""
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     trainer = RLTrainer(trainer_cfg)
     curve = []

@@ -76,7 +76,10 @@ def measure_point(cfg, batch: int, out: pathlib.Path) -> dict:
     """steps/hour etc. of the throughput benchmark at `batch`."""
     overrides = batch_overrides(batch, True)
     cmd = [sys.executable, "-m", "experiments.benchmarks.run"]
-    cmd += [f"--config={ROOT / 'configs' / 'bench_throughput.py'}", f"--config.results_root={out}"]
+    cmd += [
+        f"--config={ROOT / 'experiments' / 'configs' / 'bench_throughput.py'}",
+        f"--config.results_root={out}",
+    ]
     cmd += [
         "--config.throughput.workload=",
         f"--config.throughput.trainer_config={cfg.trainer_config}",

@@ -55,15 +55,15 @@ def checkpoint_times(model: str, repeats: int, work: pathlib.Path) -> dict:
     from hybridjax.checkpointing import Checkpointer
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM
+    from hybridjax.rl import build
+    from hybridjax.rl.optim import OptimConfig
     from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
-    from hybridjax.trainer import stages
-    from hybridjax.trainer.optim import OptimConfig
 
     config = ModelConfig(**MODELS[model], attention_bias=True, tie_word_embeddings=True)
     mesh = make_meshes(MeshConfig()).train
     _, params = nnx.split(init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES))
     optim = OptimConfig(lr=1e-6, warmup_steps=0, total_steps=10)
-    state = jax.jit(stages.init_train_state, static_argnums=1)(params, optim)
+    state = build.init_train_state(params, optim)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )

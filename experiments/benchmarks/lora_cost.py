@@ -4,10 +4,10 @@
 
 Bytes (no memory touched): the actor of workload `b` of the peer comparison (the ~100M Qwen2
 shape: hidden 768, 16 layers, 12/4 heads, MLP 2048, vocab 1024, float32) is built abstractly
-(`nnx.eval_shape`); `hybridjax.trainer.build.init_train_state` is evaluated with
+(`nnx.eval_shape`); `hybridjax.rl.build.init_train_state` is evaluated with
 `jax.eval_shape` for the full model and for the model with LoRA adapters (rank `--rank`, alpha
 2·rank, all-linear); gradients are the shape of what is trained. Also reported: XLA's compiled
-memory analysis of one SFT step (`hybridjax.trainer.offline.train_step`, 4 rows × 192 tokens):
+memory analysis of one SFT step (`hybridjax.offline.loop.train_step`, 4 rows × 192 tokens):
 its temporaries include the merged weights and the weight-sized gradients that `LoRAModel`'s
 merged forward forms (see `hybridjax.models.lora`).
 
@@ -38,10 +38,10 @@ from experiments.peers.workload import WORKLOADS
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.lora import LoRAConfig, LoRAModel, split_trainable
-from hybridjax.sft import sft_objective
-from hybridjax.trainer.build import init_train_state
-from hybridjax.trainer.offline import train_step
-from hybridjax.trainer.optim import OptimConfig
+from hybridjax.offline.loop import train_step
+from hybridjax.offline.sft import sft_objective
+from hybridjax.rl.build import init_train_state
+from hybridjax.rl.optim import OptimConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

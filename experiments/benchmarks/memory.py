@@ -101,9 +101,9 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from hybridjax import plan
+    from hybridjax.memory import planner as plan
+    from hybridjax.rl import build, passes
     from hybridjax.sharding import MeshConfig, make_meshes
-    from hybridjax.trainer import build, stages
 
     c = point_config(hidden, layers, cfg)
     actor_config = build.actor_model_config(c, build.load_tokenizer(c))
@@ -130,7 +130,7 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
     # Compiled ahead of time, so each program's first execution is the one measured: a later
     # execution may reuse address space its predecessor left mapped.
     key_, graphdef, state = jax.random.key(1), models.actor_graphdef, models.actor_state
-    old = jax.jit(stages.compute_old_log_prob, static_argnums=(0, 3))
+    old = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
     old = old.lower(graphdef, state.params, batch, sc).compile()
     update_batch = plan.abstract_batch(
         rows,
@@ -139,7 +139,7 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
         sharding,
         ["advantages", "old_log_probs"],
     )
-    update = jax.jit(stages.update_actor, static_argnums=(0, 4), donate_argnums=1)
+    update = jax.jit(passes.update_actor, static_argnums=(0, 4), donate_argnums=1)
     update = update.lower(graphdef, state, update_batch, key_, sc).compile()
     calls = {
         "old_log_prob": lambda: old(state.params, batch)[0],

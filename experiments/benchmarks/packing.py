@@ -1,7 +1,7 @@
 """Packed sequences and shared prompts: the actor update and the full RL step, plain vs packed
 vs packed + shared prompts, ratios measured in one run on one machine.
 
-`update`: `trainer.stages.update_actor` (jitted as the trainer does: the registered GRPO loss,
+`update`: `trainer.passes.update_actor` (jitted as the trainer does: the registered GRPO loss,
 gradient accumulation, one AdamW step) on one batch of `prompts × n` rows, for three stage
 configs built from the same trainer config: `plain` (`model.use_remove_padding=False`),
 `packed` (no padding, `actor.use_prefix_sharing=False`) and `shared` (the default). The
@@ -70,7 +70,7 @@ def make_batch(spec: dict, vocab: int, seed: int = 0):
     """An `RLBatch` of prompts × n rows (contiguous groups) with GRPO-like advantages."""
     import jax.numpy as jnp
 
-    from hybridjax.trainer.batch import make_batch as assemble
+    from hybridjax.rl.batch import make_batch as assemble
 
     rng = np.random.default_rng(seed)
     if spec["prompt"] == "gsm8k":
@@ -115,8 +115,8 @@ def _model(name: str):
 
 
 def _stage_config(spec: dict, variant: str, model_config):
-    from hybridjax.trainer import build
-    from hybridjax.trainer.config import base_config
+    from hybridjax.config.schema import base_config
+    from hybridjax.rl import build
 
     c = base_config()
     rows = spec["prompts"] * spec["n"]
@@ -134,18 +134,18 @@ def _stage_config(spec: dict, variant: str, model_config):
 def measure_update(name: str, repeats: int) -> dict:
     import jax
 
-    from hybridjax.trainer import stages
+    from hybridjax.rl import build, passes
 
     spec = WORKLOADS[name]
     graphdef, params, model_config = _model(spec["model"])
     vocab = params["model"]["embed_tokens"][...].shape[0]
     batch, spec, tokens = make_batch(spec, vocab)
-    update = jax.jit(stages.update_actor, static_argnums=(0, 4))
+    update = jax.jit(passes.update_actor, static_argnums=(0, 4))
     runs, cfgs = (
         {v: [] for v in VARIANTS},
         {v: _stage_config(spec, v, model_config) for v in VARIANTS},
     )
-    states = {v: stages.init_train_state(params, cfgs[v].actor_optim) for v in VARIANTS}
+    states = {v: build.init_train_state(params, cfgs[v].actor_optim) for v in VARIANTS}
     first = {}
     for variant in VARIANTS:  # warm-up: compile + one call
         tic = time.perf_counter()
@@ -185,8 +185,8 @@ def measure_step(steps: int, warmup: int) -> dict:
     import tempfile
 
     from experiments.benchmarks.throughput import load_trainer_config
-    from hybridjax.trainer import RLTrainer
-    from hybridjax.trainer import step as step_module
+    from hybridjax.rl import RLTrainer
+    from hybridjax.rl import step as step_module
 
     jitted = {k: v for k, v in vars(step_module).items() if hasattr(v, "_cache_size")}
     out = {}

@@ -154,7 +154,7 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
 
 
 def markdown_table(summary: dict) -> str:
-    """The README table: one row per workload and system."""
+    """The benchmarks table (docs/benchmarks.md): one row per workload and system."""
     lines = [
         "| workload | system | s/step (wall) | CPU s/step | tokens/step | tokens/s | "
         "vs faster peer (wall / CPU) |",

@@ -67,7 +67,7 @@ def _trainer_config(cfg, name: str, out_dir: pathlib.Path, n_devices: int):
 
 
 def _run_mode(cfg, name: str, out_dir: pathlib.Path, n_devices: int) -> dict:
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     trainer = RLTrainer(_trainer_config(cfg, name, out_dir, n_devices))
     steps, spans = [], []

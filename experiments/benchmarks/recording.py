@@ -1,6 +1,6 @@
 """What every trainer benchmark records beside its summary: per-stage timestamps, a profile.
 
-* `StageClock` collects the `stage <name> <start> <end>` lines `hybridjax.trainer.pipeline.timed`
+* `StageClock` collects the `stage <name> <start> <end>` lines `hybridjax.rl.pipeline.timed`
   logs at DEBUG level, so each step's log entry can carry when each stage ran.
 * `profile_step` runs one step under the JAX profiler (`trace/`, open it with TensorBoard's
   profile plugin or Perfetto; `trace/**/perfetto_trace.json.gz` is the same trace as Chrome
@@ -13,7 +13,7 @@
   `peak_bytes_in_use` / `bytes_in_use` where the backend reports them (GPU, TPU), else (CPU)
   the process's peak resident set since the previous stage ended (VmHWM, reset through
   `/proc/self/clear_refs` at each stage's end).
-* `CompiledStages` compiles each jitted device stage of `hybridjax.trainer.step` once more for
+* `CompiledStages` compiles each jitted device stage of `hybridjax.rl.step` once more for
   the arguments it is called with and keeps XLA's memory analysis (arguments, outputs,
   donated, scratch per device) and the collectives of the partitioned program
   (`collective_bytes`: the result bytes of every all-reduce, all-gather, reduce-scatter,
@@ -38,7 +38,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-STEP_LOGGER = "hybridjax.trainer.pipeline"
+STEP_LOGGER = "hybridjax.rl.pipeline"
 
 
 class StageClock(logging.Handler):
@@ -130,7 +130,7 @@ def collective_time_s(
         (microseconds). The runtime names each executed HLO instruction's event after it
         (`all-reduce.3`; asynchronous pairs `all-gather-start.1` / `all-gather-done.1` both
         count); other events are ignored.
-      stages: names of the stage spans (`hybridjax.trainer.pipeline.timed` ranges: `gen`,
+      stages: names of the stage spans (`hybridjax.rl.pipeline.timed` ranges: `gen`,
         `reshard`, `update_actor`, `step`, ...).
       devices: how many devices ran the step; each runs its own copy of every collective.
 
@@ -187,7 +187,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return out
 
 
-# jitted function of `hybridjax.trainer.step` → the stage it runs in
+# jitted function of `hybridjax.rl.step` → the stage it runs in
 STEP_JITS = {
     "_old_log_prob": "old_log_prob",
     "_ref_log_prob": "ref",
@@ -198,7 +198,7 @@ STEP_JITS = {
 
 
 class CompiledStages:
-    """While entered, the jitted device stages of `hybridjax.trainer.step` are compiled once
+    """While entered, the jitted device stages of `hybridjax.rl.step` are compiled once
     more per new argument signature (before the call: the update donates its state) and
     `self.stages[name]` keeps XLA's memory analysis and `collective_bytes` (bytes per device).
     Costs one extra compile per stage."""
@@ -239,7 +239,7 @@ class CompiledStages:
         return out
 
     def __enter__(self) -> CompiledStages:
-        from hybridjax.trainer import step
+        from hybridjax.rl import step
 
         self._saved = {n: getattr(step, n) for n in STEP_JITS}
         for n, fn in self._saved.items():
@@ -247,7 +247,7 @@ class CompiledStages:
         return self
 
     def __exit__(self, *exc) -> None:
-        from hybridjax.trainer import step
+        from hybridjax.rl import step
 
         for n, fn in self._saved.items():
             setattr(step, n, fn)

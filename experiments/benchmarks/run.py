@@ -1,4 +1,4 @@
-"""`python -m experiments.benchmarks.run --config=configs/bench_<name>.py [--config.a.b=x ...]`
+"""`python -m experiments.benchmarks.run --config=experiments/configs/bench_<name>.py [...]`
 
 Runs one benchmark from a config and writes `results/YYYYMMDD_HHMMSS/`:
 `config.json` (the config as run), `summary.json` (the numbers), `log.txt` (the detailed log)

@@ -75,7 +75,7 @@ def run_point(cfg, point: dict, n: int, root: pathlib.Path) -> dict:
         sys.executable,
         "-m",
         "experiments.benchmarks.run",
-        f"--config={ROOT / 'configs' / 'bench_throughput.py'}",
+        f"--config={ROOT / 'experiments' / 'configs' / 'bench_throughput.py'}",
         f"--config.results_root={root}",
         f"--config.throughput.workload={cfg.workload}",
         f"--config.throughput.warmup={cfg.warmup}",

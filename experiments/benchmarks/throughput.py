@@ -1,6 +1,6 @@
 """Throughput of the full RL step: steps/hour, tokens/s, per-stage timing, MFU.
 
-Runs `warmup + steps` steps of `hybridjax.trainer.RLTrainer` on a peer workload
+Runs `warmup + steps` steps of `hybridjax.rl.RLTrainer` on a peer workload
 (`experiments/peers/workload.py`: `a`, `b` or the test-sized `tiny`) or on a trainer config
 file, after measuring the peak matmul FLOP/s of the machine in the same process. MFU:
 
@@ -132,7 +132,7 @@ def measure(trainer, warmup: int, steps: int, out_dir: pathlib.Path | None = Non
 def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> dict:
     """Medians over the timed steps: step time, steps/hour, tokens/s, stage times, MFU."""
     from experiments.benchmarks.recording import stability
-    from hybridjax.trainer.build import critic_model_config
+    from hybridjax.rl.build import critic_model_config
 
     timed = metrics[warmup:]
     med = lambda key: statistics.median(m[key] for m in timed)
@@ -215,7 +215,7 @@ def peak_memory_bytes(metrics: list[dict] = ()) -> dict:
 
 def run(cfg, out_dir: pathlib.Path) -> dict:
     from hybridjax.metrics import measure_peak_flops
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     if cfg.workload:
         trainer_cfg, spec = workload_trainer_config(cfg.workload)

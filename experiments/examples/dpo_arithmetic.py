@@ -20,7 +20,7 @@ import time
 
 from experiments.benchmarks.run import results_dir
 from hybridjax.data.arithmetic_pairs import write_pairs
-from hybridjax.dpo import run_dpo
+from hybridjax.offline.dpo import run_dpo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "hybridjax" / "assets" / "quickstart"
@@ -38,7 +38,7 @@ def load_config_file(name: str):
 def greedy_accuracy(model_path: str, work_dir: str) -> float:
     """Greedy accuracy of the HF checkpoint `model_path` on the quick start's 256 held-out
     problems: the RL trainer's validation (`val-core/arithmetic/acc/mean@1`)."""
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     c = load_config_file("quickstart")
     c.actor_rollout_ref.model.path = model_path

@@ -38,9 +38,9 @@ import numpy as np
 from experiments.benchmarks.run import results_dir
 from experiments.examples.dpo_arithmetic import load_config_file
 from hybridjax.data.arithmetic_tools import ToolTaskConfig, write_task
+from hybridjax.offline.sft import run_sft
 from hybridjax.rewards import decode_responses, default_compute_score
-from hybridjax.sft import run_sft
-from hybridjax.trainer.generation import generate_batch
+from hybridjax.rl.generation import generate_batch
 
 
 def score(trainer, prompts: dict, sampling) -> list[tuple[bool, float, int, int, bool]]:
@@ -197,7 +197,7 @@ def curve(path: pathlib.Path) -> dict:
 
 
 def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     data = write_task(str(out / "data"))  # GRPO's prompts: the same problems for every teacher
     warm, stages = args.warm_start, []

@@ -1,23 +1,24 @@
-"""The one-command GPU check's steps (`experiments/gpu/check.sh` installs, then runs this).
+"""The GPU check: two commands of at most 8 minutes each, run in order of priority.
 
-Steps, each a subprocess with a time limit; a failing step is recorded and the next one runs:
+    python -m experiments.gpu.check part1 [--dry-run] [--out DIR] [--budget SECONDS]
+    python -m experiments.gpu.check part2 ...
 
-1. `env`: JAX version, backend and devices, `nvidia-smi` (when present);
-2. `tests`: every `gpu`-marked test under `tests/`, selected by the marker, not by path
-   (`GPU_TESTS`; `tests/gpu`: Pallas paged attention, blocked training attention, bfloat16
-   parity against float32 and `transformers`; packed attention in `tests/trainer`; any GPU test
-   added elsewhere) with `jax_platforms=cuda,cpu`;
-3. `plan`: `python -m hybridjax.plan` of `configs/gpu_check.py` on simulated CPU devices;
-4. `throughput`: the RL-step benchmark on `configs/gpu_check.py` (a random Qwen2.5-0.5B-shaped
-   actor, GRPO, bfloat16), with the device's peak memory;
-5. `generation`: the rollout engine against HF `generate` on the same shape;
-6. `plan_vs_measured`: per stage, the plan's peak beside the throughput run's measured peak
-   (the device's `peak_bytes_in_use` after the stage on GPU; the process's resident peak
-   during it on CPU).
+(`experiments/gpu/check.sh` installs the carried wheels first, then runs this.)
 
-Everything lands in one JSON (`<out>/check.json`): each step's return code, seconds, the tail
-of its output and its numbers. `--dry-run` runs the same steps on CPU with tiny sizes (the
-workload `tiny`, the quick generation settings), where the `gpu` tests are skipped.
+part1: `env` (versions, imports, devices, the measured bf16 matmul peak and copy bandwidth),
+`tests` (the `gpu`-marked test files), `parity` (logits of small random Qwen2 and Llama
+models against `transformers` on the GPU's torch), `grpo` (GRPO on a Qwen2.5-0.5B-shaped
+model: stage times, compile time, peak memory per stage beside the planner's plan, MFU,
+decode tokens/s against the HBM roofline).
+part2: `kernels` (paged decode and training attention: time and memory per kernel), `trl_grpo`
+(the same GRPO configuration in TRL's GRPOTrainer).
+
+Each step runs as its own process (`experiments/gpu/step.py`) with a time limit (`LIMITS_S`,
+cut to what is left of the part's budget) and writes `<out>/<step>.json` and `<step>.log` as
+it goes; after each step `<out>/<part>.json` and `<out>/check.json` (every part run so far)
+are rewritten, so a command cut short leaves its results. A step that fails or is skipped
+prints one line with why, and the next step runs. `--dry-run`: CPU, tiny shapes, the same
+code paths, `DRY_SLACK` times the limits and the budget. Exit status 1 when a step failed.
 """
 
 from __future__ import annotations
@@ -27,145 +28,105 @@ import datetime
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
 
+from experiments.gpu.report import format_step, status_line
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-GPU_TESTS = ("-m", "gpu", "tests")  # pytest selection: the marker over the whole test tree
+PARTS = {"part1": ("env", "tests", "parity", "grpo"), "part2": ("kernels", "trl_grpo")}
+LIMITS_S = {"env": 90, "tests": 150, "parity": 90, "grpo": 300, "kernels": 240, "trl_grpo": 300}
+BUDGET_S = 450  # per part: under the GPU machine's 10 minutes a command, start-up included
+MIN_STEP_S = 20  # a step is not started with less left than this
+DRY_SLACK = 4  # a dry run's limits and budget: CPUs are slower and shared, and not rationed
 
 
-def step(name: str, cmd: list[str], env: dict, timeout: int, log_dir: pathlib.Path) -> dict:
-    """Runs `cmd`; returns {rc, seconds, tail} (rc 124 on timeout). Output goes to <name>.log."""
+def run_step(name: str, out: pathlib.Path, dry_run: bool, limit: float) -> dict:
+    """Runs step `name` as its own process for at most `limit` seconds; its JSON, with status
+    "failed" and why when the process died or ran out of time before writing one."""
+    cmd = [sys.executable, "-m", f"experiments.gpu.{name}", "--out", str(out)]
+    cmd += ["--dry-run"] if dry_run else []
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    }
+    if dry_run:
+        env["JAX_PLATFORMS"] = "cpu"
     start = time.perf_counter()
-    print(f"[check] {name}: {' '.join(cmd)}", flush=True)
-    try:
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-        rc, out = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
-        rc, out = 124, f"{err.stdout or ''}{err.stderr or ''}\ntimed out after {timeout} s"
-    (log_dir / f"{name}.log").write_text(out if isinstance(out, str) else out.decode())
-    seconds = time.perf_counter() - start
-    print(f"[check] {name}: rc {rc}, {seconds:.0f} s", flush=True)
-    return {"rc": rc, "seconds": seconds, "tail": str(out)[-2000:]}
+    log = out / f"{name}.log"
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=limit, check=False).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = None
+    path = out / f"{name}.json"
+    result = json.loads(path.read_text()) if path.is_file() else {"step": name, "tables": []}
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    if rc is None:
+        result |= {"status": "failed", "why": f"timed out after {limit:.0f} s (see {log.name})"}
+    elif result.get("status") in (None, "running"):
+        tail = (log.read_text().strip().splitlines() or ["no output"])[-1][:300]
+        result |= {"status": "failed", "why": f"exit status {rc}: {tail}"}
+    return result
 
 
-def _last_results_dir(text: str) -> pathlib.Path | None:
-    """The `results/<stamp>` folder a benchmark run printed last."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if (
-            line
-            and len(line) < 1024
-            and " " not in line
-            and (ROOT / line / "summary.json").is_file()
-        ):
-            return ROOT / line
-    return None
+def write_report(out: pathlib.Path, part: str, report: dict) -> None:
+    """`<part>.json`, then `check.json`: the steps of every part found in `out`."""
+    (out / f"{part}.json").write_text(json.dumps(report, indent=2, default=str))
+    merged = {"parts": {}, "steps": {}}
+    for name in PARTS:
+        path = out / f"{name}.json"
+        if path.is_file():
+            done = json.loads(path.read_text())
+            merged["parts"][name] = {k: v for k, v in done.items() if k != "steps"}
+            merged["steps"] |= done["steps"]
+    merged["ok"] = all(s.get("status") != "failed" for s in merged["steps"].values())
+    (out / "check.json").write_text(json.dumps(merged, indent=2, default=str))
 
 
-def _junit_counts(xml: pathlib.Path) -> dict:
-    import xml.etree.ElementTree as ET
-
-    if not xml.is_file():
-        return {}
-    suite = ET.parse(xml).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    keys = ("tests", "failures", "errors", "skipped")
-    return {k: int(suite.get(k, 0)) for k in keys}
+def run_part(part: str, out: pathlib.Path, dry_run: bool, budget: float) -> dict:
+    """Runs the steps of `part` in order within `budget` seconds; the part's report."""
+    slack = DRY_SLACK if dry_run else 1
+    start = time.perf_counter()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    report = {"part": part, "started": stamp, "dry_run": dry_run, "steps": {}}
+    for name in PARTS[part]:
+        left = budget - (time.perf_counter() - start)
+        if left < MIN_STEP_S:
+            result = {
+                "step": name,
+                "status": "skipped",
+                "why": f"{left:.0f} s left of {budget:.0f}",
+            }
+        else:
+            limit = min(LIMITS_S[name] * slack, left)
+            print(f"[{name}] running (at most {limit:.0f} s)", flush=True)
+            result = run_step(name, out, dry_run, limit)
+        report["steps"][name] = result
+        report["seconds"] = round(time.perf_counter() - start, 3)
+        write_report(out, part, report)
+        print(format_step(result), flush=True)
+    print("\n".join(["", f"{part} summary:", *map(status_line, report["steps"].values())]))
+    print(out / "check.json")
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
-    parser.add_argument("--out", default="", help="output folder (default results/gpu_check_*)")
+    parser.add_argument("part", choices=[*PARTS, "all"])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
+    parser.add_argument("--out", default=str(ROOT / "results" / "gpu_check"), help="results folder")
+    parser.add_argument("--budget", type=float, default=0, help=f"seconds per part ({BUDGET_S})")
     args = parser.parse_args()
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M%S")
-    out = pathlib.Path(args.out or ROOT / "results" / f"gpu_check_{stamp}")
+    budget = args.budget or BUDGET_S * (DRY_SLACK if args.dry_run else 1)
+    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    py, dry = sys.executable, args.dry_run
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    }
-    if dry:
-        env["JAX_PLATFORMS"] = "cpu"
-    report: dict = {"dry_run": dry, "started": stamp, "steps": {}}
-    steps = report["steps"]
-
-    probe = (
-        "import json, jax; d = jax.devices(); print(json.dumps(dict(jax=jax.__version__, "
-        "backend=jax.default_backend(), devices=[str(x) for x in d], "
-        "memory=[(x.memory_stats() or {}).get('bytes_limit') for x in d])))"
-    )
-    steps["env"] = step("env", [py, "-c", probe], env, 300, out)
-    if steps["env"]["rc"] == 0:
-        steps["env"] |= json.loads(steps["env"]["tail"].strip().splitlines()[-1])
-    if shutil.which("nvidia-smi"):
-        smi = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]
-        steps["nvidia_smi"] = step("nvidia_smi", smi, env, 60, out)
-
-    xml = out / "tests.xml"
-    test_env = env | {"HYBRIDJAX_TEST_PLATFORMS": "cpu" if dry else "cuda,cpu"}
-    tests = [py, "-m", "pytest", "-q", *GPU_TESTS, f"--junitxml={xml}"]
-    steps["tests"] = step("tests", tests, test_env, 1200, out) | _junit_counts(xml)
-
-    if not (ROOT / "data/gsm8k/train.parquet").is_file():
-        prep = [py, "-m", "hybridjax.data.gsm8k", "--input", "tests/assets/gsm8k"]
-        steps["data"] = step("data", [*prep, "--output", "data/gsm8k"], env, 600, out)
-
-    trainer = "configs/tiny.py" if dry else "configs/gpu_check.py"
-    plan_json = out / "plan.json"
-    plan = [py, "-m", "hybridjax.plan", f"--config={trainer}", "--devices=1"]
-    limits = [m for m in steps["env"].get("memory", []) if m] or [80e9]
-    plan += [f"--json={plan_json}", f"--device_memory_gb={limits[0] / 1e9:.1f}"]
-    steps["plan"] = step("plan", plan, env, 1800, out)
-    if plan_json.is_file():
-        steps["plan"]["plan"] = json.loads(plan_json.read_text())
-
-    bench = [py, "-m", "experiments.benchmarks.run"]
-    thr = [*bench, "--config=configs/bench_throughput.py", f"--config.results_root={out}"]
-    thr += ["--config.throughput.steps=3"]
-    if dry:
-        thr += ["--config.throughput.workload=tiny", "--config.throughput.steps=1"]
-    else:
-        thr += ["--config.throughput.workload=", f"--config.throughput.trainer_config={trainer}"]
-    steps["throughput"] = step("throughput", thr, env, 1800, out)
-    gen = [*bench, "--config=configs/bench_generation.py", f"--config.results_root={out}"]
-    if dry:
-        gen += ["--config.generation.models=tiny", "--config.generation.batches=2"]
-        gen += ["--config.generation.new_tokens=8", "--config.generation.repeats=1"]
-        gen += ["--config.generation.continuous_model=tiny", "--config.generation.requests=8"]
-    else:
-        gen += ["--config.generation.models=0.5B", "--config.generation.batches=1,16"]
-        gen += ["--config.generation.new_tokens=64", "--config.generation.repeats=1"]
-        gen += ["--config.generation.continuous_model=4M"]
-    steps["generation"] = step("generation", gen, env, 1800, out)
-    for name in ("throughput", "generation"):
-        folder = _last_results_dir((out / f"{name}.log").read_text())
-        if folder is not None:
-            steps[name]["results"] = str(folder)
-            steps[name]["summary"] = json.loads((folder / "summary.json").read_text())
-
-    report["plan_vs_measured"] = plan_vs_measured(steps)
-    report["ok"] = all(s["rc"] == 0 for s in steps.values())
-    (out / "check.json").write_text(json.dumps(report, indent=2, default=str))
-    print(out / "check.json")
-    sys.exit(0 if report["ok"] else 1)
-
-
-def plan_vs_measured(steps: dict) -> dict:
-    """stage → {planned_bytes, measured_bytes} where both the plan and the throughput run
-    have the stage (see the module docstring)."""
-    plan = steps.get("plan", {}).get("plan", {}).get("stages", {})
-    measured = steps.get("throughput", {}).get("summary", {}).get("stage_peak_memory_bytes", {})
-    return {
-        name: {"planned_bytes": plan[name]["peak_bytes"], "measured_bytes": measured[name]}
-        for name in plan
-        if name in measured
-    }
+    failed = False
+    for part in PARTS if args.part == "all" else (args.part,):
+        report = run_part(part, out, args.dry_run, budget)
+        failed |= any(s["status"] == "failed" for s in report["steps"].values())
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

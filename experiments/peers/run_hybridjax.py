@@ -25,7 +25,7 @@ from workload import load  # noqa: E402
 def trainer_config(spec: dict, out_dir: str, devices: int = 1):
     """The trainer ConfigDict for workload `spec` (GRPO, no critic, no reference), its batch
     split evenly over `devices` data-parallel shards."""
-    from hybridjax.trainer.config import base_config
+    from hybridjax.config.schema import base_config
 
     c = base_config()
     batch = spec["num_prompts"] * spec["n"]
@@ -68,7 +68,7 @@ def run(spec: dict, steps: int) -> dict:
     """Runs `warmup + steps` trainer steps; returns the per-step measurements."""
     import jax
 
-    from hybridjax.trainer.trainer import RLTrainer
+    from hybridjax.rl.trainer import RLTrainer
 
     cfg = trainer_config(spec, tempfile.mkdtemp(prefix="hybridjax_peers_"), jax.device_count())
     cfg.trainer.total_training_steps = spec["warmup"] + steps

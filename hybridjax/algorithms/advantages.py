@@ -176,7 +176,7 @@ def compute_gae_advantage_return(
         return (next_value_B, last_gae_B), gae_B * mask_B
 
     zeros_B = jnp.zeros(rewards_TxB.shape[1], jnp.float32)
-    _, advantages_TxB = jax.lax.scan(
+    _carry, advantages_TxB = jax.lax.scan(
         step, (zeros_B, zeros_B), (rewards_TxB, values_TxB, mask_TxB), reverse=True
     )
     advantages_BxT = advantages_TxB.T
@@ -219,7 +219,7 @@ def compute_rloo_outcome_advantage(
     """
     uid_B = _require(uid_B, "uid_B", "rloo")
     scores_B = response_scores(token_level_rewards_BxT, response_mask_BxT)
-    mean_B, _, size_B = group_mean_std(scores_B, uid_B)
+    mean_B, _std_B, size_B = group_mean_std(scores_B, uid_B)
     loo_B = (scores_B - mean_B) * size_B / jnp.maximum(size_B - 1.0, 1.0)
     advantage_B = jnp.where(size_B > 1, loo_B, scores_B)
     advantages_BxT = _broadcast(advantage_B, response_mask_BxT)
@@ -247,7 +247,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     """
     uid_B = _require(uid_B, "uid_B", "reinforce_plus_plus_baseline")
     scores_B = response_scores(token_level_rewards_BxT, response_mask_BxT)
-    mean_B, _, size_B = group_mean_std(scores_B, uid_B)
+    mean_B, _std_B, size_B = group_mean_std(scores_B, uid_B)
     advantages_BxT = _broadcast(scores_B - jnp.where(size_B > 1, mean_B, 0.0), response_mask_BxT)
     advantages_BxT = masked_whiten(advantages_BxT, response_mask_BxT)
     return advantages_BxT, advantages_BxT

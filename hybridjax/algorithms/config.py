@@ -142,8 +142,9 @@ class ActorLossConfig:
 
     loss_mode: str = "vanilla"
     clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
+    # None: follow clip_ratio; __post_init__ resolves both, so they read as floats
+    clip_ratio_low: float = None  # type: ignore[assignment]
+    clip_ratio_high: float = None  # type: ignore[assignment]
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None

@@ -7,11 +7,10 @@ positions; each chunk is rematerialised (`jax.checkpoint`) in the backward pass,
 chunk's softmax is alive at a time. The batch axis is never reshaped, so a batch-sharded (or
 vocab-sharded) logits array keeps its sharding.
 
-Measured (XLA CPU, compile-time `memory_analysis`, B=4, T=1024, V=8192, logits 128 MiB): chunks
-of 256 need 32 MiB of temporaries forward and 96 MiB forward+backward, chunks of 64 need 8 / 24
-MiB. XLA's CPU backend fuses the one-piece formula without temporaries at all, so on CPU a
-`chunk_size` ≥ T (one piece) costs less; the chunked scan bounds memory whatever the backend's
-fusion decides.
+Chunks bound the temporaries to one chunk's softmax (forward) and its recomputation
+(backward), whatever the backend fuses; XLA's CPU backend fuses the one-piece formula without
+temporaries, so on CPU a `chunk_size` ≥ T (one piece) costs less. The memory measured per
+chunk size is in docs/benchmarks.md ("Measurements behind choices in the code").
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def compute_actor_loss(
     if config.use_kl_loss:
         if ref_log_prob_BxT is None:
             raise ValueError("actor.use_kl_loss needs ref_log_prob_BxT")
-        kl_BxT = kl_penalty(*_float32(log_prob_BxT, ref_log_prob_BxT), config.kl_loss_type)
+        log_prob32_BxT, ref_log_prob32_BxT = _float32(log_prob_BxT, ref_log_prob_BxT)
+        kl_BxT = kl_penalty(log_prob32_BxT, ref_log_prob32_BxT, config.kl_loss_type)
         kl_loss = aggregate(kl_BxT)
         metrics["actor/kl_loss"] = kl_loss
         loss = loss + config.kl_loss_coef * kl_loss

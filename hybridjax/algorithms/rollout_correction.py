@@ -49,6 +49,7 @@ def compute_rollout_importance_weights(
         raise ValueError("rollout importance sampling needs algorithm.rollout_is_threshold")
     upper = config.rollout_is_threshold
     lower = config.resolved_rollout_is_threshold_lower
+    assert lower is not None  # set whenever the upper threshold is (checked above)
     mask_BxT = response_mask_BxT.astype(jnp.float32)
     old_log_prob_BxT = jax.lax.stop_gradient(old_log_prob_BxT)
     log_ratio_BxT = jnp.where(mask_BxT > 0, old_log_prob_BxT - rollout_log_probs_BxT, 0.0)

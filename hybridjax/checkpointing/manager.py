@@ -75,7 +75,7 @@ def all_finite(tree: Any) -> bool:
     groups: dict[Any, list[jax.Array]] = {}
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array):
-            key = frozenset(d.id for d in x.sharding.device_set) if x.committed else None
+            key = frozenset(d.id for d in x.sharding.device_set) if x.committed else None  # type: ignore[attr-defined]
             groups.setdefault(key, []).append(x)
     uncommitted = groups.pop(None, [])
     if groups and uncommitted:  # uncommitted leaves follow any committed group

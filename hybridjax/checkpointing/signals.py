@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True

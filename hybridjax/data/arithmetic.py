@@ -28,6 +28,8 @@ import argparse
 import dataclasses
 import os
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -154,15 +156,36 @@ def write_task(
     """Writes `train.parquet`, `test.parquet` and `sft.parquet` (see the module docstring);
     returns their paths by name."""
     train, test = split_problems(seed, train_size, test_size, task)
+    teacher_rng = random.Random(seed + 1)
+    responses = [teacher_response(p, teacher_rng, task) for p in train]
+    return write_tables(output_dir, train, test, to_row, EXTRA_INFO_TYPE, responses, pa.string())
+
+
+def write_tables(
+    output_dir: str,
+    train: list,
+    test: list,
+    to_row: Callable[[Any, str, int], dict],
+    extra_info_type: pa.DataType,
+    responses: list,
+    response_type: pa.DataType,
+) -> dict[str, str]:
+    """Writes `train.parquet` and `test.parquet` (one prompt row per problem,
+    `to_row(problem, split, index)`) and `sft.parquet` (the train rows with a `response`
+    column of `response_type`, one per train problem) into `output_dir`; returns their paths
+    by name."""
     os.makedirs(output_dir, exist_ok=True)
     paths = {name: os.path.join(output_dir, f"{name}.parquet") for name in ("train", "test", "sft")}
-    for split, problems in (("train", train), ("test", test)):
-        rows = [to_row(p, split, i) for i, p in enumerate(problems)]
-        pq.write_table(table_from_rows(rows, EXTRA_INFO_TYPE), paths[split])
-    teacher_rng = random.Random(seed + 1)
-    sft = table_from_rows([to_row(p, "train", i) for i, p in enumerate(train)], EXTRA_INFO_TYPE)
-    responses = [teacher_response(p, teacher_rng, task) for p in train]
-    pq.write_table(sft.append_column("response", pa.array(responses, pa.string())), paths["sft"])
+    tables = {
+        split: table_from_rows(
+            [to_row(p, split, i) for i, p in enumerate(problems)], extra_info_type
+        )
+        for split, problems in (("train", train), ("test", test))
+    }
+    for split, table in tables.items():
+        pq.write_table(table, paths[split])
+    sft = tables["train"].append_column("response", pa.array(responses, response_type))
+    pq.write_table(sft, paths["sft"])
     return paths
 
 

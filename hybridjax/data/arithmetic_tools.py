@@ -31,15 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from hybridjax.data import arithmetic
 from hybridjax.data.arithmetic import DATA_SOURCE, ITEMS, NAMES, TEMPLATES, TaskConfig, make_problem
-from hybridjax.data.schema import table_from_rows
 from hybridjax.tools import ToolCall, ToolExecutor
 from hybridjax.tools.calculator import CalculatorTool
 
@@ -164,21 +161,15 @@ def write_task(
     """Writes `train.parquet`, `test.parquet` and `sft.parquet` (module docstring); returns
     their paths by name."""
     train, test = split_problems(seed, train_size, test_size, task)
-    os.makedirs(output_dir, exist_ok=True)
-    paths = {name: os.path.join(output_dir, f"{name}.parquet") for name in ("train", "test", "sft")}
-    for split, problems in (("train", train), ("test", test)):
-        rows = [to_row(p, split, i) for i, p in enumerate(problems)]
-        pq.write_table(table_from_rows(rows, EXTRA_INFO_TYPE), paths[split])
     teacher_rng = random.Random(seed + 1)
     executor = ToolExecutor([CalculatorTool()], timeout_s=10.0, max_workers=1)
     try:
         responses = [teacher_messages(p, teacher_rng, task, executor) for p in train]
     finally:
         executor.close()
-    sft = table_from_rows([to_row(p, "train", i) for i, p in enumerate(train)], EXTRA_INFO_TYPE)
-    sft = sft.append_column("response", pa.array(responses, MESSAGES_TYPE))
-    pq.write_table(sft, paths["sft"])
-    return paths
+    return arithmetic.write_tables(
+        output_dir, train, test, to_row, EXTRA_INFO_TYPE, responses, MESSAGES_TYPE
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -294,6 +294,10 @@ class PromptDataset:
             "special_token_rows": self.num_special_token_rows,
         }
 
+    def data_sources(self) -> set[str]:
+        """The distinct `data_source` values of the files (every row, kept or filtered)."""
+        return {str(v) for t in self._tables for v in t["data_source"].unique().to_pylist()}
+
     def __len__(self) -> int:
         return len(self._locations)
 
@@ -474,22 +478,27 @@ class PromptLoader:
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 
-def train_loader(
-    config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
-) -> PromptLoader:
-    """The training loader of verl's `data.*` config: shuffled, `drop_last`."""
-    dataset = PromptDataset(
-        config.train_files,
+def _dataset(config: DataConfig, tokenizer: Tokenizer, files, max_samples: int = -1):
+    """The `PromptDataset` of `files` with the `data.*` settings both loaders share."""
+    return PromptDataset(
+        files,
         tokenizer,
         config.max_prompt_length,
         config.prompt_key,
         config.truncation,
         config.filter_overlong_prompts,
+        max_samples=max_samples,
         special_tokens_in_content=config.special_tokens_in_content,
         any_ground_truth=config.any_ground_truth,
     )
+
+
+def train_loader(
+    config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
+) -> PromptLoader:
+    """The training loader of verl's `data.*` config: shuffled, `drop_last`."""
     return PromptLoader(
-        dataset,
+        _dataset(config, tokenizer, config.train_files),
         config.train_batch_size,
         tokenizer.pad_token_id,
         shuffle=config.shuffle,
@@ -503,19 +512,8 @@ def val_loader(
     config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
 ) -> PromptLoader:
     """The validation loader: in file order, every row, the last batch padded (`row_mask`)."""
-    dataset = PromptDataset(
-        config.val_files,
-        tokenizer,
-        config.max_prompt_length,
-        config.prompt_key,
-        config.truncation,
-        config.filter_overlong_prompts,
-        max_samples=config.val_max_samples,
-        special_tokens_in_content=config.special_tokens_in_content,
-        any_ground_truth=config.any_ground_truth,
-    )
     return PromptLoader(
-        dataset,
+        _dataset(config, tokenizer, config.val_files, config.val_max_samples),
         config.resolved_val_batch_size,
         tokenizer.pad_token_id,
         shuffle=False,

@@ -79,7 +79,7 @@ def convert_split(jsonl_path: str, parquet_path: str, split: str, multi_turn: bo
     Raises:
       ValueError: a line is not JSON or lacks `question`/`answer` (names file and line).
     """
-    rows = []
+    rows: list[dict] = []
     with open(jsonl_path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():

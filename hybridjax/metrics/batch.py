@@ -6,6 +6,8 @@ trainer pulls every metric of the step to the host in one `device_get`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -49,7 +51,7 @@ def compute_data_metrics(batch, use_critic: bool) -> dict[str, jax.Array]:
     prompt_len = batch.prompts.shape[1]
     prompt_lengths = jnp.sum(batch.attention_mask[:, :prompt_len], axis=-1)
     response_lengths = jnp.sum(mask, axis=-1)
-    out = {}
+    out: dict[str, Any] = {}
     out |= _stats("critic/score", jnp.sum(batch.token_level_scores * mask, -1), rows)
     out |= _stats("critic/rewards", jnp.sum(batch.token_level_rewards * mask, -1), rows)
     out |= _stats("critic/advantages", batch.advantages, mask)

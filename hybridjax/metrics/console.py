@@ -1,6 +1,8 @@
 """A quiet console for the entry points: the progress bar and one compact line per step
-(`Tracking`), warnings and errors; everything logged at INFO (the rollout engine's compiles,
-page-pool sizing, resume, orbax's checkpoint steps) goes to the run's log file instead.
+(`Tracking`), events that change the run (`announce`: resumed from step N, a lock taken
+over, a run stopped by a guard), warnings and errors; everything logged at INFO (the rollout
+engine's compiles, page-pool sizing, orbax's checkpoint steps) goes to the run's log file
+instead.
 
 `--verbosity` (absl's flag, `-v`) brings them back: `--verbosity=0` shows INFO on the console,
 `--verbosity=1` DEBUG; the default (-1) is WARNING. Console lines are written through
@@ -18,6 +20,8 @@ from absl import flags
 from absl import logging as absl_logging
 from absl.logging import converter
 
+NOTICE = 25  # between INFO and WARNING: an event that changes the run, always on the console
+logging.addLevelName(NOTICE, "NOTICE")
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -44,6 +48,12 @@ class _RunLogFile(logging.FileHandler):
         return super()._open()
 
 
+def announce(logger: logging.Logger, message: str) -> None:
+    """Logs an event that changes the run (resumed from a step, a lock taken over, a run
+    stopped by a guard) at `NOTICE`: shown on the quiet console as well as in the log file."""
+    logger.log(NOTICE, message)
+
+
 def console_level() -> int:
     """The console's logging level: absl's `--verbosity` when given on the command line, else
     WARNING (absl's `app.run` defaults the flag to 0, INFO, which is what we keep off the
@@ -68,7 +78,7 @@ def configure_logging(log_file: str | None, level: int | None = None) -> None:
     root.setLevel(min(level, logging.INFO))
     for name in ("hybridjax", "absl"):  # set by earlier code or absl's flag parsing
         logging.getLogger(name).setLevel(logging.NOTSET)
-    console = _TqdmHandler(level)
+    console = _TqdmHandler(min(level, NOTICE))  # events (`announce`) show at any verbosity
     console.setFormatter(logging.Formatter(CONSOLE_FORMAT))
     root.addHandler(console)
     if log_file:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import Any
 
 import jax
 import numpy as np
@@ -13,13 +14,13 @@ from hybridjax.models.config import ModelConfig
 
 # JAX reports the duration of every XLA backend compilation under this event name.
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = {"count": 0, "seconds": 0.0, "listening": False}
+_compiles: dict[str, Any] = {"count": 0, "seconds": 0.0, "listening": False}
 
 
-def _on_event_duration(event: str, duration_s: float, **_) -> None:
+def _on_event_duration(event: str, duration_secs: float, **_) -> None:
     if event == _BACKEND_COMPILE_EVENT:
         _compiles["count"] += 1
-        _compiles["seconds"] += duration_s
+        _compiles["seconds"] += duration_secs
 
 
 def num_compiles() -> tuple[int, float]:

@@ -140,7 +140,8 @@ class Tracking:
         self.log_dir = log_dir
         self.project_name, self.experiment_name = run_name
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = self._generations = self._tb = self._bar = self.wandb_run = None
+        self._jsonl = self._tb = self._bar = self.wandb_run = None
+        self._generations: Any = None  # generations.jsonl, opened at the first samples
         self._wandb_tables: dict[str, Any] = {}
         if "jsonl" in loggers:
             self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")  # noqa: SIM115
@@ -236,7 +237,7 @@ class Tracking:
             ]
             previous = self._wandb_tables.get(key)
             rows = previous.data if previous is not None and previous.columns == columns else []
-            table = wandb.Table(columns=columns, data=rows)  # a new table per log (wandb#2981)
+            table = wandb.Table(columns=columns, data=rows)  # type: ignore[arg-type]  # a new table per log (wandb#2981)
             table.add_data(step, *[x for sample in samples for x in sample])
             self.wandb_run.log({key: table}, step=step)
             self._wandb_tables[key] = table

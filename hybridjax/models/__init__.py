@@ -1,4 +1,4 @@
-"""Decoder models (Qwen2 / Llama / Mistral), HF checkpoint I/O."""
+"""Decoder models (Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral), HF checkpoint I/O."""
 
 from hybridjax.models.attention import DenseKVCache
 from hybridjax.models.config import ModelConfig

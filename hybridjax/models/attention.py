@@ -80,7 +80,7 @@ def attention_backend() -> str:
     materialised B×T×T bias (memory ∝ T²). Splash attention (TPU) likewise masks by equal
     segment ids and static masks; the prefix part as a second call merged by log-sum-exp
     needs the gradient of its log-sum-exp, which splash does not provide (its vjp raises
-    "Higher-order AD not supported" with `save_residuals`). See the README.
+    "Higher-order AD not supported" with `save_residuals`). See docs/packing.md.
     """
     return "jnp" if jax.default_backend() == "cpu" else "blocked"
 

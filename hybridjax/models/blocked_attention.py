@@ -21,7 +21,7 @@ after a query are masked (causal by index): that skips about half of the logits,
 products. Masked blocks below the diagonal are still computed (the shapes are static). Being
 plain `jnp`, it runs on every backend and its numerics are tested on CPU against the dense
 path; it is the GPU and TPU path of `hybridjax.models.attention.self_attention` (see there and
-the README for why not cuDNN, a Pallas kernel or splash attention).
+docs/packing.md for why not cuDNN, a Pallas kernel or splash attention).
 """
 
 from __future__ import annotations

@@ -18,7 +18,25 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "MistralForSequenceClassification": "mistral",
     "MistralForTokenClassification": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen3ForTokenClassification": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3MoeForSequenceClassification": "qwen3_moe",
+    "Qwen3MoeForTokenClassification": "qwen3_moe",
 }
+# family -> HF class-name prefix (`{prefix}ForCausalLM`, ...)
+FAMILY_PREFIX = {
+    "qwen2": "Qwen2",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3Moe",
+}
+# Families whose attention normalises q and k per head (RMSNorm over head_dim) before RoPE.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# Families whose sliding window follows Qwen2's `use_sliding_window` / `max_window_layers`.
+QWEN_WINDOW_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_NAMES = tuple(sorted(_DTYPES))  # the dtype names `to_dtype` accepts
@@ -38,7 +56,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...
     v5 (`rope_parameters`, which also holds `rope_theta`) `config.json`."""
     params = dict(hf.get("rope_parameters") or {})
     params.update(hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", 10000.0)
+    theta: Any = params.pop("rope_theta", 10000.0)
     theta = hf.get("rope_theta", theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in {"default", "linear", "llama3"}:
@@ -54,12 +72,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...
 def _sliding_window_from_hf(hf: dict[str, Any], family: str) -> int | None:
     """The attention window shared by every layer, or None for full attention.
 
-    Mistral applies `sliding_window` whenever it is set. Qwen2 applies it only with
+    Mistral applies `sliding_window` whenever it is set. Qwen2 / Qwen3 apply it only with
     `use_sliding_window`, and then only to layers >= `max_window_layers` (HF default 28), or as
     listed in `layer_types`; a mix of windowed and full layers is rejected (ValueError).
     """
     window = hf.get("sliding_window")
-    if family != "qwen2" or window is None:
+    if family not in QWEN_WINDOW_FAMILIES or window is None:
         return window if family == "mistral" else None
     if not hf.get("use_sliding_window", False):
         return None
@@ -76,9 +94,37 @@ def _sliding_window_from_hf(hf: dict[str, Any], family: str) -> int | None:
     raise ValueError(f"per-layer sliding windows are not supported (layer_types={layer_types})")
 
 
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE `config.json` (`num_experts`, or
+    `num_local_experts` as transformers 5 writes it)."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not num_experts or not hf.get("num_experts_per_tok"):
+        raise ValueError("qwen3_moe needs num_experts and num_experts_per_tok > 0")
+    if hf["num_experts_per_tok"] > num_experts:
+        raise ValueError(
+            f"num_experts_per_tok={hf['num_experts_per_tok']} exceeds num_experts={num_experts}"
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Qwen2 / Llama / Mistral decoder, with HF `config.json` names.
+    """Hyper-parameters of a Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral decoder, with HF
+    `config.json` names.
+
+    Mixture of experts (Qwen3-MoE, `num_experts > 0`): layer i routes each token to
+    `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size` when
+    i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0 (HF's rule); other
+    layers keep the dense MLP of width `intermediate_size`. `router_aux_loss_coef` is carried
+    for the HF round trip only: training reads its coefficient from `actor.router_aux_loss_coef`.
 
     `param_dtype` is the dtype parameters are stored in; `dtype` the dtype matmuls run in.
     Attention softmax, RMSNorm statistics and RoPE tables are always computed in float32.
@@ -109,6 +155,49 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        """Raises ValueError for an unknown family or an inconsistent mixture of experts."""
+        if self.family not in FAMILY_PREFIX:
+            raise ValueError(
+                f"unknown family {self.family!r}; expected one of {sorted(FAMILY_PREFIX)}"
+            )
+        if self.num_experts and self.family != "qwen3_moe":
+            raise ValueError(f"num_experts={self.num_experts} needs family 'qwen3_moe'")
+        if self.family == "qwen3_moe" and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                "qwen3_moe needs 0 < num_experts_per_tok <= num_experts and "
+                f"moe_intermediate_size > 0 (got {self.num_experts_per_tok}, {self.num_experts}, "
+                f"{self.moe_intermediate_size})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention applies a per-head RMSNorm to q and k before RoPE (Qwen3)."""
+        return self.family in QK_NORM_FAMILIES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has routed experts instead of a dense MLP."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def resolved_head_dim(self) -> int:
@@ -118,15 +207,21 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Number of parameters of the causal LM (embedding counted once when tied)."""
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Number of parameters of the causal LM (embedding counted once when tied); with
+        `active`, a MoE layer counts only the `num_experts_per_tok` experts a token uses."""
         d, f, hd = self.hidden_size, self.intermediate_size, self.resolved_head_dim
         h, kv = self.num_attention_heads, self.num_key_value_heads
         attn = d * hd * (h + 2 * kv) + h * hd * d
         if self.attention_bias:
             attn += hd * (h + 2 * kv)
-        layer = attn + 3 * d * f + 2 * d
-        n = self.num_hidden_layers * layer + d
+        if self.qk_norm:
+            attn += 2 * hd
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe_mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        n_moe = self.num_moe_layers
+        n = n_moe * moe_mlp + (self.num_hidden_layers - n_moe) * 3 * d * f
+        n += self.num_hidden_layers * (attn + 2 * d) + d
         if include_embedding:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return n
@@ -149,14 +244,14 @@ class ModelConfig:
                     f"{sorted(SUPPORTED_ARCHITECTURES)}"
                 )
             family = SUPPORTED_ARCHITECTURES[archs[0]]
-        if family not in {"qwen2", "llama", "mistral"}:
+        if family not in FAMILY_PREFIX:
             raise ValueError(
                 f"unsupported model_type {family!r}; supported architectures: "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
         rope_theta, rope = _rope_from_hf(hf)
-        if family == "llama" and hf.get("attention_bias"):
-            raise ValueError("Llama with attention_bias=true (o_proj bias) is not supported")
+        if family in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
+            raise ValueError(f"{family} with attention_bias=true (o_proj bias) is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
         eos = hf.get("eos_token_id")
@@ -187,17 +282,15 @@ class ModelConfig:
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
         )
+        if family == "qwen3_moe":
+            kwargs.update(_moe_from_hf(hf))
         kwargs.update(overrides)
         return cls(**kwargs)
 
     def to_hf_dict(self, architecture: str | None = None) -> dict[str, Any]:
         """HF `config.json` content for this model (`architecture` defaults to the causal LM)."""
         model_type = self.family
-        arch = (
-            architecture
-            or {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[model_type]
-            + "ForCausalLM"
-        )
+        arch = architecture or FAMILY_PREFIX[model_type] + "ForCausalLM"
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -221,13 +314,24 @@ class ModelConfig:
             else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if model_type == "llama":
+        if model_type in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
+        if model_type == "llama":
             out["mlp_bias"] = False
-        if model_type in ("qwen2", "mistral"):
+        if model_type in ("mistral", *QWEN_WINDOW_FAMILIES):
             out["sliding_window"] = self.sliding_window
             out["use_sliding_window"] = self.sliding_window is not None
-        if model_type == "qwen2":
+        if model_type == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+            )
+        if model_type in QWEN_WINDOW_FAMILIES:
             # Qwen2 windows only layers >= max_window_layers; ours windows all of them or none.
             out["max_window_layers"] = 0 if self.sliding_window else self.num_hidden_layers
         if "Classification" in arch:

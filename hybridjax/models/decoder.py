@@ -1,11 +1,13 @@
-"""One decoder-only transformer for the Qwen2 / Llama / Mistral families, in Flax NNX.
+"""One decoder-only transformer for the Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral families, in
+Flax NNX. Family differences are config flags: Qwen3's q/k norm (`Attention`), Qwen3-MoE's routed
+experts (`hybridjax.models.moe`).
 
 The module tree mirrors HF's parameter names (`model.layers.3.self_attn.q_proj`, `lm_head`,
 `score`) so that checkpoint I/O is a rename plus a reshape. Every parameter carries the logical
 axis names of its dimensions in its `axes` metadata; `hybridjax.sharding` maps them to mesh axes.
 
 Logical axes: `vocab`, `embed` (model width), `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`
-(RMSNorm scales, always replicated) and `label` (classifier outputs).
+(RMSNorm scales, always replicated), `label` (classifier outputs) and `expert` (MoE experts).
 
 Two call paths share one implementation:
   * full sequences with a padding mask and position ids (training, log-probs, values), whose
@@ -26,6 +28,7 @@ from flax import nnx
 
 from hybridjax.models.attention import SelfAttentionMask, self_attention
 from hybridjax.models.config import ModelConfig, to_dtype
+from hybridjax.models.moe import MoEMLP
 
 INIT_STD = 0.02
 # Full-sequence attention on the jnp path splits the queries into up to MAX_QUERY_CHUNKS chunks
@@ -128,6 +131,9 @@ class Attention(nnx.Module):
             self.q_bias = _param(rngs, (h, hd), ("heads", "head_dim"), pd, init="zeros")
             self.k_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
             self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
         self.config = config
 
     def _project(self, x, name):
@@ -138,8 +144,10 @@ class Attention(nnx.Module):
         return y
 
     def __call__(self, x_BxTxD, positions_BxT, token_mask_BxT, rope, mask, cache=None, layer=0):
-        q = apply_rope(self._project(x_BxTxD, "q"), rope)
-        k = apply_rope(self._project(x_BxTxD, "k"), rope)
+        q, k = self._project(x_BxTxD, "q"), self._project(x_BxTxD, "k")
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
         o = self.o_proj[...].astype(dtype)
@@ -182,21 +190,23 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(h)). Returns (B×T×D, cache)."""
+    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(h)). Returns (B×T×D, cache).
+    The MLP of layer `layer` is routed experts when `config.is_moe_layer(layer)`."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         pd = to_dtype(config.param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
         self.self_attn = Attention(config, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoEMLP(config, rngs) if config.is_moe_layer(layer) else MLP(config, rngs)
 
     def __call__(self, h, positions, token_mask, rope, mask, cache=None, layer=0):
         a, cache = self.self_attn(
             self.input_layernorm(h), positions, token_mask, rope, mask, cache, layer
         )
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), cache
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, token_mask) if isinstance(self.mlp, MoEMLP) else self.mlp(x)), cache
 
 
 class Transformer(nnx.Module):
@@ -209,7 +219,7 @@ class Transformer(nnx.Module):
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
         self.layers = nnx.List(
-            [DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
@@ -256,6 +266,13 @@ class CausalLM(nnx.Module):
                 ("embed", "vocab"),
                 to_dtype(config.param_dtype),
             )
+
+    def head_weight(self) -> tuple[jax.Array, str]:
+        """(LM head weight, its layout): the embedding (V, D) as "vd" when tied, else
+        `lm_head` (D, V) as "dv"; in the parameter dtype."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens[...], "vd"
+        return self.lm_head[...], "dv"
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         """Logits B×T×V in float32 from hidden states."""

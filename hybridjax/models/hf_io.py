@@ -14,7 +14,9 @@ Our layout differs from HF's only by transposes and reshapes of the same numbers
   `*_proj.weight` of the MLP (out, in)         (in, out)
   `lm_head.weight` (V, D), `score.weight` (L, D)   (D, V), (D, L)
   `score.bias` (L,) of `*ForTokenClassification`  `score_bias` (L,)
-  embeddings and norm weights                  unchanged
+  embeddings, norm weights, MoE router `mlp.gate.weight` (E, D)   unchanged
+  `*.mlp.experts.{e}.gate_proj.weight` (F, D), e < E   `mlp.experts.gate_proj` (E, D, F)
+                                               (stacked; up_proj alike, down_proj (E, F, D))
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ import json
 import logging
 import math
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from hybridjax.errors import InputFileError, MissingFileError, read_json
-from hybridjax.models.config import ModelConfig, to_dtype
+from hybridjax.models.config import FAMILY_PREFIX, ModelConfig, to_dtype
 from hybridjax.models.decoder import INIT_STD, CausalLM, SequenceClassifier
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,37 @@ def hf_name(path: tuple[Any, ...]) -> str:
     if leaf == "weight":  # RMSNorm scales already carry HF's name.
         return ".".join([*prefix, leaf])
     return ".".join([*prefix, leaf, "weight"])
+
+
+def _stacked_experts(path: tuple[Any, ...]) -> bool:
+    """Whether `path` is a stacked expert weight (leading dim E, one HF tensor per expert)."""
+    return len(path) > 1 and str(path[-2]) == "experts"
+
+
+def hf_tensors(path: tuple[Any, ...], shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape of every checkpoint tensor our parameter at `path` is made of: one,
+    or E for stacked experts (`...mlp.experts.{e}.gate_proj.weight`)."""
+    if not _stacked_experts(path):
+        return {hf_name(path): hf_shape(path, shape)}
+    *prefix, leaf = (str(p) for p in path)
+    one = hf_shape(path, shape[1:])
+    return {".".join([*prefix, str(e), leaf, "weight"]): one for e in range(shape[0])}
+
+
+def _read_param(reader, path: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """Our parameter at `path` from the checkpoint, in our layout (experts stacked)."""
+    names = list(hf_tensors(path, shape))
+    if not _stacked_experts(path):
+        return from_hf_layout(reader.get(names[0]), path, shape)
+    return np.stack([from_hf_layout(reader.get(n), path, shape[1:]) for n in names])
+
+
+def _hf_param_tensors(array: np.ndarray, path: tuple[Any, ...]) -> dict[str, np.ndarray]:
+    """Our parameter's HF tensors by name (inverse of `_read_param`)."""
+    names = list(hf_tensors(path, array.shape))
+    if not _stacked_experts(path):
+        return {names[0]: to_hf_layout(array, path)}
+    return {n: to_hf_layout(a, path) for n, a in zip(names, array, strict=True)}
 
 
 def _input_dims(path: tuple[Any, ...]) -> int | None:
@@ -171,7 +204,10 @@ class CheckpointReader:
                 raise MissingFileError(
                     f"checkpoint shard {file} (listed in {INDEX_FILE}) is missing"
                 )
-            self._open[file] = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+            with _readable(file):
+                self._open[file] = self._stack.enter_context(
+                    safe_open(str(file), framework="numpy")
+                )
         return self._open[file]
 
     def names(self) -> list[str]:
@@ -182,7 +218,41 @@ class CheckpointReader:
 
     def get(self, name: str) -> np.ndarray:
         """One tensor as a host numpy array in the checkpoint's dtype (bf16 via ml_dtypes)."""
-        return self._handle(self.files[name]).get_tensor(name)
+        with _readable(self.files[name], name):
+            return self._handle(self.files[name]).get_tensor(name)
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (`F32`, `BF16`, `I32`, ...)."""
+        return str(self._handle(self.files[name]).get_slice(name).get_dtype())
+
+
+@contextlib.contextmanager
+def _readable(file: pathlib.Path, tensor: str = "") -> Iterator[None]:
+    """Reports a truncated or corrupt safetensors file as an InputFileError naming it."""
+    try:
+        yield
+    except SafetensorError as err:
+        what = f" (tensor {tensor!r})" if tensor else ""
+        raise InputFileError(
+            f"{file}{what}: not a readable safetensors file ({err}); the file may be truncated "
+            "(an interrupted download or copy): fetch it again"
+        ) from err
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_float_dtypes(reader: CheckpointReader, names: Iterable[str]) -> None:
+    """Raises InputFileError naming the file and every tensor of `names` that is not floating
+    point (an integer or boolean tensor would be cast silently into meaningless weights)."""
+    bad = [(n, reader.dtype(n)) for n in names if reader.dtype(n) not in FLOAT_DTYPES]
+    if bad:
+        listed = ", ".join(f"{n!r} ({d}, in {reader.files[n].name})" for n, d in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise InputFileError(
+            f"checkpoint {reader.path}: weights must be floating point ({', '.join(FLOAT_DTYPES)});"
+            f" found {listed}{more}"
+        )
 
 
 def _check_tensors(
@@ -234,7 +304,7 @@ def load_pretrained(
 
     Args:
       path: directory with `config.json` and `model.safetensors` or a sharded
-        `model.safetensors.index.json`. Qwen2 / Llama / Mistral `*ForCausalLM`,
+        `model.safetensors.index.json`. Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral `*ForCausalLM`,
         `*ForSequenceClassification` (`score.weight`) and the other `*For*` heads of those families.
       kind: "causal_lm" (actor, reference) or "classifier" (critic, reward model).
       shardings: None (default device) or `fn(logical_axes, shape) -> jax.sharding.Sharding`, called
@@ -273,18 +343,19 @@ def load_pretrained(
         abstract = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
         params = list(nnx.to_flat_state(state))
-        expected = {hf_name(p): hf_shape(p, v.get_value().shape) for p, v in params}
+        expected = {n: s for p, v in params for n, s in hf_tensors(p, v.get_value().shape).items()}
         optional = {"score.weight"} if new_head else set()
         ignored = {n for n in reader.names() if n.endswith(_IGNORED_SUFFIXES)}
         if config.tie_word_embeddings or new_head:
             ignored.add("lm_head.weight")  # tied: HF drops it; fresh critic: not ours
         _check_tensors(reader, expected, optional, ignored)
+        check_float_dtypes(reader, [n for n in expected if n in reader.files])
         dtype = to_dtype(config.param_dtype)
         for p, var in params:
             shape = var.get_value().shape
             name = hf_name(p)
-            if name in reader.files:
-                value = from_hf_layout(reader.get(name), p, shape)
+            if name in reader.files or _stacked_experts(p):
+                value = _read_param(reader, p, shape)
             else:  # only a fresh score head gets here
                 log.warning("%s has no %s: initialising a new head of shape %s", path, name, shape)
                 value = INIT_STD * np.random.default_rng(seed).standard_normal(shape)
@@ -320,7 +391,7 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 
 
 def _architecture(model: CausalLM | SequenceClassifier) -> str:
-    prefix = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[model.config.family]
+    prefix = FAMILY_PREFIX[model.config.family]
     if isinstance(model, CausalLM):
         return prefix + "ForCausalLM"
     return prefix + (
@@ -363,7 +434,7 @@ def save_pretrained(
         tensors = {}
         for name in names:
             p, var = params[name]
-            tensors[name] = to_hf_layout(_gather(var.get_value()), p)
+            tensors.update(_hf_param_tensors(_gather(var.get_value()), p))
         if writer:
             save_file(tensors, str(path / file), metadata={"format": "pt"})
         del tensors
@@ -372,7 +443,12 @@ def save_pretrained(
     if n > 1:
         index = {
             "metadata": {"total_size": sum(sizes.values())},
-            "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
+            "weight_map": {
+                hf: f
+                for f, names in zip(files, shards, strict=True)
+                for n in names
+                for hf in hf_tensors(params[n][0], params[n][1].get_value().shape)
+            },
         }
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     hf_config = model.config.to_hf_dict(_architecture(model))

@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from hybridjax.models.decoder import CausalLM
-from hybridjax.models.hf_io import _input_dims, hf_name
+from hybridjax.models.hf_io import _input_dims, _stacked_experts, hf_name
 
 # peft's "all-linear" on these models: every projection of attention and MLP, not the LM head.
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -135,7 +135,9 @@ class LoRAModel(nnx.Module):
         self.lora = config
         adapters = {}
         for path, var in nnx.to_flat_state(nnx.state(base, nnx.Param)):
-            if str(path[-1]) in config.target_modules:
+            # Stacked MoE experts (E, in, out) are not adapted: one adapter per expert is not
+            # implemented; attention and dense MLPs of an MoE model are.
+            if str(path[-1]) in config.target_modules and not _stacked_experts(path):
                 n_in = _input_dims(path)
                 shape = var.get_value().shape
                 fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
@@ -168,6 +170,9 @@ class LoRAModel(nnx.Module):
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
         return self.base.logits(hidden_BxTxD)
+
+    def head_weight(self) -> tuple[jax.Array, str]:
+        return self.base.head_weight()
 
     def __call__(self, *args, **kwargs) -> jax.Array:
         return self.merged()(*args, **kwargs)

@@ -73,6 +73,12 @@ class Tokenizer:
       bos_token, eos_token, pad_token, unk_token: token strings or None.
     """
 
+    # set from the config by __init__ (one per `_SPECIAL_KEYS` entry)
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+
     def __init__(
         self,
         backend: tokenizers.Tokenizer,

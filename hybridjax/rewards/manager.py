@@ -24,7 +24,11 @@ returns NaN/inf never ends the run: the row is counted (`reward/num_errors`,
 `reward/num_timeouts`, `reward/num_nonfinite`) and handled by `reward_model.on_error`: `zero`
 scores it 0, `raise` stops with `RewardFunctionError` naming the row. A function that fails on
 every row of the first batch stops the run with its first error whatever the policy (a wrong
-signature or a missing dependency, not a reason to train on zeros).
+signature or a missing dependency, not a reason to train on zeros); later, steps in which most
+rows failed are never checkpointed, and `reward_model.max_consecutive_failed_steps` of them in
+a row stop the run (`hybridjax.rewards.guard`). A function that returns something other than
+a number or a dict with a numeric `score`, or a score that is NaN/inf in float32 or beyond
+±1e6, fails its row (`hybridjax.rewards.scoring.normalize`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridjax.errors import UserError
 from hybridjax.rewards.registry import default_compute_score, registered_data_sources
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.scoring import FunctionSpec, Outcome, RowScorer, check_signature
@@ -48,8 +53,9 @@ COMBINE = ("replace", "sum")
 _MAX_LOGGED_ERRORS = 3  # per batch; the rest are only counted
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function failed on a row (policy `raise`) or on every row of the first batch."""
+class RewardFunctionError(UserError, RuntimeError):
+    """A reward function failed on a row (policy `raise`) or on every row of the first batch
+    (a user error: the command line reports it in one line, naming the row)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +110,12 @@ class RewardConfig:
                 f"reward_model.reward_manager={self.reward_manager!r} with remote.urls: the "
                 "servers choose it (serve --reward_manager); use naive or dapo here"
             )
+
+    @property
+    def uses_builtin(self) -> bool:
+        """Whether rows are scored here by the built-in dispatch on `data_source` (no custom
+        function, no rule servers)."""
+        return not (self.custom_path or self.remote.urls)
 
     @property
     def function_spec(self) -> FunctionSpec:
@@ -163,12 +175,14 @@ class RewardResult:
       metrics: `reward/num_errors`, `reward/num_timeouts`, `reward/num_nonfinite`,
         `reward/<key>/mean` per numeric extra key; with servers `reward/remote_latency_ms`
         and `reward/num_retries`.
+      first_error: the first failing row's error ("" when none failed).
     """
 
     token_level_scores: np.ndarray
     scores: np.ndarray
     extra: dict[str, np.ndarray]
     metrics: dict[str, float]
+    first_error: str = ""  # what the first failing row's function or server said
 
 
 def concat_results(results: Sequence[RewardResult]) -> RewardResult:
@@ -201,6 +215,7 @@ def concat_results(results: Sequence[RewardResult]) -> RewardResult:
         np.concatenate([r.scores for r in results]),
         extra,
         metrics,
+        next((r.first_error for r in results if r.first_error), ""),
     )
 
 
@@ -306,6 +321,7 @@ class RewardManager:
             self.remote.reset_counters()
             outcomes = self.remote.score_rows(rows)
         else:
+            assert self.scorer is not None  # set whenever there is no remote
             outcomes = self.scorer.score(rows)
         first = self._batches_done == 0
         metrics = check_outcomes(outcomes, [r[0] for r in rows], self.config.on_error, first)
@@ -323,7 +339,8 @@ class RewardManager:
                 continue
             if np.any(np.isfinite(extra[key])):
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(extra[key]))
-        return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics)
+        error = next((f"{o.kind}: {o.error}" for o in outcomes if o.kind != "ok"), "")
+        return RewardResult(place_scores(scores, lengths, width), scores, extra, metrics, error)
 
 
 def build_scorer(

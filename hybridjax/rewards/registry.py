@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from hybridjax.errors import ConfigError
 from hybridjax.rewards import gsm8k, math_boxed
 from hybridjax.user_code import CodeNotFound, load_module
 
@@ -49,6 +50,28 @@ def register_reward(*data_sources: str) -> Callable[[ScoreFn], ScoreFn]:
 def registered_data_sources() -> list[str]:
     """The registered `data_source` names, sorted."""
     return sorted(_REGISTRY)
+
+
+def check_data_sources(sources_by_key: dict[str, set[str]], custom: bool) -> None:
+    """Checks at start-up, before any model is built, that the built-in dispatch has a reward
+    function for every `data_source` of the data (`sources_by_key`: config key of the files ->
+    their data sources). Nothing to check with a custom function (`custom`).
+
+    Raises:
+      ConfigError: names each key with its unknown sources and lists the known ones.
+    """
+    if custom:
+        return
+    problems = [
+        f"{key}: data_source {sorted(sources - set(_REGISTRY))} has no reward function"
+        for key, sources in sources_by_key.items()
+        if sources - set(_REGISTRY)
+    ]
+    if problems:
+        raise ConfigError(
+            "; ".join(problems) + f" (known: {registered_data_sources()}); register one "
+            "(hybridjax.rewards.register_reward) or set custom_reward_function.path"
+        )
 
 
 def default_compute_score(

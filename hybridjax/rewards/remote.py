@@ -2,11 +2,14 @@
 
 Rows are cut into requests of `batch_size`, spread round-robin over `urls`, and at most
 `concurrency` requests are in flight (threads sharing one `httpx.Client`; the trainer's device
-stages run meanwhile). A request that times out (`timeout_s`), cannot connect or gets a 5xx is
-retried up to `max_retries` times, each retry on the next URL; after that its rows fail
-(`timeout` or `error`) and follow `reward_model.on_error`. A 4xx is not retried (the request
-itself is wrong). The bearer token, when the servers want one, is read from the environment
-variable `HYBRIDJAX_REWARD_TOKEN` (never from the config, which is logged).
+stages run meanwhile). A request that times out (`timeout_s`), cannot connect, gets a 5xx or
+a body that is not the expected JSON is retried up to `max_retries` times, each retry on the
+next URL after a backoff of `retry_backoff_s` · 2^(retry - 1) seconds; after that its rows fail
+(`timeout` or `error`, the message naming the URL, the HTTP status and the body's start) and
+follow `reward_model.on_error` (and the failure guard, `hybridjax.rewards.guard`). A 4xx is not
+retried (the request itself is wrong). The bearer token, when the servers want one, is read
+from the environment variable `HYBRIDJAX_REWARD_TOKEN` (never from the config, which is
+logged).
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ class RemoteConfig:
     max_retries: int = 2
     concurrency: int = 4
     batch_size: int = 32
+    retry_backoff_s: float = 0.5
 
     def __post_init__(self):
         for key in ("concurrency", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"reward_model.remote.{key}={getattr(self, key)}; must be >= 1")
-        if self.max_retries < 0 or self.timeout_s <= 0:
-            raise ValueError("reward_model.remote.max_retries must be >= 0 and timeout_s > 0")
+        if self.max_retries < 0 or self.timeout_s <= 0 or self.retry_backoff_s < 0:
+            raise ValueError(
+                "reward_model.remote.max_retries and retry_backoff_s must be >= 0, timeout_s > 0"
+            )
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"reward_model.remote.urls: {url!r} is not an http(s) URL")
@@ -64,6 +70,7 @@ class RemoteConfig:
             max_retries=int(d.get("max_retries", cls.max_retries)),
             concurrency=int(d.get("concurrency", cls.concurrency)),
             batch_size=int(d.get("batch_size", cls.batch_size)),
+            retry_backoff_s=float(d.get("retry_backoff_s", cls.retry_backoff_s)),
         )
 
 
@@ -148,29 +155,25 @@ class RemoteClient:
             if attempt:
                 with self._lock:
                     self.num_retries += 1
+                time.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
             start = time.perf_counter()
             try:
                 response = self._http.post(f"{url}{path}", json=payload)
             except httpx.TimeoutException as e:
-                failure = Outcome(kind="timeout", error=f"reward server {url}: {e!r}")
+                failure = Outcome(kind="timeout", error=f"reward server {url}{path}: {e!r}")
                 continue
             except httpx.TransportError as e:
-                failure = Outcome(kind="error", error=f"reward server {url}: {e!r}")
+                failure = Outcome(kind="error", error=f"reward server {url}{path}: {e!r}")
                 continue
-            if response.status_code >= 500:
-                failure = Outcome(kind="error", error=f"reward server {url}: {response.text}")
+            where = f"reward server {url}{path} answered {response.status_code}"
+            if 400 <= response.status_code < 500:
+                raise RewardServerError(f"{where} (request refused): {_shown(response.text)}")
+            results = _results(response, n)
+            if results is None:
+                failure = Outcome(kind="error", error=f"{where}: {_shown(response.text)}")
                 continue
-            if response.status_code >= 400:
-                raise RewardServerError(
-                    f"reward server {url} refused the request ({response.status_code}): "
-                    f"{response.text}"
-                )
             with self._lock:
                 self.latencies_ms.append(1e3 * (time.perf_counter() - start))
-            results = response.json()["results"]
-            if len(results) != n:
-                raise RewardServerError(f"reward server {url} returned {len(results)} results "
-                                        f"for {n} rows")  # fmt: skip
             return results
         return [failure] * n
 
@@ -198,3 +201,20 @@ class RemoteClient:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+
+
+def _shown(body: str, limit: int = 300) -> str:
+    """The start of a response body, for messages."""
+    return repr(body[:limit]) + ("..." if len(body) > limit else "")
+
+
+def _results(response: httpx.Response, n: int) -> list[Any] | None:
+    """The `results` list of a 2xx answer with `n` entries, or None for anything else (a 5xx,
+    a body that is not JSON, another shape or count): the request is retried."""
+    if response.status_code >= 300:
+        return None
+    try:
+        results = response.json()["results"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return results if isinstance(results, list) and len(results) == n else None

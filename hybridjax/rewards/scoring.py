@@ -2,16 +2,19 @@
 processes with a per-call timeout (user code).
 
 A row's outcome is an `Outcome`: a finite score and its extra keys, or the kind of failure
-(`error`: raised, returned no usable score, called `sys.exit`; `crash`: the worker process died,
-e.g. `os.abort()` or a segfault; `timeout`: still running after `timeout_s`; `nonfinite`: NaN/inf).
+(`error`: raised, called `sys.exit`, or returned something other than a number or verl's dict
+with a numeric `score` (a string, None, a list...); `crash`: the worker process died, e.g.
+`os.abort()` or a segfault; `timeout`: still running after `timeout_s`; `nonfinite`: NaN or inf
+after conversion to float32, the training dtype, or a magnitude above `MAX_ABS_SCORE`, whose
+square would overflow the float32 statistics of the advantage).
 Nothing a reward function does reaches the caller as an exception.
 
 Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`
 re-imports the trainer for every replacement) through `pebble.ProcessPool`, which kills a
 worker whose call outlives its timeout and replaces any worker that dies. Each worker loads the
-function once from its `FunctionSpec`; rows travel as pickles (cost: ≈0.1 ms per call, measured
-in experiments/benchmarks/reward_service.py, against µs for the built-in regex checks, which is
-why trusted built-ins stay on threads).
+function once from its `FunctionSpec`; rows travel as pickles, a cost per call far above the
+µs of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
+experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ import dataclasses
 import inspect
 import math
 import multiprocessing
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pebble
 
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
+MAX_ABS_SCORE = 1e6  # a larger score is a bug (squares of 1e19 already overflow float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +53,18 @@ class Outcome:
         return {"kind": "ok", "score": self.score, "extras": extras}
 
     @classmethod
-    def from_json(cls, row: dict[str, Any]) -> Outcome:
-        if row.get("kind", "ok") != "ok":
-            return cls(kind=row["kind"], error=str(row.get("error", "")))
-        return cls(score=float(row["score"]), extras=dict(row.get("extras") or {}))
+    def from_json(cls, row: Any) -> Outcome:
+        """A server's result row; a malformed one (not an object, an unknown kind, a score
+        that is not a number in range) is an `error` / `nonfinite` outcome, never raised."""
+        if not isinstance(row, dict):
+            return cls(kind="error", error=f"malformed result row {str(row)[:80]!r}")
+        kind = row.get("kind", "ok")
+        if kind != "ok":
+            known = kind in FAILURES
+            return cls(kind=kind if known else "error", error=str(row.get("error", kind)))
+        extras = row.get("extras") or {}
+        outcome = normalize(row.get("score"))
+        return dataclasses.replace(outcome, extras=dict(extras) if isinstance(extras, dict) else {})
 
 
 def _json_value(v: Any) -> Any:
@@ -63,7 +77,9 @@ def _json_value(v: Any) -> Any:
 
 
 def normalize(value: Any) -> Outcome:
-    """A reward function's return value (float or dict with `score`) as an `Outcome`."""
+    """A reward function's return value (a number, or a dict with a numeric `score`) as an
+    `Outcome`: `error` for anything else, `nonfinite` when the float32 score is NaN/inf or
+    above `MAX_ABS_SCORE` in magnitude."""
     extras = {}
     try:
         if isinstance(value, dict):
@@ -71,12 +87,37 @@ def normalize(value: Any) -> Outcome:
                 raise KeyError(f"reward dict has no 'score' key (keys: {sorted(value)})")
             extras = {k: v for k, v in value.items() if k != "score"}
             value = value["score"]
-        score = float(value)
+        score = _number(value)
     except Exception as e:
         return Outcome(kind="error", error=repr(e))
-    if not math.isfinite(score):
-        return Outcome(extras=extras, kind="nonfinite", error=f"reward function returned {score}")
-    return Outcome(score, extras)
+    with np.errstate(over="ignore"):
+        score32 = float(np.float32(score))
+    if not math.isfinite(score32):
+        error = f"reward function returned {score}" + (
+            " (inf in float32)" if math.isfinite(score) else ""
+        )
+        return Outcome(extras=extras, kind="nonfinite", error=error)
+    if abs(score32) > MAX_ABS_SCORE:
+        error = f"reward function returned {score}, beyond ±{MAX_ABS_SCORE:g}"
+        return Outcome(extras=extras, kind="nonfinite", error=error)
+    return Outcome(score32, extras)
+
+
+def _number(value: Any) -> float:
+    """`value` as a float when it is a real number (bools, numpy and 0-d array scalars too).
+
+    Raises:
+      TypeError: anything else, e.g. the string "1.0" (named with its type).
+    """
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    if isinstance(value, numbers.Real | np.bool_) or (getattr(value, "shape", None) == ()
+                                                     and kind in "biuf" and kind):  # fmt: skip
+        return float(value)
+    shown = repr(value)[:60]
+    raise TypeError(
+        f"reward function returned {type(value).__name__} {shown}; expected a number or a "
+        "dict with a numeric 'score'"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +198,7 @@ def _load_in_worker(spec: FunctionSpec) -> None:
 
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
+    assert _WORKER_FN is not None, "the worker's initializer loads the function"
     return call_rows(_WORKER_FN, rows, batched)
 
 
@@ -182,7 +224,7 @@ class RowScorer:
         self.fn, self.timeout_s, self.batched = fn, timeout_s, batched
         self.num_workers = num_workers
         if fn is not None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
+            self._pool: Any = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
         else:
             context = multiprocessing.get_context("forkserver")
             # Workers fork from a server that already imported this module (its replacements

@@ -137,24 +137,21 @@ def refill_batch(engine: Engine) -> int:
 
 
 def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> None:
-    """Prefills queued requests while free slots and pages allow, then inserts waiting samples
-    into free slots; `owner` maps each filled slot to its output row
+    """Admits queued requests in order while a replica has a free slot and pages for the
+    group (`Engine.place`), prefills them in one call, then inserts waiting samples into free
+    slots of their prompt's replica; `owner` maps each filled slot to its output row
     (`first_row[request] + sample`)."""
-    free = engine.free_slots
-    capacity = len(free) - sum(p.samples_left for p in waiting)
     admitted = []
-    while queue and capacity > 0 and engine.can_prefill(queue[0]):
-        admitted.append(queue.popleft())
-        capacity -= admitted[-1].params.n
-    waiting.extend(engine.prefill(admitted))
-    for slot in free:
-        if not waiting:
-            break
-        prefix = waiting[0]
-        owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
-        engine.insert(prefix, slot)
+    while queue and engine.can_prefill(queue[0]):
+        admitted.append(engine.admit(queue.popleft()))
+    engine.run_prefill(admitted)
+    waiting.extend(admitted)
+    for prefix in list(waiting):
+        for slot in engine.free_slots_of(prefix.replica)[: prefix.samples_left]:
+            owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
+            engine.insert(prefix, slot)
         if prefix.samples_left == 0:
-            waiting.popleft()
+            waiting.remove(prefix)
 
 
 def pad_rows(tokens, masks, log_probs, width: int, pad_token_id: int):

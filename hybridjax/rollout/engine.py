@@ -2,15 +2,19 @@
 a paged KV cache, with decode slots refilled as sequences finish.
 
 Life of a prompt of length L with n samples:
-  1. `prefill`: positions 0 .. L-2 are run once and written to fresh pages (several prompts per
-     call, padded to a (batch, length) bucket). Full pages are shared by all n samples; the
-     pages of the whole group are reserved (`hybridjax.rollout.pages`).
-  2. `insert` (once per sample): a free slot gets the sample's page table and sampling state
+  1. `prefill` (`admit`, then `run_prefill`): the group is placed on one data-parallel replica
+     (`hybridjax.rollout.replicas`); positions 0 .. L-2 are run once and written to fresh pages
+     of that replica (several prompts per call, padded to a (batch, length) bucket). Full
+     pages are shared by all n samples; the pages of the whole group are reserved
+     (`hybridjax.rollout.pages`).
+  2. `insert` (once per sample): a free slot of that replica gets the sample's page table and
+     sampling state
      (`hybridjax.rollout.slots`). Its first input is the prompt's last token at position L-1,
      so every sampled token, the first one included, comes out of the decode loop.
   3. `generate`: up to `num_steps` decode steps in one jitted `lax.while_loop` (one host round
-     trip; `hybridjax.rollout.steps`) over the ACTIVE slots only: they are gathered into a
-     decode batch of a power-of-two size (`decode_batch_size`), so an engine with
+     trip; `hybridjax.rollout.steps`) over the ACTIVE slots only: each replica's are gathered
+     into its block of the decode batch, of a power-of-two size (`slots.replica_rows`), so an
+     engine with
      `max_num_seqs` = 256 slots costs what one with as many slots as sequences does.
   4. `free_resource`: the slot's pages go back to the free list.
 
@@ -18,8 +22,9 @@ Multi-turn (`hybridjax.rollout.agent_loop`): a slot that stopped keeps its pages
 tokens (a tool's response) on top of its cached keys/values, computing only the new tokens, and
 re-activates it, while the other slots keep decoding.
 
-Device state: the page pools (and the weights). Everything else (page tables, per-slot sampling
-parameters, positions) lives on the host and is uploaded with each call: a few KB.
+Device state: the page pools, one per replica (and the weights). Everything else (page tables,
+per-slot sampling parameters, positions) lives on the host and is uploaded with each call: a few
+KB.
 """
 
 from __future__ import annotations
@@ -38,17 +43,20 @@ from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
 from hybridjax.rollout import steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, resolve_attention_impl
-from hybridjax.rollout.pages import PageBook, Prefix, Request, num_pages
+from hybridjax.rollout.decode_attention import select_decode_kernel
+from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
+from hybridjax.rollout.pages import Prefix, Request, num_pages
+from hybridjax.rollout.replicas import POOL_SPEC, ROWS_SPEC, ReplicaBooks, per_replica
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
     MAX_STOP_IDS,
     Row,
     Slots,
     StepOutput,
-    decode_batch_size,
     power_of_two_bucket,
     prefill_bucket,
+    replica_rows,
+    table_width,
 )
 
 log = logging.getLogger(__name__)
@@ -61,14 +69,15 @@ class Engine:
 
     Args:
       model: the actor; its weights are read once (`update_weights` swaps them).
-      config: engine sizes (`RolloutConfig`); `max_num_seqs` caps the running sequences.
-      mesh: optional generation mesh with axes ("data", "tensor"): decode rows are split over
-        `data`, kv heads of the page pool (and the weights' heads/mlp/vocab) over `tensor`. The
-        pool's page dimension is replicated over `data`.
+      config: engine sizes (`RolloutConfig`); `max_num_seqs` caps the running sequences of
+        each replica, `num_pages` (or `gpu_memory_utilization`) sizes each replica's pool.
+      mesh: optional generation mesh with axes ("data", "tensor"): one replica per index of
+        `data`, with its own pages and slots (`hybridjax.rollout.replicas`); kv heads of the
+        pools (and the weights' heads/mlp/vocab) over `tensor`.
       param_shardings: optional shardings of `nnx.state(model)`; by default the rollout rule
         table of `hybridjax.sharding.rules`.
 
-    Compiles: one per prefill bucket (batch, length), one per decode variant (decode batch size:
+    Compiles: one per prefill bucket (batch, length), one per decode variant (rows per replica:
     a power of two up to `max_num_seqs`; decode steps; top-k/p on/off; page-table width: up to
     4 widths), one per page-copy bucket; `compile_counts` counts them by shape (each is also
     logged).
@@ -92,29 +101,37 @@ class Engine:
         self._param_shardings = param_shardings
         self.update_weights(state)
         window = model.config.sliding_window
-        self.impl = resolve_attention_impl(config.attention_impl, window)
-        if self.impl == "pallas" and window is not None:
-            raise ValueError("the Pallas paged-attention kernel has no sliding window; use 'jnp'")
+        self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
-        self.num_pages = self._pool_size()
-        self.pages = PageBook(config, self.num_pages)
+        self.replicas = self._axis("data")
+        self.num_pages = self._pool_size()  # per replica
+        self.pages = ReplicaBooks(config, self.replicas, self.num_pages)
         eos = model.config.eos_token_id
         self.eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self.num_decode_steps = 0  # decode-loop iterations run so far (all rows in one step)
         self.num_decode_rows = 0  # rows those iterations ran on (padding rows included)
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
-        k, v = PagedKVCache.create_pool(
-            model.config, self.num_pages, config.page_size, self.kv_dtype
+        self.k_pools = self.v_pools = None
+        self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
+        num_slots = self.replicas * config.max_num_seqs
+        self.slots = Slots.empty(num_slots, config.pages_per_seq, MAX_STOP_IDS)
+        self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        self._slot_tokens = [0] * num_slots  # expected tokens of each slot's sample
+        pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        self._prefill_jit = jax.jit(
+            per_replica(self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), pool),
+            donate_argnums=(1, 2),
         )
-        self.k_pools, self.v_pools = self._place_pools(k), self._place_pools(v)
-        self.slots = Slots.empty(config.max_num_seqs, config.pages_per_seq, MAX_STOP_IDS)
-        self._slot_pages: list[list[int]] = [[] for _ in range(config.max_num_seqs)]
-        self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
-        self._copy_jit = jax.jit(self._copy_fn, donate_argnums=(0, 1))
-        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=(1, 2))
+        self._copy_jit = jax.jit(
+            per_replica(self._copy_fn, mesh, (pool, pool, rows, rows), pool), donate_argnums=(0, 1)
+        )
+        extend_specs = (whole, pool, pool, rows, rows, rows, rows)
+        self._extend_jit = jax.jit(
+            per_replica(self._extend_fn, mesh, extend_specs, pool), donate_argnums=(1, 2)
+        )
         self._decode_jit = jax.jit(
-            self._decode_fn, donate_argnums=(1, 2), static_argnames=("num_steps", "use_filter")
+            self._decode_call, donate_argnums=(1, 2), static_argnames=("num_steps", "use_filter")
         )
 
     # ----------------------------------------------------------------------------- set-up
@@ -128,6 +145,38 @@ class Engine:
         if self._param_shardings is not None:
             state = jax.device_put(state, self._param_shardings)
         self.state = state
+
+    def sleep(self, level: int = 1) -> int:
+        """Releases the KV page pool (level 1) and also the weights (level 2), as vLLM's sleep
+        mode: the buffers are deleted, not only unreferenced, so training stages get the
+        memory back. Level 2 is for weights that are the engine's own copy (the trainer's
+        generation layout); `update_weights` brings them back. Returns the bytes released
+        per device summed over devices. Raises RuntimeError while sequences are running."""
+        if self.num_active or any(self._slot_pages):
+            raise RuntimeError("Engine.sleep: sequences still hold slots; free them first")
+        if level not in (1, 2):
+            raise ValueError(f"Engine.sleep: level must be 1 or 2, got {level}")
+        released = [self.k_pools, self.v_pools] + ([self.state] if level == 2 else [])
+        leaves = [x for x in jax.tree.leaves(released) if not x.is_deleted()]
+        nbytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+        for x in leaves:
+            x.delete()
+        self.k_pools = self.v_pools = None
+        if level == 2:
+            self.state = None
+        return nbytes
+
+    def wake_up(self) -> None:
+        """Rebuilds a released KV page pool (zeros, same pages and sharding: no recompile);
+        `prefill` calls it, so a sleeping engine wakes when the next rollout starts."""
+        if self.k_pools is not None:
+            return
+        self.k_pools, self.v_pools = self._allocate_pools()
+
+    @property
+    def asleep(self) -> bool:
+        """True between `sleep` and the next `wake_up` (no KV page pool on the devices)."""
+        return self.k_pools is None
 
     def _pool_size(self) -> int:
         """Pages per layer: explicit, else from free device memory, else the CPU default."""
@@ -149,27 +198,45 @@ class Engine:
     def _axis(self, name: str) -> int:
         return 1 if self.mesh is None else self.mesh.shape[name]
 
-    def _pool_spec(self) -> PartitionSpec:
+    def _kv_heads_axis(self) -> str | None:
         kv, tp = self.model_config.num_key_value_heads, self._axis("tensor")
-        return PartitionSpec("tensor" if kv % tp == 0 and tp > 1 else None)
+        return "tensor" if kv % tp == 0 and tp > 1 else None
 
-    def _place_pools(self, pools):
+    def _pool_spec(self) -> PartitionSpec:
+        """A pool's sharding: kv heads over `tensor`, pages by replica over `data`."""
+        return PartitionSpec(self._kv_heads_axis(), "data")
+
+    def _allocate_pools(self):
+        """The zeroed KV pools (k, v), one K×(R·N)×S×D array per layer: the one place the
+        engine allocates them. Each device holds only its replica's N pages (created in place
+        by a jitted zeros with `out_shardings`, never whole on one device)."""
+        pages = self.replicas * self.num_pages
+        create = functools.partial(
+            PagedKVCache.create_pool,
+            self.model_config,
+            pages,
+            self.config.page_size,
+            self.kv_dtype,
+        )
         if self.mesh is None:
-            return pools
-        return jax.device_put(pools, NamedSharding(self.mesh, self._pool_spec()))
+            return create()
+        return jax.jit(create, out_shardings=NamedSharding(self.mesh, self._pool_spec()))()
 
     def _constrain_pools(self, pools):
+        """Inside a replica's step: its pool keeps its kv heads split over `tensor`."""
         if self.mesh is None:
             return pools
-        return jax.lax.with_sharding_constraint(pools, NamedSharding(self.mesh, self._pool_spec()))
+        return jax.lax.with_sharding_constraint(pools, PartitionSpec(self._kv_heads_axis()))
 
-    def _upload(self, batch: Slots) -> Slots:
-        """The decode batch on the devices: rows split over `data` when they divide evenly."""
+    def _upload(self, batch):
+        """A row batch (R blocks, `replicas.ROWS_SPEC`) on the devices, block r on replica r."""
         if self.mesh is None:
             return jax.device_put(batch)
-        rows, data = batch.token.shape[0], self._axis("data")
-        spec = PartitionSpec("data" if rows % data == 0 else None)
-        return jax.device_put(batch, NamedSharding(self.mesh, spec))
+        return jax.device_put(batch, NamedSharding(self.mesh, ROWS_SPEC))
+
+    def replica_of(self, slot: int) -> int:
+        """The replica that owns `slot` (slots r·max_num_seqs .. (r+1)·max_num_seqs - 1)."""
+        return slot // self.config.max_num_seqs
 
     def _traced(self, name: str) -> None:
         """Called while tracing: counts (and logs) a compile."""
@@ -183,17 +250,22 @@ class Engine:
     # ----------------------------------------------------------------------------- sizes
 
     @property
-    def allocator(self):
-        """The pool's `PageAllocator` (free list and reference counts)."""
-        return self.pages.allocator
+    def allocators(self):
+        """Each replica's `PageAllocator` (free list and reference counts)."""
+        return [book.allocator for book in self.pages.books]
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages over every replica's pool."""
+        return self.pages.num_free
 
     def pages_for(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
         """(pages of the prefilled prompt, pages each sample adds); see `PageBook.pages_for`."""
-        return self.pages.pages_for(prompt_len, params)
+        return self.pages.books[0].pages_for(prompt_len, params)
 
     def group_pages(self, prompt_len: int, params: SamplingParams) -> int:
         """Pages a prompt's whole group holds at most; see `PageBook.group_pages`."""
-        return self.pages.group_pages(prompt_len, params)
+        return self.pages.books[0].group_pages(prompt_len, params)
 
     def check_request(self, request: Request) -> None:
         """Raises ValueError, with the sizes, for a request that can never be served."""
@@ -212,7 +284,7 @@ class Engine:
             raise ValueError(
                 f"request {request.index}: needs {need} KV pages (prompt {n_prompt} tokens, "
                 f"n={p.n} samples × up to {p.max_tokens} tokens, page_size "
-                f"{self.config.page_size}) but the pool has {self.num_pages}; raise "
+                f"{self.config.page_size}) but a replica's pool has {self.num_pages}; raise "
                 "rollout.num_pages / gpu_memory_utilization or lower n / response_length"
             )
         if len(p.stop_token_ids) + len(self.eos_ids) > MAX_STOP_IDS:
@@ -221,13 +293,25 @@ class Engine:
                 f"{len(self.eos_ids)} EOS ids exceed {MAX_STOP_IDS}"
             )
 
+    def place(self, request: Request) -> int | None:
+        """The replica that would take the request's group now (`ReplicaBooks.place`: a slot
+        not promised to a waiting sample, pages for the group, the least expected tokens), or
+        None."""
+        free = [len(self.free_slots_of(r)) for r in range(self.replicas)]
+        return self.pages.place(request, free)
+
     def can_prefill(self, request: Request) -> bool:
-        """Whether the free pages (less those promised to waiting samples) hold the group."""
-        return self.pages.can_admit(request)
+        """Whether some replica takes the request's group now (`place`)."""
+        return self.place(request) is not None
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i in range(self.config.max_num_seqs) if not self._slot_pages[i]]
+        return [i for i in range(len(self._slot_pages)) if not self._slot_pages[i]]
+
+    def free_slots_of(self, replica: int) -> list[int]:
+        """The free slots of one replica."""
+        m = self.config.max_num_seqs
+        return [i for i in range(replica * m, (replica + 1) * m) if not self._slot_pages[i]]
 
     @property
     def num_active(self) -> int:
@@ -249,33 +333,59 @@ class Engine:
         )
         return self._constrain_pools(k), self._constrain_pools(v)
 
+    def admit(self, request: Request) -> Prefix:
+        """Places the request's group on a replica (`place`) and books its pages (host only;
+        `run_prefill` computes them). Raises ValueError if it can never fit, RuntimeError if
+        no replica takes it now (check `can_prefill` first)."""
+        self.check_request(request)
+        replica = self.place(request)
+        if replica is None:
+            raise RuntimeError(f"request {request.index}: no replica has room for it now")
+        return self.pages.admit(request, replica)
+
     def prefill(self, requests: list[Request]) -> list[Prefix]:
-        """Prefills prompts (all but their last token) in one call and reserves their groups'
-        pages. Raises ValueError if a request can never fit, RuntimeError if its group does not
-        fit now (check `can_prefill` first). Host sync: none (the call is queued)."""
+        """Admits prompts (`admit`) and prefills them (all but their last token) in one call
+        (`run_prefill`). Host sync: none (the call is queued)."""
+        if self.state is None:
+            raise RuntimeError("Engine.prefill: weights released by sleep(2); update_weights")
+        self.wake_up()
         prefixes = []
         for r in requests:
-            self.check_request(r)
-            prefixes.append(self.pages.admit(r))
-        todo = [p for p in prefixes if len(p.request.prompt) > 1]
-        if todo:
-            n = prefill_bucket(len(todo))
-            t = prefill_bucket(
-                max(len(p.request.prompt) - 1 for p in todo), self.config.min_prefill_bucket
-            )
-            ids = np.zeros((n, t), np.int32)
-            mask = np.zeros((n, t), bool)
-            table = np.zeros((n, num_pages(t, self.config.page_size)), np.int32)
-            for row, p in enumerate(todo):
-                length = len(p.request.prompt) - 1
-                ids[row, :length] = p.request.prompt[:-1]
-                mask[row, :length] = True
-                table[row, : len(p.pages)] = p.pages
-            self.num_prefill_tokens += int(mask.sum())
-            self.k_pools, self.v_pools = self._prefill_jit(
-                self.state, self.k_pools, self.v_pools, ids, mask, table
-            )
+            prefixes.append(self.admit(r))
+        self.run_prefill(prefixes)
         return prefixes
+
+    def run_prefill(self, prefixes: list[Prefix]) -> None:
+        """Computes admitted prompts' keys/values into their pages, every replica's in one
+        call (each replica a block of rows, `replicas.per_replica`). Host sync: none."""
+        if self.state is None:
+            raise RuntimeError("Engine.run_prefill: weights released by sleep(2); update_weights")
+        self.wake_up()  # a sleeping engine's pool comes back with the next rollout
+        todo = [p for p in prefixes if len(p.request.prompt) > 1]
+        if not todo:
+            return
+        groups = [[p for p in todo if p.replica == r] for r in range(self.replicas)]
+        n = prefill_bucket(max(len(g) for g in groups))
+        t = prefill_bucket(
+            max(len(p.request.prompt) - 1 for p in todo), self.config.min_prefill_bucket
+        )
+        ids = np.zeros((self.replicas, n, t), np.int32)
+        mask = np.zeros((self.replicas, n, t), bool)
+        table = np.zeros((self.replicas, n, num_pages(t, self.config.page_size)), np.int32)
+        for r, group in enumerate(groups):
+            for row, p in enumerate(group):
+                length = len(p.request.prompt) - 1
+                ids[r, row, :length] = p.request.prompt[:-1]
+                mask[r, row, :length] = True
+                table[r, row, : len(p.pages)] = p.pages
+        self.num_prefill_tokens += int(mask.sum())
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        self.k_pools, self.v_pools = self._prefill_jit(
+            self.state,
+            self.k_pools,
+            self.v_pools,
+            *self._upload((flat(ids), flat(mask), flat(table))),
+        )
 
     # ----------------------------------------------------------------------------- insert
 
@@ -284,9 +394,15 @@ class Engine:
         batched into the next `generate` call)."""
         if self._slot_pages[slot]:
             raise ValueError(f"slot {slot} is busy")
+        if self.replica_of(slot) != prefix.replica:
+            raise ValueError(
+                f"slot {slot} is on replica {self.replica_of(slot)}, the prefix's pages on "
+                f"replica {prefix.replica}"
+            )
         r, p = prefix.request, prefix.request.params
         sample = prefix.next_sample
         pages = self.pages.sample_pages(prefix)
+        self._slot_tokens[slot] = len(r.prompt) + p.max_tokens
         stop = p.stop_token_ids + (() if p.ignore_eos else self.eos_ids)
         row = Row(
             token=r.prompt[-1],
@@ -304,8 +420,9 @@ class Engine:
 
     def free_resource(self, slot: int) -> None:
         """Returns a finished (or abandoned) slot's pages and frees the slot."""
-        self.pages.release(self._slot_pages[slot])
+        self.pages.release(self.replica_of(slot), self._slot_pages[slot], self._slot_tokens[slot])
         self._slot_pages[slot] = []
+        self._slot_tokens[slot] = 0
         self.slots.active[slot] = False
 
     # ----------------------------------------------------------------------------- extend
@@ -354,22 +471,27 @@ class Engine:
         if not appends:
             return
         self._flush_copies()
-        n = prefill_bucket(len(appends))
+        groups = [[x for x in appends if self.replica_of(x) == r] for r in range(self.replicas)]
+        n = prefill_bucket(max(len(g) for g in groups))
         t = prefill_bucket(max(len(v[0]) for v in appends.values()), self.config.min_prefill_bucket)
-        ids, mask = np.zeros((n, t), np.int32), np.zeros((n, t), bool)
-        start = np.zeros(n, np.int32)
-        table = np.zeros((n, self.config.pages_per_seq), np.int32)
-        for row, (slot, (tokens, max_new)) in enumerate(appends.items()):
-            fed = [int(s.token[slot])] + list(tokens[:-1])
-            ids[row, : len(fed)], mask[row, : len(fed)] = fed, True
-            start[row], table[row] = s.position[slot], s.page_table[slot]
-            s.token[slot] = tokens[-1]
-            s.position[slot] += len(tokens)
-            s.max_tokens[slot] = s.num_generated[slot] + max_new
-            s.active[slot] = True
+        shape = (self.replicas, n)
+        ids, mask = np.zeros((*shape, t), np.int32), np.zeros((*shape, t), bool)
+        start = np.zeros(shape, np.int32)
+        table = np.zeros((*shape, self.config.pages_per_seq), np.int32)
+        for r, group in enumerate(groups):
+            for row, slot in enumerate(group):
+                tokens, max_new = appends[slot]
+                fed = [int(s.token[slot])] + list(tokens[:-1])
+                ids[r, row, : len(fed)], mask[r, row, : len(fed)] = fed, True
+                start[r, row], table[r, row] = s.position[slot], s.page_table[slot]
+                s.token[slot] = tokens[-1]
+                s.position[slot] += len(tokens)
+                s.max_tokens[slot] = s.num_generated[slot] + max_new
+                s.active[slot] = True
         self.num_prefill_tokens += int(mask.sum())
+        flat = [x.reshape(-1, *x.shape[2:]) for x in (ids, start, mask, table)]
         self.k_pools, self.v_pools = self._extend_jit(
-            self.state, self.k_pools, self.v_pools, ids, start, mask, table
+            self.state, self.k_pools, self.v_pools, *self._upload(flat)
         )
 
     def _copy_fn(self, k_pools, v_pools, src_C, dst_C):
@@ -378,47 +500,64 @@ class Engine:
         return self._constrain_pools(k), self._constrain_pools(v)
 
     def _flush_copies(self) -> None:
-        copies = self.pages.pop_copies()
-        if not copies:
+        copies = self.pages.pop_copies()  # per replica, local page numbers
+        if not any(copies):
             return
-        c = power_of_two_bucket(len(copies), 8)
-        src = np.zeros(c, np.int32)
-        dst = np.full(c, self.num_pages, np.int32)  # padding: out of bounds, dropped
-        src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-        self.k_pools, self.v_pools = self._copy_jit(self.k_pools, self.v_pools, src, dst)
+        c = power_of_two_bucket(max(map(len, copies)), 8)
+        src = np.zeros((self.replicas, c), np.int32)
+        dst = np.full((self.replicas, c), self.num_pages, np.int32)  # padding: dropped
+        for r, pairs in enumerate(copies):
+            if pairs:
+                src[r, : len(pairs)], dst[r, : len(pairs)] = zip(*pairs, strict=True)
+        self.k_pools, self.v_pools = self._copy_jit(
+            self.k_pools, self.v_pools, *self._upload((src.reshape(-1), dst.reshape(-1)))
+        )
 
     # ----------------------------------------------------------------------------- decode
 
-    def _decode_fn(self, state, k_pools, v_pools, batch: Slots, exit_when_done, **static):
+    def _decode_call(self, state, k_pools, v_pools, batch: Slots, exit_when_done, **static):
         rows, width = batch.page_table.shape
         self._traced(
             f"decode(rows={rows}, steps={static['num_steps']}, filter={static['use_filter']}, "
             f"pages={width})"
         )
+        pool, rows_spec, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        fn = per_replica(
+            functools.partial(self._decode_fn, **static),
+            self.mesh,
+            (whole, pool, pool, rows_spec, whole),
+            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec),
+        )
+        return fn(state, k_pools, v_pools, batch, exit_when_done)
+
+    def _decode_fn(self, state, k_pools, v_pools, batch: Slots, exit_when_done, **static):
+        """One replica's decode loop (`steps.decode_loop`); its step count as a 1-vector."""
         loop = functools.partial(
             steps.decode_loop,
             impl=self.impl,
             sliding_window=self.model_config.sliding_window,
+            mesh=self.mesh,
             constrain_pools=self._constrain_pools,
             **static,
         )
-        return loop(self.graphdef, state, k_pools, v_pools, batch, exit_when_done)
+        k, v, dyn, n_steps, out_tok, out_lp = loop(
+            self.graphdef, state, k_pools, v_pools, batch, exit_when_done
+        )
+        return k, v, dyn, n_steps[None], out_tok, out_lp
 
     def _table_width(self, num_steps: int) -> int:
-        """Page-table columns the next `num_steps` steps can touch, rounded up to a quarter of
-        the full width: attention gathers only these pages, so early steps of long responses
-        do not pay for the full length. At most 4 widths (decode compiles per variant)."""
+        """Page-table columns the next `num_steps` steps can touch (`slots.table_width`)."""
         s = self.slots
         last = int(np.max(np.where(s.active, s.position + num_steps - 1, 0)))
-        step = -(-self.config.pages_per_seq // 4)
-        need = last // self.config.page_size + 1
-        return min(-(-need // step) * step, self.config.pages_per_seq)
+        return table_width(last // self.config.page_size + 1, self.config.pages_per_seq)
 
-    def decode_rows(self) -> tuple[np.ndarray, int]:
-        """(the active slots in slot order, rows of the decode batch that runs them)."""
-        rows = np.flatnonzero(self.slots.active)
-        size = decode_batch_size(len(rows), self.config.max_num_seqs, self._axis("data"))
-        return rows, size
+    def decode_rows(self) -> np.ndarray:
+        """The slot of each row of the next decode batch (`slots.replica_rows`: R equal
+        blocks, replica r's active slots in slot order, -1 on padding rows)."""
+        m = self.config.max_num_seqs
+        active = self.slots.active.reshape(self.replicas, m)
+        groups = [np.flatnonzero(a) + r * m for r, a in enumerate(active)]
+        return replica_rows(groups, m)
 
     def generate(self, num_steps: int = 1, exit_when_done: int | None = None) -> StepOutput:
         """Runs up to `num_steps` decode steps for every active slot in one jitted loop.
@@ -434,23 +573,25 @@ class Engine:
         tokens = np.full((s.active.size, num_steps), -1, np.int32)
         log_probs = np.zeros((s.active.size, num_steps), np.float32)
         finished = np.zeros(s.active.size, bool)
-        rows, size = self.decode_rows()
+        index = self.decode_rows()
+        rows = index[index >= 0]
         if not len(rows):
             return StepOutput(tokens, log_probs, finished, finished.copy())
         filtered = (s.temperature[rows] > 0) & ((s.top_k[rows] > 0) | (s.top_p[rows] < 1))
         use_filter = bool(np.any(filtered))
+        size = len(index) // self.replicas  # rows per replica
         limit = np.int32(exit_when_done if exit_when_done is not None else size + 1)
-        batch = s.take(rows, size, self._table_width(num_steps))
+        batch = s.take_rows(index, self._table_width(num_steps))
         static = dict(num_steps=num_steps, use_filter=use_filter)
         self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp = self._decode_jit(
             self.state, self.k_pools, self.v_pools, self._upload(batch), limit, **static
         )
         dyn, n_steps, out_tok, out_lp = jax.device_get((dyn, n_steps, out_tok, out_lp))  # sync
-        self.slots = s.put(rows, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True)))
-        self.num_decode_steps += int(n_steps)
-        self.num_decode_rows += int(n_steps) * size
-        n = len(rows)
-        tokens[rows], log_probs[rows] = out_tok[:n], out_lp[:n]
+        self.slots = s.put(index, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True)))
+        self.num_decode_steps += int(np.max(n_steps))
+        self.num_decode_rows += int(np.sum(n_steps)) * size
+        keep = index >= 0
+        tokens[rows], log_probs[rows] = out_tok[keep], out_lp[keep]
         finished[rows] = ~self.slots.active[rows]  # every row was active
         last = np.where(finished, self.slots.token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)

@@ -42,6 +42,7 @@ class Prefix:
     shared_pages: list[int]  # full pages of positions 0 .. L-2, shared by every sample
     partial_page: int | None  # the partly filled last prompt page, if any
     next_sample: int = 0
+    replica: int = 0  # the data-parallel replica whose pool holds the pages
 
     @property
     def samples_left(self) -> int:

@@ -41,6 +41,23 @@ def decode_batch_size(num_active: int, max_num_seqs: int, multiple: int = 1) -> 
     return min(power_of_two_bucket(num_active, multiple), max_num_seqs)
 
 
+TABLE_WIDTHS = 4  # page-table widths a decode call may take (one compile each)
+
+
+def table_width(pages_needed: int, pages_per_seq: int) -> int:
+    """Page-table columns of a decode call whose rows touch `pages_needed` pages: rounded up to
+    a quarter (`TABLE_WIDTHS`) of the full width `pages_per_seq`, so attention gathers only
+    these pages (early steps of long responses do not pay for the full length) and a run
+    compiles at most 4 widths."""
+    step = -(-pages_per_seq // TABLE_WIDTHS)
+    return min(-(-pages_needed // step) * step, pages_per_seq)
+
+
+def table_widths(pages_per_seq: int) -> list[int]:
+    """Every width `table_width` returns for a slot of `pages_per_seq` pages (ascending)."""
+    return sorted({table_width(n, pages_per_seq) for n in range(1, pages_per_seq + 1)})
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What one `Engine.generate` call produced (host numpy), indexed by slot. B = max_num_seqs,
@@ -78,10 +95,21 @@ class Row:
     num_generated: int = 0
 
 
-def _take(x: np.ndarray, rows: np.ndarray, size: int, fill) -> np.ndarray:
-    out = np.full((size, *x.shape[1:]), fill, x.dtype)
-    out[: len(rows)] = x[rows]
+def _take(x: np.ndarray, index: np.ndarray, fill) -> np.ndarray:
+    out = np.full((len(index), *x.shape[1:]), fill, x.dtype)
+    out[index >= 0] = x[index[index >= 0]]
     return out
+
+
+def replica_rows(groups: list[np.ndarray], max_num_seqs: int) -> np.ndarray:
+    """The slot of each decode-batch row when replica r runs the slots `groups[r]`: every
+    replica gets the same number of rows (a power of two, `decode_batch_size`), replica r's
+    block first-come in slot order, -1 on padding rows. R·b int (R = len(groups))."""
+    size = decode_batch_size(max(len(g) for g in groups), max_num_seqs)
+    index = np.full((len(groups), size), -1, np.int64)
+    for r, g in enumerate(groups):
+        index[r, : len(g)] = g
+    return index.reshape(-1)
 
 
 # Values of an empty row, where not 0. A padding row of a decode batch is one: inactive, greedy,
@@ -145,16 +173,24 @@ class Slots:
     def take(self, rows: np.ndarray, size: int, width: int) -> Slots:
         """The decode batch: `rows` (slot indices, in this order) followed by empty rows up to
         `size`, page tables cut to their first `width` columns (new host arrays)."""
+        index = np.full(size, -1, np.int64)
+        index[: len(rows)] = rows
+        return self.take_rows(index, width)
+
+    def take_rows(self, index: np.ndarray, width: int) -> Slots:
+        """The decode batch whose row i is slot `index[i]` (an empty row where it is -1),
+        page tables cut to their first `width` columns (new host arrays)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["page_table"] = fields["page_table"][:, :width]
-        return Slots(**{k: _take(v, rows, size, _EMPTY.get(k, 0)) for k, v in fields.items()})
+        return Slots(**{k: _take(v, index, _EMPTY.get(k, 0)) for k, v in fields.items()})
 
-    def put(self, rows: np.ndarray, batch: dict[str, np.ndarray]) -> Slots:
-        """These slots with `rows` updated from the first len(rows) rows of a decode batch's
-        advanced fields (`DYNAMIC_FIELDS`)."""
+    def put(self, index: np.ndarray, batch: dict[str, np.ndarray]) -> Slots:
+        """These slots updated from a decode batch's advanced fields (`DYNAMIC_FIELDS`): slot
+        `index[i]` from row i (rows where it is -1, and rows past len(index), are skipped)."""
         updates = {}
+        keep = index >= 0
         for name, values in batch.items():
             column = getattr(self, name).copy()
-            column[rows] = values[: len(rows)]
+            column[index[keep]] = values[: len(index)][keep]
             updates[name] = column
         return dataclasses.replace(self, **updates)

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybridjax.rollout.paged_cache import PagedKVCache
 from hybridjax.rollout.sampling import sample_tokens, step_uniforms
@@ -81,6 +82,7 @@ def decode_loop(
     use_filter: bool,
     impl: str,
     sliding_window: int | None,
+    mesh: Mesh | None = None,
     constrain_pools: Callable[[Pools], Pools] = lambda pools: pools,
 ):
     """Up to `num_steps` decode steps for the B rows of `batch` in one `lax.while_loop`.
@@ -93,7 +95,9 @@ def decode_loop(
     `exit_when_done` rows finished.
 
     On the jnp path the rows' pages are gathered once into a K×B×L×D copy per call
-    (`PagedKVCache.gathered`); `constrain_pools` keeps the pools' sharding inside the loop.
+    (`PagedKVCache.gathered`); another kernel runs per device of `mesh` (the generation mesh,
+    `decode_attention.decode_attention`); `constrain_pools` keeps the pools' sharding inside
+    the loop.
 
     Returns:
       (k_pools, v_pools, (token, position, active, num_generated) each B, steps run (int32),
@@ -128,7 +132,9 @@ def decode_loop(
         cache = dataclasses.replace(cache, k=constrain_pools(cache.k), v=constrain_pools(cache.v))
         return (i + 1, cache, token, position, active, n_gen, out_tok, out_lp, done + finish.sum())
 
-    cache = PagedKVCache(k_pools, v_pools, batch.page_table, "decode", impl, sliding_window)
+    cache = PagedKVCache(
+        k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh
+    )
     if impl == "jnp":
         cache = cache.gathered()  # once per call; the steps keep the copy up to date
     out_tok = jnp.full((b, num_steps), -1, jnp.int32)

@@ -89,7 +89,8 @@ def initialize(config: DistributedConfig) -> bool:
     """
     if not config.wanted():
         return False
-    if "cpu" in os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms == "cpu":
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if "cpu" in os.environ.get("JAX_PLATFORMS", "") or platforms == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address or None,
@@ -163,7 +164,7 @@ def to_local(tree: Any, mesh: Mesh) -> Any:
         return tree
 
     def leaf(x: jax.Array) -> jax.Array:
-        spec = x.sharding.spec
+        spec = x.sharding.spec  # type: ignore[attr-defined]
         if any(mesh.axis_names[0] in (s if isinstance(s, tuple) else (s,)) for s in spec):
             raise ValueError(f"a generation weight is sharded along {mesh.axis_names[0]!r}")
         shards = [s.data for s in x.addressable_shards]

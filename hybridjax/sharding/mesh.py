@@ -62,8 +62,8 @@ class MeshConfig:
         `mesh.generate.{data,tensor}`; the argument may be the whole config or its `mesh` node."""
         mesh = config["mesh"] if "mesh" in config else config
         return cls(
-            train=tuple(int(mesh["train"][a]) for a in TRAIN_AXES),
-            generate=tuple(int(mesh["generate"][a]) for a in GENERATE_AXES),
+            train=tuple(int(mesh["train"][a]) for a in TRAIN_AXES),  # type: ignore[arg-type]
+            generate=tuple(int(mesh["generate"][a]) for a in GENERATE_AXES),  # type: ignore[arg-type]
         )
 
     def train_sizes(self, num_devices: int) -> dict[str, int]:

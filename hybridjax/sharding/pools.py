@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from hybridjax.config.roles import Roles
 from hybridjax.sharding.mesh import (
     GENERATE_AXES,
     TRAIN_AXES,
@@ -93,8 +94,8 @@ def _pool_mesh(cfg: Any, pool: Mapping[str, Any]) -> MeshConfig:
     train |= dict(pool.get("train", {}))
     generate |= dict(pool.get("generate", {}))
     return MeshConfig(
-        train=tuple(int(train[a]) for a in TRAIN_AXES),
-        generate=tuple(int(generate[a]) for a in GENERATE_AXES),
+        train=tuple(int(train[a]) for a in TRAIN_AXES),  # type: ignore[arg-type]
+        generate=tuple(int(generate[a]) for a in GENERATE_AXES),  # type: ignore[arg-type]
     )
 
 
@@ -164,14 +165,11 @@ _UNUSED = {
 def used_roles(cfg: Any) -> set[str]:
     """The roles that run on devices with this config: actor and rollout always, `ref` with a
     KL term, `critic` with `critic.enable`, `reward_model` with a loaded (not served) model."""
+    roles = Roles.from_config(cfg)
     used = {"actor", "rollout"}
-    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        used.add("ref")
-    if cfg.critic.enable:
-        used.add("critic")
-    if cfg.reward_model.enable and cfg.reward_model.model.path:
-        used.add("reward_model")
-    return used
+    used |= {"ref"} if roles.reference else set()
+    used |= {"critic"} if roles.critic else set()
+    return used | ({"reward_model"} if roles.reward_model else set())
 
 
 def placement_problems(cfg: Any, n_devices: int) -> list[str]:

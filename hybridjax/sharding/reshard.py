@@ -12,11 +12,11 @@ copy itself). So the peak is the source copy + the destination copy + the scratc
 XLA needs scratch only when the gathered dimension is not the major one (e.g. the embedding,
 `embed` on fsdp in its minor dimension): at most that leaf's destination shard
 (`move_memory_bytes` reports it; the tests check it). One program over the whole tree was
-measured slower on CPU, with scratch for several leaves at once (16.9 MB vs 8.4 MB for the 25M
-model), and several collective programs in flight at once can deadlock XLA's CPU collectives
-(their rendezvous waits for device threads held by another program). With `donate=True` each
-source leaf is deleted as soon as its move lands: peak ≈ max(source, destination) + one leaf,
-for a move whose source is no longer needed.
+slower on CPU and held scratch for several leaves at once (docs/benchmarks.md), and several
+collective programs in flight at once can deadlock XLA's CPU collectives (their rendezvous
+waits for device threads held by another program). With `donate=True` each source leaf is
+deleted as soon as its move lands: peak ≈ max(source, destination) + one leaf, for a move whose
+source is no longer needed.
 
 LoRA (`hybridjax.models.lora`): when `params` holds adapters, each adapted weight is merged as it
 moves (W + scale·A·B, computed in the jitted move, written straight into the destination
@@ -105,7 +105,8 @@ def update_weights(
     """
     leaves, treedef = jax.tree.flatten(params)
     try:
-        targets = treedef.flatten_up_to(
+        # flatten_up_to is jaxlib's PyTreeDef method, missing from its stubs
+        targets = treedef.flatten_up_to(  # type: ignore[attr-defined]
             jax.tree.broadcast(shardings, params, is_leaf=lambda x: isinstance(x, Sharding))
         )
     except (ValueError, TypeError) as err:

@@ -1,8 +1,8 @@
 """Per-role rule tables: logical axis names → mesh axes, and models initialised in their sharding.
 
 The model names each parameter dimension logically (`vocab`, `embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `norm`, `label`; activations use `batch` and `length`). A rule table maps each
-name to a mesh axis, a tuple of mesh axes, or None (replicated). One table per role:
+`head_dim`, `mlp`, `norm`, `label`, `expert`; activations use `batch` and `length`). A rule table
+maps each name to a mesh axis, a tuple of mesh axes, or None (replicated). One table per role:
 
 | role                    | mesh     | weights                                    | batch        |
 |-------------------------|----------|--------------------------------------------|--------------|
@@ -47,6 +47,8 @@ ACTOR_TRAIN_RULES: Rules = (
     ("mlp", ("tensor", "fsdp")),
     ("norm", None),
     ("label", None),
+    # MoE experts: stored over fsdp (the training mesh has no `expert` axis), see models/moe.py
+    ("expert", "fsdp"),
 )
 
 ACTOR_GENERATE_RULES: Rules = (
@@ -60,6 +62,7 @@ ACTOR_GENERATE_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("label", None),
+    ("expert", None),
 )
 
 REFERENCE_RULES: Rules = ACTOR_TRAIN_RULES
@@ -172,7 +175,8 @@ def model_shardings(model: nnx.Module, mesh: Mesh, rules: Rules) -> Any:
 def _initializer(model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rules: Rules):
     """(graphdef, jitted `key -> state` writing each variable into its shards); cached, so
     models of one class, config and layout (e.g. actor and reference) compile once."""
-    make = lambda key: model_cls(model_config, nnx.Rngs(key))  # Rngs(seed) == Rngs(key(seed))
+    # Rngs(seed) == Rngs(key(seed)); nnx.Module's own __init__ takes no config
+    make = lambda key: model_cls(model_config, nnx.Rngs(key))  # type: ignore[call-arg]
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make(jax.random.key(0))))
     shardings = state_shardings(abstract_state, mesh, rules)
     return graphdef, jax.jit(lambda key: nnx.split(make(key))[1], out_shardings=shardings)

@@ -35,7 +35,9 @@ def _get(config: Any, key: str) -> Any:
     return node
 
 
-def _mesh_problems(mesh: MeshConfig, num_devices: int) -> tuple[list[str], dict, dict]:
+def _mesh_problems(
+    mesh: MeshConfig, num_devices: int
+) -> tuple[list[str], dict[str, int] | None, dict[str, int] | None]:
     problems, resolved = [], {}
     for layout, sizes, names in (
         ("train", mesh.train, TRAIN_AXES),
@@ -91,6 +93,17 @@ def parallelism_problems(
                 f"{key} × actor_rollout_ref.rollout.n = {value} × {n} = {value * n} "
                 f"is not divisible by the {what}"
             )
+    return problems + head_count_problems(train, generate, model_configs)
+
+
+def head_count_problems(
+    train: Mapping[str, int] | None,
+    generate: Mapping[str, int] | None,
+    model_configs: Mapping[str, ModelConfig] | None,
+) -> list[str]:
+    """Attention heads of each model (config key → ModelConfig) that `mesh.train.tensor` or
+    `mesh.generate.tensor` (axis sizes; None: not resolved) does not divide."""
+    problems = []
     for model_key, model in (model_configs or {}).items():
         for layout, sizes in (("train", train), ("generate", generate)):
             if not sizes:

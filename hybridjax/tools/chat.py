@@ -28,7 +28,8 @@ def tool_response_text(tokenizer: Tokenizer, contents: list[str]) -> str:
     token (ChatML: "\n"). Raises ValueError when the template renders the system message
     differently in context (no such split exists)."""
     prefix = tokenizer.render_chat(_SYSTEM, add_generation_prompt=False)
-    eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
+    eos_id = tokenizer.eos_token_id
+    eos = None if eos_id is None else tokenizer.backend.id_to_token(eos_id)
     separator = prefix[prefix.rfind(eos) + len(eos) :] if eos and eos in prefix else ""
     full = tokenizer.render_chat(_SYSTEM + [{"role": "tool", "content": c} for c in contents])
     if not full.startswith(prefix):

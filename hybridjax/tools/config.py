@@ -15,14 +15,23 @@ import os
 
 import yaml
 
-from hybridjax.tools import calculator, sandbox
+from hybridjax.tools import calculator, sandbox, sandbox_fusion
 from hybridjax.tools.base import TOOL_CLASSES, Tool
 
-BUILTINS = (calculator.CalculatorTool, sandbox.PythonTool)  # imported: registered
+BUILTINS = (  # imported: registered
+    calculator.CalculatorTool,
+    sandbox.PythonTool,
+    sandbox_fusion.SandboxFusionTool,
+)
+
+
+VERL_CLASSES = {sandbox_fusion.VERL_CLASS: "sandbox_fusion"}  # verl's class paths of built-ins
 
 
 def tool_class(name: str, where: str) -> type[Tool]:
-    """A registered tool class, or one imported from a dotted path; ValueError otherwise."""
+    """A registered tool class (or verl's class path of one), or one imported from a dotted
+    path; ValueError otherwise."""
+    name = VERL_CLASSES.get(name, name)
     if name in TOOL_CLASSES:
         return TOOL_CLASSES[name]
     module, _, attr = name.rpartition(".")

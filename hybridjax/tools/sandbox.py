@@ -1,64 +1,222 @@
-"""A Python sandbox tool: the code runs in a fresh interpreter (`python -I`, its own empty
-working directory) under a CPU-time limit, an address-space limit and a wall-clock timeout;
-networking is cut by a new network namespace where the kernel allows unprivileged ones, and in
-any case by a `socket` module whose sockets cannot be created. The tool returns stdout (and
-stderr on failure)."""
+"""The Python sandbox tool: code a model wrote runs under bubblewrap (`bwrap`), never in our
+own process or with our own file system.
+
+Each call starts `prlimit ... bwrap ... python -I -c CODE` with
+  * new user, mount, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all`): no
+    network at all, no other process visible, uid 65534 inside;
+  * a root file system holding only the system's program directories (`/usr`, `/lib*`, `/bin`)
+    and the interpreter's own prefix, all read-only: no `/etc`, `/home`, `/root` or run
+    directory exists inside;
+  * a private, empty working directory `/work` and `/tmp` (tmpfs of at most `max_file_mb`);
+  * rlimits on CPU time, address space, processes, file size and open files (`prlimit`,
+    util-linux; limits are inherited by every child and cannot be raised inside);
+  * the wall-clock timeout: the outer `bwrap` is killed, which kills the namespace's init and
+    with it every process of the sandbox, daemons and new sessions included.
+The kernel does not apply RLIMIT_NPROC to the real root user, so under root the PID
+namespace and the timeout are what bound a fork bomb.
+
+Where `bwrap` is missing the tool refuses to run (`SandboxUnavailable`), unless its config says
+`isolation: none` (the code then runs as this user with rlimits only, at the user's own risk).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
+from hybridjax.errors import UserError
 from hybridjax.tools.base import Tool, register_tool
 
-# Prepended to the user's code, so the limits are set by the child itself (no `preexec_fn`:
-# running Python between fork and exec in a multithreaded process such as JAX's can deadlock):
-# CPU time and address space, an empty network namespace where unprivileged user namespaces
-# exist, and in any case no sockets.
-_PRELUDE = """\
-import ctypes as _c, resource as _r, socket as _s
-_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))
-_r.setrlimit(_r.RLIMIT_AS, ({memory}, {memory}))
-try:
-    _c.CDLL(None).unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
-except (OSError, AttributeError):
-    pass
-def _refuse(*a, **k):
-    raise OSError("network access is disabled in this sandbox")
-_s.socket = _s.create_connection = _s.socketpair = _refuse
-del _c, _r, _s, _refuse
-"""
+ISOLATIONS = ("bwrap", "none")
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+_WORKDIR = "/work"
+_NOBODY = "65534"
+
+
+class SandboxUnavailable(UserError, ValueError):
+    """No isolation tool on this machine (names the package and the config key)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Limits of one sandboxed run: wall-clock `timeout_s` (CPU time is limited to its ceiling),
+    `memory_mb` of address space, `max_processes`, `max_file_mb` per file (and of the private
+    tmpfs), `max_open_files`, and `max_output` characters kept of each of stdout and stderr."""
+
+    timeout_s: float = 5.0
+    memory_mb: int = 256
+    max_processes: int = 64
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    max_output: int = 10_000
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ValueError(f"sandbox {field.name}={getattr(self, field.name)}; must be > 0")
+
+    def prlimit_args(self) -> list[str]:
+        cpu = int(-(-self.timeout_s // 1))
+        return [
+            "prlimit",
+            f"--cpu={cpu}",
+            f"--as={self.memory_mb << 20}",
+            f"--nproc={self.max_processes}",
+            f"--fsize={self.max_file_mb << 20}",
+            f"--nofile={self.max_open_files}",
+            "--core=0",
+            "--",
+        ]
+
+
+def require_isolation(isolation: str) -> None:
+    """Raises SandboxUnavailable when `isolation` is `bwrap` and `bwrap` or `prlimit` is not
+    on PATH, ValueError for an unknown `isolation`."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation {isolation!r}; expected one of {ISOLATIONS}")
+    needed = ("bwrap", "prlimit") if isolation == "bwrap" else ("prlimit",)
+    missing = [tool for tool in needed if shutil.which(tool) is None]
+    if missing:
+        raise SandboxUnavailable(
+            f"the Python sandbox needs {' and '.join(missing)} (Debian/Ubuntu packages "
+            "bubblewrap and util-linux: apt-get install bubblewrap); or set `isolation: none` "
+            "in the python tool's config of the tool config file to run model-written code "
+            "unisolated, at your own risk"
+        )
+
+
+def bwrap_args() -> list[str]:
+    """The bubblewrap command line up to the sandboxed program (see the module docstring)."""
+    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    args += ["--uid", _NOBODY, "--gid", _NOBODY, "--cap-drop", "ALL"]
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for prefix in sorted({sys.prefix, sys.base_prefix}):
+        if not prefix.startswith(_SYSTEM_DIRS):
+            args += ["--ro-bind", prefix, prefix]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    args += ["--dir", _WORKDIR, "--chdir", _WORKDIR]
+    env = {"PATH": "/usr/bin:/bin", "HOME": _WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return args
 
 
 def run_python(
-    code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output: int = 10_000
+    code: str,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output: int = 10_000,
+    isolation: str = "bwrap",
+    limits: Limits | None = None,
 ) -> tuple[int, str, str]:
-    """Runs `code` in a sandboxed interpreter. Returns (exit code, stdout, stderr), each stream
-    cut to `max_output` characters. Raises TimeoutError after `timeout_s` seconds (the process
-    is killed). CPU time is limited to ceil(timeout_s) seconds, memory to `memory_mb`."""
-    prelude = _PRELUDE.format(cpu=int(-(-timeout_s // 1)), memory=memory_mb << 20)
+    """Runs `code` in the sandbox. Returns (exit code, the first `max_output` characters of
+    stdout, the last `max_output` of stderr); a process killed by a signal has exit code
+    -signal. `limits` (when given) replaces `timeout_s`, `memory_mb` and `max_output`.
+
+    Raises:
+      TimeoutError: still running after `timeout_s` (every process of the sandbox is killed).
+      SandboxUnavailable: `isolation=bwrap` and bubblewrap is not installed.
+    """
+    limits = limits or Limits(timeout_s, memory_mb, max_output=max_output)
+    require_isolation(isolation)
+    python = [sys.executable, "-I", "-c", code]
+    if isolation == "bwrap":
+        command = limits.prlimit_args() + bwrap_args() + python
+        sized = command.index("--tmpfs")  # the private /tmp holds at most max_file_mb
+        command[sized:sized] = ["--size", str(limits.max_file_mb << 20)]
+        return _run(command, limits, cwd=None)
     with tempfile.TemporaryDirectory() as cwd:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-c", prelude + code],
-                cwd=cwd,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                env={"PATH": os.environ.get("PATH", "")},
-            )
-        except subprocess.TimeoutExpired as e:
-            raise TimeoutError(f"code ran longer than {timeout_s} s") from e
-    return proc.returncode, proc.stdout[:max_output], proc.stderr[-max_output:]
+        return _run(limits.prlimit_args() + python, limits, cwd)
+
+
+def _run(command: list[str], limits: Limits, cwd: str | None) -> tuple[int, str, str]:
+    env = {"PATH": os.environ.get("PATH", "")}
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    out, err = _Reader(proc.stdout, limits.max_output), _Reader(proc.stderr, limits.max_output)
+    try:
+        rc = proc.wait(timeout=limits.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        _kill_group(proc.pid)
+        proc.wait()
+        raise TimeoutError(f"code ran longer than {limits.timeout_s} s") from e
+    finally:
+        _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
+        out.join()
+        err.join()
+    return rc, out.text(head=True), err.text(head=False)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Reader(threading.Thread):
+    """Drains a pipe, keeping at most `limit` characters (output beyond is read and dropped,
+    so a program printing gigabytes neither blocks nor fills memory)."""
+
+    def __init__(self, stream, limit: int):
+        super().__init__(daemon=True)
+        self.stream, self.limit, self.head, self.tail = stream, limit, b"", b""
+        self.start()
+
+    def run(self) -> None:
+        while chunk := self.stream.read1(1 << 16):
+            if len(self.head) < 4 * self.limit:
+                self.head += chunk
+            self.tail = (self.tail + chunk)[-4 * self.limit :]
+        self.stream.close()
+
+    def text(self, head: bool) -> str:
+        data = self.head if head else self.tail
+        text = data.decode("utf-8", "replace")
+        return text[: self.limit] if head else text[-self.limit :]
+
+
+def limits_of(config: dict[str, Any]) -> Limits:
+    """`Limits` from a tool's `config` mapping (keys as the `Limits` fields); ValueError
+    naming an unknown key."""
+    fields = {f.name: f.type for f in dataclasses.fields(Limits)}
+    unknown = set(config) - set(fields) - {"isolation"}
+    if unknown:
+        raise ValueError(f"unknown python tool config keys {sorted(unknown)}; known: "
+                         f"{sorted(fields) + ['isolation']}")  # fmt: skip
+    cast = {"timeout_s": float}
+    return Limits(**{k: cast.get(k, int)(v) for k, v in config.items() if k in fields})  # type: ignore[arg-type]
 
 
 @register_tool("python")
 class PythonTool(Tool):
     """`python(code)`: runs the code in the sandbox (`run_python`); returns what it printed.
-    Config: `timeout_s` (default 5), `memory_mb` (default 256)."""
+
+    Config (tool config file): `isolation` (`bwrap`, default; `none` runs unisolated at the
+    user's own risk) and the `Limits` fields (`timeout_s` 5, `memory_mb` 256, `max_processes`
+    64, `max_file_mb` 16, `max_open_files` 64, `max_output` 10000).
+
+    Raises (at construction): SandboxUnavailable without bubblewrap; ValueError for a bad key.
+    """
 
     default_schema = {
         "type": "function",
@@ -73,15 +231,18 @@ class PythonTool(Tool):
         },
     }
 
+    def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
+        super().__init__(config, schema)
+        self.isolation = str(self.config.get("isolation", "bwrap"))
+        self.limits = limits_of(self.config)
+        require_isolation(self.isolation)
+
     def execute(self, arguments: dict[str, Any]) -> str:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ValueError("argument 'code' (a string) is required")
-        rc, out, err = run_python(
-            code,
-            float(self.config.get("timeout_s", 5.0)),
-            int(self.config.get("memory_mb", 256)),
-        )
+        rc, out, err = run_python(code, isolation=self.isolation, limits=self.limits)
         if rc != 0:
-            raise RuntimeError(f"exit code {rc}: {err.strip().splitlines()[-1] if err else ''}")
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            raise RuntimeError(f"exit code {rc}: {last}")
         return out

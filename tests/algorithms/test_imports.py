@@ -19,7 +19,7 @@ def _imports() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                 "hybridjax.algorithms."
             ):
-                found.add(node.module.rsplit(".", 1)[1])
+                found.add((node.module or "").rsplit(".", 1)[1])
         graph[path.stem] = found
     return graph
 

@@ -332,7 +332,7 @@ def test_memory_planner_update_is_within_a_quarter_of_the_measured_cpu_peak(tmp_
     # the update's live bytes (gradients, optimizer step, activations) dominate its peak
     assert abs(point["update_actor"]["error"]) < 0.25, point["update_actor"]
     # a small forward's peak also holds the runtime's one-off allocations of a first
-    # execution, which the count leaves out (README: Memory planner)
+    # execution, which the count leaves out (docs/memory-planner.md)
     forward = point["old_log_prob"]
     assert 0 < forward["predicted_bytes"] <= forward["measured_bytes"], forward
 

@@ -7,13 +7,13 @@ import importlib.util
 import pathlib
 
 from experiments.benchmarks import placement
-from hybridjax.trainer.validate import validate
+from hybridjax.config.checks import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _bench_config():
-    path = ROOT / "configs" / "bench_placement.py"
+    path = ROOT / "experiments" / "configs" / "bench_placement.py"
     spec = importlib.util.spec_from_file_location("bench_placement", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

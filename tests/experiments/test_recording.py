@@ -1,10 +1,8 @@
-"""What trainer benchmarks record: stage timestamps, the profiled step, stability figures; and
-the GPU check's own pieces (the shell script's syntax, its result parsing)."""
+"""What trainer benchmarks record: stage timestamps, the profiled step, stability figures (the
+GPU check's own pieces: tests/experiments/test_gpu_check.py)."""
 
 import gzip
 import json
-import pathlib
-import subprocess
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +16,7 @@ from experiments.benchmarks.recording import (
     stability,
     trace_events,
 )
-from experiments.gpu import check
-from hybridjax.trainer.pipeline import timed
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from hybridjax.rl.pipeline import timed
 
 
 def test_stability_figures_by_hand():
@@ -118,50 +113,3 @@ def test_profile_step_writes_trace_pstats_and_flame_graph(tmp_path):
     assert (tmp_path / "host_profile.svg").read_text().lstrip().startswith("<")
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
     assert any(e.get("ph") == "X" for e in trace_events(tmp_path / "trace"))  # as JSON too
-
-
-def test_check_script_parses_and_refuses_unknown_arguments():
-    script = ROOT / "experiments" / "gpu" / "check.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    done = subprocess.run(["bash", str(script), "--nope"], capture_output=True, text=True)
-    assert done.returncode == 2 and "unknown argument '--nope'" in done.stderr
-
-
-def test_check_reads_junit_counts_and_the_printed_results_folder(tmp_path):
-    xml = tmp_path / "t.xml"
-    xml.write_text(
-        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="2"/></testsuites>'
-    )
-    assert check._junit_counts(xml) == {"tests": 4, "failures": 1, "errors": 0, "skipped": 2}
-    assert check._junit_counts(tmp_path / "missing.xml") == {}
-    folder = tmp_path / "20260101_000000"
-    folder.mkdir()
-    (folder / "summary.json").write_text("{}")
-    assert check._last_results_dir(f"INFO noise\n{folder}\n") == folder
-    assert check._last_results_dir("no folder here") is None
-    assert check._last_results_dir("I1201 a log line " + "x" * 5000) is None  # never a path
-
-
-def test_check_selects_every_gpu_marked_test_by_marker():
-    # check.sh runs `pytest -m gpu tests`: a GPU test added anywhere under tests/ (a module's
-    # `pytestmark` or a decorated test) is run by the check without editing it
-    assert check.GPU_TESTS == ("-m", "gpu", "tests")
-    marked = sorted(
-        p.relative_to(ROOT).as_posix()
-        for p in (ROOT / "tests").rglob("test_*.py")
-        if "mark.gpu" in p.read_text()
-    )
-    assert "tests/gpu/test_gpu.py" in marked
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"gpu: ' in pyproject  # a declared marker: `-m gpu` selects it without a warning
-
-
-def test_check_sets_the_plan_beside_the_measured_stage_peaks():
-    steps = {
-        "plan": {"plan": {"stages": {"gen": {"peak_bytes": 5}, "update_actor": {"peak_bytes": 9}}}},
-        "throughput": {"summary": {"stage_peak_memory_bytes": {"update_actor": 7, "step": 8}}},
-    }
-    assert check.plan_vs_measured(steps) == {
-        "update_actor": {"planned_bytes": 9, "measured_bytes": 7}
-    }
-    assert check.plan_vs_measured({}) == {}

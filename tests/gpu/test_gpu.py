@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hybridjax.models.attention import SelfAttentionMask, attention_backend
-from hybridjax.rollout.paged_cache import paged_attention_jnp, paged_attention_pallas
+from hybridjax.rollout.decode_attention import paged_attention_jnp, paged_attention_pallas
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
 

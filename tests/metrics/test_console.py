@@ -7,7 +7,7 @@ import pytest
 from absl import flags
 from absl import logging as absl_logging
 
-from hybridjax.metrics.console import configure_logging, console_level
+from hybridjax.metrics.console import announce, configure_logging, console_level
 
 
 @pytest.fixture
@@ -42,10 +42,19 @@ def test_info_goes_to_the_file_not_the_console(tmp_path, capsys, restore_logging
 def test_verbosity_brings_info_back_once(tmp_path, capsys, restore_logging):
     configure_logging(str(tmp_path / "a.log"), logging.WARNING)
     configure_logging(str(tmp_path / "b.log"), logging.INFO)  # --verbosity=0; replaces the first
-    logging.getLogger("hybridjax.trainer").info("resumed from step 4")
+    logging.getLogger("hybridjax.rl").info("resumed from step 4")
     assert capsys.readouterr().err.count("resumed from step 4") == 1
     assert "resumed" in (tmp_path / "b.log").read_text()
     assert not (tmp_path / "a.log").exists()  # created at its first record only
+
+
+def test_events_that_change_the_run_show_on_the_quiet_console(tmp_path, capsys, restore_logging):
+    configure_logging(str(tmp_path / "train.log"), logging.WARNING)
+    announce(logging.getLogger("hybridjax.trainer"), "resumed from step 4 of /runs/a")
+    logging.getLogger("hybridjax.trainer").info("compiled")
+    err = capsys.readouterr().err
+    assert "NOTICE hybridjax.trainer: resumed from step 4 of /runs/a" in err
+    assert "compiled" not in err and "resumed from step 4" in (tmp_path / "train.log").read_text()
 
 
 def test_console_level_follows_verbosity_only_when_given(monkeypatch):

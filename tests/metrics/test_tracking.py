@@ -7,10 +7,10 @@ import sys
 import pytest
 from tensorboardX.proto import event_pb2
 
+from hybridjax.config.checks import ConfigError, validate
 from hybridjax.metrics.tracking import Tracking, missing_logger_packages
-from hybridjax.trainer.validate import ConfigError, validate
-from hybridjax.trainer.validation import select_generations
-from tests.trainer.tiny_run import load_config_file
+from hybridjax.rl.evaluation import select_generations
+from tests.rl.tiny_run import load_config_file
 
 SAMPLES = [("1 + 2 =", "#### 3", 1.0), ("2 × 4 =", "Answer: 8", 0.0)]
 

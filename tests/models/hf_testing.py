@@ -4,6 +4,8 @@ HF initialises weights with std 0.02, which makes logits nearly constant; `_spre
 redraws them larger (norm scales around 1) so that a wrong transpose, rope or mask shows.
 """
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -11,7 +13,7 @@ import transformers
 from flax import nnx
 
 VOCAB = 128
-COMMON = dict(
+COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -39,7 +41,7 @@ FAMILIES = {
     ),
     # GQA, untied, llama3 rope scaling
     "llama": lambda: (
-        transformers.LlamaConfig(
+        transformers.LlamaConfig(  # type: ignore[call-arg]  # rope keys go through **kwargs
             **COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE
         ),
         transformers.LlamaForCausalLM,
@@ -49,7 +51,38 @@ FAMILIES = {
         transformers.MistralConfig(**COMMON, sliding_window=8),
         transformers.MistralForCausalLM,
     ),
+    # q/k norm, head_dim ≠ hidden / heads, no q/k/v bias, tied embeddings
+    "qwen3": lambda: (
+        transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+        transformers.Qwen3ForCausalLM,
+    ),
+    # Llama 3.2: tied embeddings, llama3 rope scaling
+    "llama3.2": lambda: (
+        transformers.LlamaConfig(
+            **COMMON, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE
+        ),
+        transformers.LlamaForCausalLM,
+    ),
+    "qwen3_moe": lambda: (qwen3_moe_config(), transformers.Qwen3MoeForCausalLM),
 }
+
+
+def qwen3_moe_config(**changes) -> transformers.Qwen3MoeConfig:
+    """Tiny Qwen3-MoE: 8 experts, top-2 renormalised, layers 0 and 2 routed, layer 1 dense."""
+    kwargs = dict(
+        COMMON,
+        num_hidden_layers=3,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    )
+    kwargs.update(changes)
+    return transformers.Qwen3MoeConfig(**kwargs)
 
 
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:

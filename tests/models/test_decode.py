@@ -12,7 +12,7 @@ from hybridjax.models.hf_io import load_pretrained
 DECODE_TOL = 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "qwen3", "qwen3_moe"])
 def test_prefill_then_token_by_token_equals_full_forward(family, hf_checkpoints, padded_batch):
     """Prefill the first 7 columns (row 3 is all padding there), then one column per call.
 

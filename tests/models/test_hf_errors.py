@@ -128,3 +128,25 @@ def test_causal_lm_as_classifier_needs_the_flag(llama_copy, caplog):
     backbone = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(actor.model))}
     for p, v in nnx.to_flat_state(nnx.state(critic.model)):
         np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(backbone[p]))
+
+
+def test_integer_weights_are_refused_naming_file_and_tensor(qwen2_copy):
+    def to_int(tensors):
+        for name in list(tensors)[:3]:
+            tensors[name] = tensors[name].astype(np.int32)
+
+    _edit_tensors(qwen2_copy, to_int)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(qwen2_copy)
+    message = str(err.value)
+    assert f"checkpoint {qwen2_copy}: weights must be floating point" in message
+    assert "(I32, in model.safetensors)" in message
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_truncated_weights_name_the_file(qwen2_copy, keep):
+    file = qwen2_copy / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match=re.escape(f"{file}") + ".*not a readable safetensors"):
+        load_pretrained(qwen2_copy)

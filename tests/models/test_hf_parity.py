@@ -15,7 +15,9 @@ from safetensors import safe_open
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
 
 PARITY_TOL = 1e-4
-MEASURED = {}  # family -> max |Δlogit|, printed at the end of the module (run with -s)
+MEASURED: dict[
+    str, float
+] = {}  # family -> max |Δlogit|, printed at the end of the module (run with -s)
 
 
 def _params(model) -> dict:

@@ -133,8 +133,8 @@ def test_peft_loads_exported_adapter_with_same_logits(tmp_path):
 
 
 def test_trainer_config_check_names_lora_keys(tmp_path):
-    from hybridjax.trainer.validate import ConfigError, validate
-    from tests.trainer.test_trainer_config import ACTOR, _load
+    from hybridjax.config.checks import ConfigError, validate
+    from tests.rl.test_trainer_config import ACTOR, _load
 
     config = _load("tiny", tmp_path)
     config.actor_rollout_ref.model.lora_rank = 8

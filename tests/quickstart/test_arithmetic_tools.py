@@ -10,8 +10,8 @@ import pytest
 
 from hybridjax.data.arithmetic_tools import ToolTaskConfig, write_task
 from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.offline.sft import read_rows, tokenize_pairs
 from hybridjax.rewards import default_compute_score
-from hybridjax.sft import read_rows, tokenize_pairs
 from hybridjax.tools import ToolExecutor, get_parser
 from hybridjax.tools.calculator import CalculatorTool
 from hybridjax.tools.chat import ChatTools

@@ -16,7 +16,14 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.sft import batch_indices, check_keys, run_sft, sft_config, sft_loss, tokenize_pairs
+from hybridjax.offline.sft import (
+    batch_indices,
+    check_keys,
+    run_sft,
+    sft_config,
+    sft_loss,
+    tokenize_pairs,
+)
 
 TINY = dict(
     hidden_size=32,

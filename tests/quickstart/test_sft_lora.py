@@ -7,7 +7,7 @@ import numpy as np
 from safetensors import safe_open
 
 from hybridjax.models.hf_io import load_pretrained
-from hybridjax.sft import run_sft
+from hybridjax.offline.sft import run_sft
 from tests.quickstart.test_sft import _config, _write_pairs
 
 

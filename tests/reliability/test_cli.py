@@ -1,4 +1,4 @@
-"""Bad inputs and faults through the command line (see `tests/reliability/probe.py`).
+"""Bad inputs and faults through the command line (see `experiments/reliability/probe.py`).
 
 Config mistakes are judged before any model is built, so they run batched: one subprocess
 runs the command line's body (`hybridjax.train.run` under `cli_errors`) once per case and
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.reliability import probe
+from experiments.reliability import probe
 
 UPFRONT = {  # case: (overrides, words the message must hold)
     "reward_on_error": ({"reward_model.on_error": "ignore"}, ["reward_model.on_error", "'zero'"]),
@@ -40,7 +40,7 @@ DRIVER = """
 import contextlib, io, json, sys
 from hybridjax.errors import cli_errors
 from hybridjax.train import run
-from tests.trainer.tiny_run import load_config_file
+from tests.rl.tiny_run import load_config_file
 results = {}
 for name, overrides in json.loads(sys.argv[1]).items():
     cfg = load_config_file("tiny")

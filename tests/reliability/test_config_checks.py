@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
+from hybridjax.config.checks import validate
 from hybridjax.errors import ConfigError
-from hybridjax.trainer import build
-from hybridjax.trainer.validate import validate
-from tests.trainer.tiny_run import REPO, load_config_file
+from hybridjax.rl import build
+from tests.rl.tiny_run import REPO, load_config_file
 
 DATA = REPO / "hybridjax" / "assets" / "quickstart" / "data"
 
@@ -115,7 +115,7 @@ def test_reference_pass_has_its_own_micro_batch():
     [("trainer.resume_mode", "latest"), ("data.truncation", "left"), ("model.dtype", "fp8")],
 )
 def test_sft_choices_are_checked_before_anything_runs(key, value, tmp_path):
-    from hybridjax.sft import run_sft, sft_config
+    from hybridjax.offline.sft import run_sft, sft_config
 
     c = sft_config()
     c.trainer.default_local_dir = str(tmp_path / "run")
@@ -171,7 +171,7 @@ def test_multi_turn_tool_config_file_problems(tmp_path):
     unknown.write_text("tools:\n  - class_name: web_search\n")
     line = _one_problem(**on, **{f"{MT}.tool_config_path": str(unknown)})
     assert line.startswith(f"{MT}.tool_config_path: {unknown}: tools[0]: class_name 'web_search'")
-    assert "['calculator', 'python']" in line
+    assert "['calculator', 'python', 'sandbox_fusion']" in line
     twice = tmp_path / "twice.yaml"
     twice.write_text("tools:\n  - class_name: calculator\n  - class_name: calculator\n")
     line = _one_problem(**on, **{f"{MT}.tool_config_path": str(twice)})

@@ -2,7 +2,7 @@
 config check): a key that exists but that nothing reads would be accepted and ignored.
 
 The run records every read of the config (attribute or item access, `items()`, `to_dict()` of a
-section) made outside `hybridjax/trainer/validate.py` while the trainer is built, trains one
+section) made outside `hybridjax/config/checks.py` while the trainer is built, trains one
 step, validates, saves and restores, then compares the keys read with `base_config()`. A key
 read only in another mode (say `reward_model.model.path`, read when a reward model is enabled)
 counts when its full dotted name appears in the library outside the config and its check."""
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 from ml_collections import ConfigDict
 
-from hybridjax.trainer.config import base_config
-from hybridjax.trainer.trainer import RLTrainer
-from tests.trainer.tiny_run import gsm8k_subset, tiny_config
+from hybridjax.config.schema import base_config
+from hybridjax.rl.trainer import RLTrainer
+from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ class _Recorder:
 
     def __init__(self, cfg: ConfigDict, monkeypatch):
         self.read: set[str] = set()
-        self.node_path = {}
+        self.node_path: dict[int, str] = {}
         self._index(cfg, "")
         get, items, to_dict = ConfigDict.__getitem__, ConfigDict.items, ConfigDict.to_dict
         recorder = self
@@ -81,7 +82,7 @@ class _Recorder:
         prefix = self.node_path.get(id(node))
         if prefix is None:
             return
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:  # reads made by the config check do not count
             if frame.f_code.co_filename.endswith(VALIDATE):
                 return

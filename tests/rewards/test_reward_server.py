@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybridjax.config.schema import base_config
 from hybridjax.models import SequenceClassifier
 from hybridjax.models.hf_io import save_pretrained
 from hybridjax.rewards import RewardConfig, RewardFunctionError, RewardManager
 from hybridjax.rewards.remote import TOKEN_ENV, RemoteClient, RemoteConfig, RewardServerError
 from hybridjax.rewards.reward_model import score_with_model
 from hybridjax.rewards.serve import start_local
-from hybridjax.trainer.config import base_config
-from hybridjax.trainer.reward import check_reward_servers
+from hybridjax.rl.reward import check_reward_servers
 
 USER_CODE = """
 import time

@@ -14,8 +14,8 @@ PROMPTS = make_prompts()  # lengths 5, 9, 1, 4, 12, 7
 
 def _assert_idle(engine):
     assert engine.num_active == 0
-    assert engine.allocator.num_free == engine.num_pages
-    assert engine.pages.reserved == 0
+    assert engine.num_free_pages == engine.num_pages
+    assert engine.pages.books[0].reserved == 0
 
 
 def _rows(out):
@@ -77,8 +77,8 @@ def test_prompt_pages_are_shared_across_samples(engine):
             while prefix.samples_left:
                 engine.insert(prefix, slot)
                 slot += 1
-        used = engine.allocator.num_used
-        copies = len(engine.pages.copies)
+        used = engine.allocators[0].num_used
+        copies = len(engine.pages.books[0].copies)
         tokens = [[] for _ in range(slot)]
         while engine.num_active:
             step = engine.generate(num_steps=engine.config.decode_steps_per_call)

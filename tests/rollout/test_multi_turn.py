@@ -67,7 +67,7 @@ def _segments_match(out, row, handler):
 
 def test_tool_turns_masks_and_log_probs_equal_the_trainer_forward(engine, run):
     handler, (out, prefilled) = Scripted(), run
-    assert engine.num_active == 0 and engine.allocator.num_free == engine.num_pages
+    assert engine.num_active == 0 and engine.num_free_pages == engine.num_pages
     assert out.responses.shape == (8, 40)
     assert max(out.num_turns) == 3 and min(out.num_turns) >= 1
     assert sum(out.num_turns >= 2) >= 4  # most trajectories called a tool and went on
@@ -117,7 +117,7 @@ def test_a_tool_response_that_does_not_fit_ends_the_trajectory(engine):
         assert len(tokens) <= limit
         if out.turns[row][-1][0] == "tool":
             assert len(tokens) == limit and out.finish_reason[row] == "length"
-    assert engine.allocator.num_free == engine.num_pages
+    assert engine.num_free_pages == engine.num_pages
 
 
 def test_other_slots_decode_while_a_tool_runs(engine, run):

@@ -17,7 +17,7 @@ def test_sharded_engine_equals_single_device(engine, eos_model):
         page_size=4, max_num_seqs=8, prompt_length=16, response_length=8, decode_steps_per_call=4
     )
     sharded = Engine(eos_model, config, mesh=mesh)
-    assert sharded.k_pools[0].sharding.spec == PartitionSpec("tensor")
+    assert sharded.k_pools[0].sharding.spec == PartitionSpec("tensor", "data")
     q_proj = sharded.state["model"]["layers"][0]["self_attn"]["q_proj"]
     assert "tensor" in jax.tree.leaves(q_proj)[0].sharding.spec
 
@@ -34,4 +34,4 @@ def test_sharded_engine_equals_single_device(engine, eos_model):
         np.testing.assert_array_equal(got.response_mask, want.response_mask)
         np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
         assert got.finish_reason == want.finish_reason
-    assert sharded.allocator.num_free == sharded.num_pages
+    assert sharded.num_free_pages == sharded.replicas * sharded.num_pages

@@ -74,7 +74,7 @@ def test_a_large_pool_decodes_only_the_active_rows(
     small = generate(engine, prompts, sp)
     np.testing.assert_array_equal(small.responses, out.responses)
     np.testing.assert_allclose(small.rollout_log_probs, out.rollout_log_probs, atol=1e-5)
-    assert big_pool.allocator.num_free == big_pool.num_pages
+    assert big_pool.num_free_pages == big_pool.num_pages
 
 
 def test_decode_shapes_stay_bounded_as_sequences_finish(big_pool):

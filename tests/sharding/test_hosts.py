@@ -1,6 +1,6 @@
 """The pieces that split host-side work over processes, checked in one process: a share of a
 batch loads, samples and scores as it does within the whole batch, and the gathered parts equal
-the whole. (The multi-process runs themselves are in tests/trainer/test_multihost.py.)"""
+the whole. (The multi-process runs themselves are in tests/rl/test_multihost.py.)"""
 
 import dataclasses
 

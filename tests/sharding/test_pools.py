@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.schema import base_config
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.sharding import (
@@ -21,9 +23,7 @@ from hybridjax.sharding import (
     state_shardings,
 )
 from hybridjax.sharding.pools import make_placement, placement_problems, sync_weights
-from hybridjax.trainer.config import base_config
-from hybridjax.trainer.validate import ConfigError, validate
-from tests.trainer.tiny_run import load_config_file
+from tests.rl.tiny_run import load_config_file
 
 MODEL = ModelConfig(
     vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -45,7 +45,7 @@ def relayout_and_forward() -> dict[str, np.ndarray]:
     mask_np[1, :5] = False
     batch = named_sharding(("batch", "length"), (4, 12), meshes.generate, ACTOR_GENERATE_RULES)
     ids, mask = (
-        jax.make_array_from_callback(a.shape, batch, lambda i, a=a: a[i])
+        jax.make_array_from_callback(a.shape, batch, lambda i, a=a: a[i])  # type: ignore[misc]
         for a in (
             ids_np,
             mask_np,
@@ -78,5 +78,5 @@ if __name__ == "__main__":
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     result = relayout_and_forward()
-    np.savez(f"{out_dir}/process_{process_id}.npz", **result)
+    np.savez(f"{out_dir}/process_{process_id}.npz", **result)  # type: ignore[arg-type]
     jax.distributed.shutdown()

@@ -1,0 +1,38 @@
+# Everyday commands; `make help` lists them. CI (.ci/run) runs the README's test command, ruff
+# and mypy on a clean clone.
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
+export PYTHON
+PYTEST = $(PYTHON) -m pytest -q
+# one command block of README.md, between <!-- NAME --> and <!-- /NAME --> (as .ci/run reads it)
+readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/^```bash$$/,/^```$$/p' | sed '1d;$$d'
+
+.PHONY: help test slow lint format typecheck docs gpu-check standin
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
+
+test: ## the fast tests (everything not marked slow)
+	$(PYTEST) -m "not slow" tests
+
+slow: ## the slow, end-to-end tests
+	$(PYTEST) -m slow tests
+
+lint: ## ruff format --check and ruff check, as CI runs them
+	$(PYTHON) -m ruff format --check . && $(PYTHON) -m ruff check .
+
+format: ## ruff format and ruff check --fix
+	$(PYTHON) -m ruff format . && $(PYTHON) -m ruff check --fix .
+
+typecheck: ## mypy, configured in pyproject.toml
+	$(PYTHON) -m mypy
+
+docs: ## the documentation site, built strictly into site/
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+gpu-check: ## the GPU check on a CUDA machine (experiments/gpu/check.sh)
+	experiments/gpu/check.sh
+
+standin: ## the GPU check's CPU stand-in: the README's gpu-standin command
+	@cmd=$$($(call readme_block,gpu-standin)); \
+	if [ -z "$$cmd" ]; then echo "README.md has no gpu-standin command" >&2; exit 2; fi; \
+	echo "+ $$cmd"; bash -c "$$cmd"

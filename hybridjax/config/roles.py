@@ -1,0 +1,51 @@
+"""Facts every part of a run derives from its config: which models it has, and how a training
+mesh splits batch rows. Each is computed here and only here (`hybridjax.config.run` gathers
+them into the run's `RunConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+BATCH_AXES = ("data", "fsdp")  # the training mesh axes batch rows are split over
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Which models a run has besides the actor and its rollout.
+
+    Attributes:
+      reference: a reference policy, for a KL term (`actor_rollout_ref.actor.use_kl_loss` or
+        `algorithm.use_kl_in_reward`).
+      critic: a value model (`critic.enable`).
+      reward_model: a reward model on the devices (`reward_model.enable` with a
+        `reward_model.model.path`; with an empty path it is served, `reward_model.remote`).
+    """
+
+    reference: bool
+    critic: bool
+    reward_model: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Roles:
+        """The roles of a trainer ConfigDict (or nested dict with the same keys)."""
+        rm = cfg.reward_model
+        return cls(
+            reference=bool(
+                cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+            ),
+            critic=bool(cfg.critic.enable),
+            reward_model=bool(rm.enable and rm.model.path),
+        )
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Batch shards of a training mesh: `data` × `fsdp` (each holds rows of its own)."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows of a batch split over a training mesh's batch axes (`data` × `fsdp`)."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

@@ -1,0 +1,1 @@
+"""The memory planner (`planner`) and its counts of what each stage allocates (`counts`)."""

@@ -1,0 +1,586 @@
+"""Memory planner: will a config fit the devices, before anything is placed on them?
+
+    python -m hybridjax.plan --config=configs/gsm8k_grpo.py --devices=8 --device_memory_gb=80 \
+        --config.actor_rollout_ref.model.path=configs/models/qwen2.5-7b
+
+Every device stage of the RL step (`old_log_prob`, `ref`, `values`, `update_critic`,
+`update_actor`) is lowered and compiled for the run's training mesh from abstract inputs
+(`jax.ShapeDtypeStruct`s carrying their shardings; no weight is materialised): XLA's memory
+analysis gives each program's outputs and donated (aliased) bytes. The states every stage
+leaves resident (parameters, optimizer states, reference and reward models, the rollout's
+weights in the generation layout, the KV page pool, the batch) are summed from their shard
+shapes. What a stage allocates while it runs is counted from shapes
+(`hybridjax.memory.counts`: gathered weights, activations, logits, gradients, the optimizer
+step of one loop iteration). The peak of a stage is
+
+    resident states + stage outputs − donated bytes + counted live bytes   (bytes per device)
+
+XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
+`xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
+buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
+float32 logits and of the gathered embedding, against 29.6 GB counted).
+`gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
+logits) and drops what `fsdp_config.*_offload` moves to host while it runs. The KV pool is
+sized as the engine sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity −
+what is resident when the engine starts). With `rollout.free_cache_engine` (the default; sync
+rollouts) the engine sleeps after `gen` (`hybridjax.rl.residency`): no training stage
+holds the pool or the generation weights, and `reshard` writes the one new copy; without it
+both stay through every stage and `reshard` holds a second copy while the new one lands.
+
+The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
+(docs/memory-planner.md: its error on CPU). `trainer.check_memory=True` runs the same plan,
+without compiling (`compile_stages=False`), on the run's own devices in the up-front config
+check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from hybridjax.config.roles import Roles, batch_sharding, data_parallel_size
+from hybridjax.memory.counts import LoopStep, stage_bytes
+
+log = logging.getLogger(__name__)
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Per-device bytes while one stage runs: `consumers` (name → bytes) sum to `peak`."""
+
+    name: str
+    consumers: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return sum(self.consumers.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of one config on `devices` devices of `capacity` bytes each."""
+
+    devices: int
+    capacity: int
+    stages: tuple[StagePlan, ...]
+    kv_pages: int
+    kv_page_bytes: int  # one page over all layers, k and v, per device
+    full_sequences: int  # full-length sequences the pool holds (max_num_seqs asks for more?)
+    advice: tuple[str, ...]
+    # stage → XLA's CPU memory analysis: scratch of the program compiled here (reference only:
+    # the CPU compiler keeps buffers a GPU fusion does not; `hybridjax.memory.counts`)
+    xla_cpu_scratch: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak <= self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices,
+            "capacity_bytes": self.capacity,
+            "fits": self.fits,
+            "worst_stage": self.worst.name,
+            "kv_pages": self.kv_pages,
+            "kv_page_bytes": self.kv_page_bytes,
+            "kv_full_sequences": self.full_sequences,
+            "stages": {s.name: {"peak_bytes": s.peak, **s.consumers} for s in self.stages},
+            "xla_cpu_scratch_bytes": dict(self.xla_cpu_scratch),
+            "advice": list(self.advice),
+        }
+
+    def report(self) -> str:
+        """A human-readable table: per-stage peak, verdict, largest consumers, what to change."""
+        lines = [f"per-device memory on {self.devices} devices of {size(self.capacity)}:"]
+        for s in self.stages:
+            mark = "" if s.peak <= self.capacity else "  <-- does not fit"
+            lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
+        w = self.worst
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(
+            f"{verdict}: peak {size(w.peak)} in {w.name} "
+            f"({w.peak / self.capacity:.0%} of {size(self.capacity)})"
+        )
+        lines.append(f"largest consumers in {w.name}:")
+        for name, b in sorted(w.consumers.items(), key=lambda kv: -kv[1])[:6]:
+            lines.append(f"  {name:<28} {size(b):>10}")
+        lines.append(
+            f"KV pool: {self.kv_pages} pages of {self.kv_page_bytes / 1e6:.2f} MB "
+            f"({self.full_sequences} full-length sequences)"
+        )
+        lines += [f"change: {a}" for a in self.advice]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ abstract states
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    fn = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return jax.tree.map(fn, tree, shardings)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes of one device's shards of a pytree of sharded (abstract or concrete) arrays."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract_model(model_cls, config, mesh, rules, dtype=None):
+    """(graphdef, params as ShapeDtypeStructs with their shardings); nothing materialised."""
+    from hybridjax.sharding import state_shardings
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(config, nnx.Rngs(0))))
+    if dtype is not None:  # the rollout's copy: floating leaves cast (update_weights)
+        cast = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and dtype or x.dtype
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x)), state)
+    return graphdef, _with_shardings(state, state_shardings(state, mesh, rules))
+
+
+def abstract_train_state(params: Any, optim) -> Any:
+    """The TrainState the trainer builds (`build.train_state_shardings`), as abstract arrays."""
+    from hybridjax.rl import build
+
+    shapes = jax.eval_shape(build.init_train_state, params, optim)
+    return _with_shardings(shapes, build.train_state_shardings(params, optim))
+
+
+def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -> Any:
+    """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`."""
+    from hybridjax.rl.batch import RLBatch
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sharding)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)
+    batch = RLBatch(
+        prompts=i32(rows, prompt),
+        responses=i32(rows, response),
+        response_mask=f32(rows, response),
+        attention_mask=i32(rows, prompt + response),
+        position_ids=i32(rows, prompt + response),
+        rollout_log_probs=f32(rows, response),
+    )
+    return batch.replace(**{name: f32(rows, response) for name in fields})
+
+
+def compiled_memory(fn, *args) -> dict[str, int]:
+    """XLA's per-device memory analysis of `fn` (a jitted function) compiled for `args`."""
+    m = fn.lower(*args).compile().memory_analysis()
+    return {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+        "scratch": m.temp_size_in_bytes,
+    }
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats: bool):
+    """(pages, bytes per page per device) as `Engine._pool_size` would choose them."""
+    from hybridjax.models.config import to_dtype
+    from hybridjax.rollout import RolloutConfig
+
+    r = RolloutConfig.from_config(cfg.actor_rollout_ref.rollout)
+    kv = actor.num_key_value_heads
+    local = kv // tp if tp > 1 and kv % tp == 0 else kv
+    itemsize = jnp.dtype(to_dtype(actor.dtype)).itemsize
+    page = 2 * actor.num_hidden_layers * local * r.page_size * actor.resolved_head_dim * itemsize
+    if r.num_pages:
+        pages = r.num_pages
+    elif stats:
+        pages = max(int(r.gpu_memory_utilization * max(capacity - in_use, 0)) // page, 1)
+    else:
+        pages = r.default_num_pages
+    return pages, page, r
+
+
+def _decode_scratch(actor, r, tp: int, impl: str) -> int:
+    """Decode-loop scratch per device (an estimate; the engine is not compiled here): logits of
+    the slots of its replica (`max_num_seqs` per data-parallel replica; float32, three copies
+    for sampling) and, on the jnp path, the K/V of every slot gathered out of the pool at full
+    width (`PagedKVCache.gathered`)."""
+    from hybridjax.models.config import to_dtype
+
+    slots = r.max_num_seqs
+    logits = 3 * slots * -(-actor.vocab_size // tp) * 4
+    if impl != "jnp":
+        return logits
+    kv = actor.num_key_value_heads
+    local = kv // tp if tp > 1 and kv % tp == 0 else kv
+    width = r.pages_per_seq * r.page_size
+    itemsize = jnp.dtype(to_dtype(actor.dtype)).itemsize
+    return (
+        logits
+        + 2 * actor.num_hidden_layers * slots * width * local * actor.resolved_head_dim * itemsize
+    )
+
+
+def plan_memory(
+    cfg: ConfigDict,
+    actor_config,
+    devices: int | None = None,
+    capacity_bytes: int | None = None,
+    target: str = "gpu",
+    compile_stages: bool = True,
+) -> MemoryPlan:
+    """Plans `cfg` on the first `devices` devices of this process (all by default).
+
+    Args:
+      cfg: a full trainer config (validated).
+      actor_config: the actor's ModelConfig (`hybridjax.rl.build.actor_model_config`).
+      devices: how many of `jax.devices()` the meshes span.
+      capacity_bytes: memory of one device; None = the device's `bytes_limit`, else (CPU) the
+        host's physical memory split over its local devices.
+      target: the backend the run will use, "gpu" (KV pool from gpu_memory_utilization,
+        Pallas decode) or "cpu" (pool of max_num_seqs full sequences, jnp decode).
+      compile_stages: compile every device stage for XLA's outputs, donated bytes and CPU
+        scratch (seconds to many minutes for large models); False: outputs from shapes (a
+        forward pass returns the batch plus one B×R float32 field; an update donates its
+        state) and no `xla_cpu_scratch`.
+    Returns:
+      the MemoryPlan.
+    Raises:
+      ValueError: fewer devices than `devices` (use the CLI, which simulates them).
+    """
+    from hybridjax.models.config import ModelConfig
+    from hybridjax.models.decoder import CausalLM, SequenceClassifier
+    from hybridjax.models.hf_io import read_hf_config
+    from hybridjax.rl import build, passes
+    from hybridjax.rl.offload import offload_configs
+    from hybridjax.rl.residency import free_cache_engine
+    from hybridjax.sharding import (
+        ACTOR_GENERATE_RULES,
+        ACTOR_TRAIN_RULES,
+        CRITIC_RULES,
+        REWARD_MODEL_RULES,
+        MeshConfig,
+        make_meshes,
+    )
+
+    available = jax.devices()
+    devices = devices or len(available)
+    if devices > len(available):
+        raise ValueError(
+            f"plan for {devices} devices, but this process has {len(available)}; run "
+            f"`python -m hybridjax.plan --devices={devices}` (simulated CPU devices)"
+        )
+    capacity = capacity_bytes or device_capacity(available[0], len(jax.local_devices()))
+    meshes = make_meshes(MeshConfig.from_config(cfg), available[:devices])
+    train, gen = meshes.train, meshes.generate
+    dp = data_parallel_size(train)
+    sc = build.stage_config(cfg, max(cfg.trainer.total_training_steps, 1), dp, actor_config)
+    roles = Roles.from_config(cfg)
+    use_ref = roles.reference
+    a = cfg.actor_rollout_ref
+
+    actor_def, actor_params = abstract_model(CausalLM, actor_config, train, ACTOR_TRAIN_RULES)
+    actor_state = abstract_train_state(actor_params, sc.actor_optim)
+    resident = {
+        "actor params": device_bytes(actor_state.params),
+        "actor optimizer state": device_bytes(actor_state.opt_state),
+    }
+    if use_ref:  # `build.frozen_copy`: in `ref.fsdp_config.model_dtype`
+        ref_dtype = jnp.dtype(a.ref.fsdp_config.model_dtype)
+        _, ref = abstract_model(CausalLM, actor_config, train, ACTOR_TRAIN_RULES, ref_dtype)
+        resident["ref params"] = device_bytes(ref)
+    critic_def = critic_state = None
+    if roles.critic:
+        critic_cfg = build.critic_model_config(cfg, actor_config)
+        critic_def, critic_params = abstract_model(
+            SequenceClassifier, critic_cfg, train, CRITIC_RULES
+        )
+        critic_state = abstract_train_state(critic_params, sc.critic_optim)
+        resident["critic params"] = device_bytes(critic_state.params)
+        resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
+    if roles.reward_model:  # (a served one holds no device memory)
+        rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
+        rm_dtype = jnp.dtype(cfg.reward_model.model.dtype)
+        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES, rm_dtype)
+        resident["reward model params"] = device_bytes(rm)
+    param_dtype = jnp.dtype(actor_config.param_dtype)
+    gen_dtype = jnp.dtype(a.rollout.dtype)
+    _, gen_init = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES, param_dtype)
+    _, gen_params = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES, gen_dtype)
+    tp = gen.shape["tensor"]
+    in_use = sum(resident.values()) + device_bytes(gen_init)
+    pages, page, r = _kv_pool(cfg, actor_config, tp, capacity, in_use, target == "gpu")
+    resident["rollout weights"] = device_bytes(gen_params)
+    resident["KV pool"] = pages * page
+
+    rows = cfg.data.train_batch_size * a.rollout.n
+    prompt, response = cfg.data.max_prompt_length, r.response_length
+    sharding = batch_sharding(train)
+    forward_batch = abstract_batch(rows, prompt, response, sharding)
+    fields = ["advantages", "returns", "token_level_scores", "token_level_rewards"]
+    fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
+    fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
+    update_batch = abstract_batch(rows, prompt, response, sharding, fields)
+    key_dtype = jax.eval_shape(jax.random.key, 0).dtype
+    rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
+    forward = lambda f: jax.jit(f, static_argnums=(0, 3))
+    updater = lambda f: jax.jit(f, static_argnums=(0, 4), donate_argnums=1)
+
+    plans, xla_scratch = [], {}
+    offload = offload_configs(cfg)
+    off = {
+        "actor params": offload["actor"].param_offload,
+        "actor optimizer state": offload["actor"].optimizer_offload,
+        "ref params": offload["ref"].param_offload,
+        "critic params": offload["critic"].param_offload,
+        "critic optimizer state": offload["critic"].optimizer_offload,
+    }
+    on_device = {k: v for k, v in resident.items() if not off.get(k)}
+    from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
+
+    impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
+    decode = _decode_scratch(actor_config, r, tp, impl)
+    plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
+
+    # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training
+    asleep = ("KV pool", "rollout weights") if free_cache_engine(cfg) else ()
+    training = {k: v for k, v in resident.items() if k not in asleep}
+    fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
+    mesh_shape = dict(train.shape)
+
+    def stage(name, fn, args, batch, used, count):
+        if compile_stages:
+            m = compiled_memory(fn, *args)
+            xla_scratch[name] = m["scratch"]
+            outputs = m["outputs"] - m["aliased"]
+        else:  # see the docstring
+            updates = name.startswith("update")
+            outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
+            m = {"outputs": outputs}
+        others = {k: v for k, v in training.items() if k not in used}
+        mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
+        new = {f"{name} outputs": outputs}
+        new |= {f"{name} {k}": v for k, v in count.items()}
+        plans.append(StagePlan(name, others | mine | new))
+        log.info("planned %s: XLA %s, counted %s", name, m, count)
+
+    def count(kind, model_cfg, state, packing, micro_rows, head=True):
+        step = LoopStep.of(packing, max(micro_rows // dp, 1), prompt, response)
+        params = state.params if kind == "update" else state
+        opt = device_bytes(state.opt_state) if kind == "update" else 0
+        attention = "fused" if fused else "jnp"
+        chunk = sc.head.chunk_size if sc.head.use_fused_kernels else 0
+        args = (kind, model_cfg, params, mesh_shape, step, attention, head, opt, chunk)
+        return stage_bytes(*args)
+
+    log_micro = sc.log_prob_micro_batch_size
+    if sc.recompute_old_log_prob:
+        args = (actor_def, actor_state.params, forward_batch, sc)
+        c = count("forward", actor_config, actor_state.params, sc.old_log_prob_packing, log_micro)
+        fn = forward(passes.compute_old_log_prob)
+        stage("old_log_prob", fn, args, forward_batch, ["actor params"], c)
+    if use_ref:
+        args = (actor_def, actor_state.params, forward_batch, sc)
+        micro = sc.ref_log_prob_micro_batch_size or log_micro
+        c = count("forward", actor_config, actor_state.params, sc.ref_packing, micro)
+        fn = forward(passes.compute_ref_log_prob)
+        stage("ref", fn, args, forward_batch, ["ref params"], c)
+    if critic_state is not None:
+        args = (critic_def, critic_state.params, forward_batch, sc)
+        c = count("forward", critic_cfg, critic_state.params, sc.values_packing, log_micro, False)
+        stage("values", forward(passes.compute_values), args, forward_batch, ["critic params"], c)
+        args = (critic_def, critic_state, update_batch, rng, sc)
+        used = ["critic params", "critic optimizer state"]
+        u = sc.critic_update
+        c = count("update", critic_cfg, critic_state, u.packing, u.micro_batch_size, False)
+        stage("update_critic", updater(passes.update_critic), args, update_batch, used, c)
+    args = (actor_def, actor_state, update_batch, rng, sc)
+    used = ["actor params", "actor optimizer state"]
+    u = sc.actor_update
+    c = count("update", actor_config, actor_state, u.packing, u.micro_batch_size)
+    stage("update_actor", updater(passes.update_actor), args, update_batch, used, c)
+    largest_leaf = max(device_bytes(x) for x in jax.tree.leaves(gen_params))
+    reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
+    plans.append(StagePlan("reshard", training | reshard))
+
+    full = pages // max(r.pages_per_seq, 1)
+    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)
+    return dataclasses.replace(plan, advice=tuple(advise(plan, cfg, train, devices)))
+
+
+def device_capacity(device, local_devices: int) -> int:
+    """Bytes one device may use: its `bytes_limit`, else (CPU) physical memory / local devices."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_devices
+
+
+def size(nbytes: float) -> str:
+    """`1.23 GB` (10^9 bytes) from 1 GB up, else `45.6 MB`."""
+    return f"{nbytes / GB:.2f} GB" if abs(nbytes) >= GB else f"{nbytes / 1e6:.1f} MB"
+
+
+def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[str]:
+    """What to change: for each stage over capacity, worst first, the keys that shrink its
+    largest consumers (each key once); and a KV pool too small for `max_num_seqs`."""
+    a, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+    out: dict[str, str] = {}
+    if plan.full_sequences < r.max_num_seqs:
+        out["rollout.max_num_seqs"] = (
+            f"the KV pool holds {plan.full_sequences} full-length sequences but "
+            f"rollout.max_num_seqs is {r.max_num_seqs}: slots wait for pages; raise "
+            "rollout.gpu_memory_utilization or mesh.generate.tensor, or lower max_num_seqs"
+        )
+    fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]
+    over = sorted((s for s in plan.stages if s.peak > plan.capacity), key=lambda s: -s.peak)
+    for s in over:
+        c, why = s.consumers, f"{size(s.peak - plan.capacity)} short in {s.name}"
+        add = lambda key, text: out.setdefault(key, f"{why}: {text}")
+        states = sum(v for k, v in c.items() if "params" in k or "optimizer" in k)
+        if fsdp * tensor < devices and states > 0.25 * s.peak:
+            most = devices // tensor
+            add(
+                "mesh.train.fsdp",
+                f"mesh.train.data=1 mesh.train.fsdp={most} (now fsdp {fsdp}) splits params and "
+                f"optimizer states {most} ways (about {size(states * (1 - fsdp / most))} less)",
+            )
+        live = lambda *parts: sum(c.get(f"{s.name} {k}", 0) for k in parts)
+        scratch = live("activations", "logits")
+        if s.name.startswith("update") and scratch > 0.2 * s.peak:
+            role, key = (
+                (a.actor, "actor_rollout_ref.actor")
+                if s.name == "update_actor"
+                else (cfg.critic, "critic")
+            )
+            if not a.model.enable_gradient_checkpointing and live("activations") > 0.1 * s.peak:
+                add(
+                    "remat",
+                    "actor_rollout_ref.model.enable_gradient_checkpointing=True (rematerialise "
+                    f"each layer; activations {size(live('activations'))})",
+                )
+            if role.ppo_micro_batch_size_per_gpu > 1:
+                micro = role.ppo_micro_batch_size_per_gpu
+                add(
+                    f"{key}.micro",
+                    f"{key}.ppo_micro_batch_size_per_gpu={micro // 2} (activations and logits, "
+                    f"{size(scratch)}, shrink about linearly with it)",
+                )
+        if s.name in ("old_log_prob", "ref", "values") and scratch > 0.2 * s.peak:
+            micro = max(r.log_prob_micro_batch_size_per_gpu // 2, 1)
+            add("log_prob", f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}")
+        pool = c.get("KV pool", 0)
+        if pool > 0.2 * s.peak and s.name != "gen":
+            short = plan.worst.peak - plan.capacity
+            fit = ""
+            frac = r.gpu_memory_utilization * (pool - short) / pool
+            if r.num_pages <= 0 and frac >= 0.05:  # below that the pool is all but gone
+                fit = f" (rollout.gpu_memory_utilization={math.floor(frac * 100) / 100:.2f} fits)"
+            add(
+                "pool",
+                f"the KV pool ({size(pool)}) stays allocated through every stage: lower "
+                f"rollout.gpu_memory_utilization{fit} or set rollout.num_pages",
+            )
+        if s.name == "gen":
+            for role, key in (
+                ("actor optimizer state", "actor_rollout_ref.actor.fsdp_config.optimizer_offload"),
+                ("actor params", "actor_rollout_ref.actor.fsdp_config.param_offload"),
+                ("ref params", "actor_rollout_ref.ref.fsdp_config.param_offload"),
+            ):
+                if c.get(role, 0) > 0.1 * s.peak:
+                    add(key, f"{key}=True moves {size(c[role])} to host while generating")
+        if s.name in ("gen", "reshard") and c.get("rollout weights", 0) > 0.2 * s.peak:
+            add("tensor", "mesh.generate.tensor > 1 splits the rollout weights and KV pool")
+    return list(out.values())
+
+
+def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
+    """`trainer.check_memory`: the plan on this process's devices, as config problems (empty
+    when it fits). The plan itself is logged."""
+    target = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+    # counted from shapes, without compiling every stage a second time (the run compiles them)
+    plan = plan_memory(cfg, actor_config, n_devices, target=target, compile_stages=False)
+    log.info("memory plan:\n%s", plan.report())
+    if plan.fits:
+        return []
+    w = plan.worst
+    return [
+        f"trainer.check_memory: {w.name} needs {size(w.peak)} per device of "
+        f"{size(plan.capacity)}; " + "; ".join(plan.advice or ("see the plan above",))
+    ]
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import json
+
+    from absl import flags
+
+    f = flags.FLAGS
+    # Simulated CPU devices: this must happen before JAX starts its backend.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", f.devices)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from hybridjax.allocator import ENV, memory_fraction
+    from hybridjax.rl import build
+    from hybridjax.sharding import check_parallelism
+
+    cfg = _CONFIG.value
+    if cfg.actor_rollout_ref.model.path:
+        actor_config = build.actor_model_config(cfg, tokenizer=None)
+    else:
+        actor_config = build.actor_model_config(cfg, build.load_tokenizer(cfg))
+    try:  # mesh, batch and head-count checks (data files need not exist to plan)
+        check_parallelism(cfg, f.devices, {"actor_rollout_ref.model": actor_config})
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if f.target == "gpu" else 1.0
+    capacity = int(f.device_memory_gb * GB * fraction)
+    plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
+    print(
+        f"budget per device: {size(capacity)} = {fraction:g} × {f.device_memory_gb:g} GB "
+        f"(the allocator's fraction: trainer.device_memory_fraction or {ENV})"
+    )
+    print(plan.report())
+    if f.json:
+        summary = {"num_params": actor_config.num_params(), **plan.to_dict()}
+        with open(f.json, "w") as out:
+            json.dump(summary, out, indent=2)
+    if not plan.fits:
+        raise SystemExit(1)
+
+
+def cli() -> None:
+    """`python -m hybridjax.plan`: defines the command-line flags, then runs `main`."""
+    global _CONFIG
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "trainer config file")
+    flags.DEFINE_integer("devices", 8, "devices the run will use")
+    flags.DEFINE_float("device_memory_gb", 80.0, "memory of one device, GB (10^9 bytes)")
+    flags.DEFINE_enum("target", "gpu", ["gpu", "cpu"], "backend the run will use")
+    flags.DEFINE_string("json", "", "also write the plan here as JSON")
+    flags.DEFINE_bool(
+        "xla",
+        True,
+        "compile each stage (XLA's outputs, donated bytes, CPU scratch as a reference); "
+        "--noxla counts from shapes only, in seconds",
+    )
+    flags.mark_flag_as_required("config")
+    app.run(main)

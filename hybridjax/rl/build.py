@@ -1,0 +1,393 @@
+"""Turning the ConfigDict into the run's objects: tokenizer, model configs, sharded models, and
+the frozen `StageConfig` the jitted stages take."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from hybridjax.algorithms.config import (
+    ActorLossConfig,
+    AlgorithmConfig,
+    CriticLossConfig,
+    OverlongBufferConfig,
+)
+from hybridjax.models.config import ModelConfig
+from hybridjax.models.decoder import CausalLM, SequenceClassifier
+from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
+from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.lora import (
+    LoRAConfig,
+    adapters_off,
+    apply_lora,
+    merge_trainable,
+    split_trainable,
+)
+from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.rewards.manager import overlong_enabled
+from hybridjax.rl.optim import OptimConfig, make_optimizer
+from hybridjax.rl.packing import attention_pair_cost, packing_configs
+from hybridjax.rl.passes import StageConfig
+from hybridjax.rl.update import TrainState, UpdateConfig
+from hybridjax.sharding import (
+    ACTOR_TRAIN_RULES,
+    CRITIC_RULES,
+    REFERENCE_RULES,
+    REWARD_MODEL_RULES,
+    init_sharded,
+    sharding_fn,
+    state_shardings,
+)
+
+
+def _fresh_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    trainable, _ = split_trainable(params)
+    return TrainState(params, make_optimizer(optim).init(trainable), jnp.zeros((), jnp.int32))
+
+
+init_train_state = jax.jit(_fresh_train_state, static_argnums=1)
+init_train_state.__doc__ = """A fresh optimizer state for `params` (jitted; XLA picks the
+optimizer state's layout: see `init_sharded_train_state`). With LoRA adapters in `params`, for
+the adapters only (`split_trainable`): the base has no gradients and no optimizer state."""
+
+
+def train_state_shardings(params: Any, optim: OptimConfig) -> TrainState:
+    """Shardings of the TrainState `init_train_state` builds for `params` (arrays or abstract
+    arrays with shardings): each optimizer leaf shaped like a trainable parameter (AdamW's
+    moments) takes that parameter's sharding, the rest (step counts, the injected learning
+    rate) is replicated. Left to XLA, the moments are replicated (they are zeros, with no data
+    dependence on the sharded parameters): 2 × the trainable bytes on every device."""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
+    abstract = jax.eval_shape(init_train_state, params, optim)
+    trainable, _ = split_trainable(shardings)
+    opt = optax.tree_map_params(
+        make_optimizer(optim),
+        lambda _, sharding: sharding,
+        abstract.opt_state,
+        trainable,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(shardings, opt, replicated)
+
+
+def init_sharded_train_state(params: Any, optim: OptimConfig) -> TrainState:
+    """`init_train_state`, written straight into `train_state_shardings` (the trainer's)."""
+    out = train_state_shardings(params, optim)
+    return jax.jit(_fresh_train_state, static_argnums=1, out_shardings=out)(params, optim)
+
+
+def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
+    """`data.tokenizer` if set, else the tokenizer of `actor_rollout_ref.model.path`."""
+    return Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+
+
+def _overrides(cfg: ConfigDict) -> dict[str, Any]:
+    model = cfg.actor_rollout_ref.model
+    out = {"remat": model.enable_gradient_checkpointing, "dtype": model.dtype}
+    return out | dict(model.override_config)
+
+
+def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+    """The actor's ModelConfig: `config.json` of `model.path` (or, when empty, a random model
+    whose vocabulary and special tokens come from the tokenizer), then `override_config`."""
+    path = cfg.actor_rollout_ref.model.path
+    overrides = _overrides(cfg)
+    if path:
+        return model_config_from_checkpoint(path, **overrides)
+    from_tokenizer = {
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token_id": tokenizer.eos_token_ids or None,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    return ModelConfig(**(from_tokenizer | overrides))
+
+
+def critic_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
+    """The critic's shape: the actor's with one output label and `critic.model.override_config`."""
+    return dataclasses.replace(actor, num_labels=1, **dict(cfg.critic.model.override_config))
+
+
+def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> CausalLM:
+    """The actor in the training layout, never unsharded; with `model.lora_rank` > 0 wrapped
+    in fresh LoRA adapters (`hybridjax.models.lora.LoRAModel`)."""
+    path = cfg.actor_rollout_ref.model.path
+    if path:
+        overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        actor = load_pretrained(
+            path, shardings=sharding_fn(mesh, ACTOR_TRAIN_RULES), config_overrides=overrides
+        )
+    else:
+        actor = init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed)
+    lora = LoRAConfig.from_config(cfg.actor_rollout_ref.model)
+    return apply_lora(actor, lora, seed) if lora.enabled else actor
+
+
+def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> SequenceClassifier:
+    """The critic: `critic.model.path`, else the actor's checkpoint with a fresh value head,
+    else a random model of the actor's shape; with `critic.model.lora_rank` > 0 wrapped in
+    fresh LoRA adapters, the new value head trained in full (peft's `modules_to_save`)."""
+    path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
+    if path:
+        overrides = {"num_labels": 1, "remat": config.remat, "dtype": config.dtype}
+        critic = load_pretrained(
+            path,
+            kind="classifier",
+            shardings=sharding_fn(mesh, CRITIC_RULES),
+            config_overrides=overrides | dict(cfg.critic.model.override_config),
+            init_score_head=True,
+            seed=seed,
+        )
+    else:
+        critic = init_sharded(SequenceClassifier, config, mesh, CRITIC_RULES, seed)
+    lora = LoRAConfig.from_config(cfg.critic.model, "critic.model")
+    lora = dataclasses.replace(lora, modules_to_save=("score",))
+    return apply_lora(critic, lora, seed) if lora.enabled else critic
+
+
+def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
+    """The reward model (`reward_model.model.path`, an HF `*ForSequenceClassification`),
+    forward-only, in the reward-model layout of the training mesh."""
+    dtype = cfg.reward_model.model.dtype  # parameters and compute (`reward_model.model.dtype`)
+    return load_pretrained(
+        cfg.reward_model.model.path,
+        kind="classifier",
+        shardings=sharding_fn(mesh, REWARD_MODEL_RULES),
+        config_overrides={"param_dtype": dtype, "dtype": dtype},
+    )
+
+
+def forward_micro_batch(requested: int, rows: int, data_parallel: int) -> int:
+    """Rows per micro-batch of a forward-only pass: the largest multiple of `data_parallel` that
+    divides `rows` and is at most `requested` per device × `data_parallel` (at least one per
+    device). `rows` is a multiple of `data_parallel` (validated)."""
+    per_device = rows // data_parallel
+    size = max(d for d in range(1, min(requested, per_device) + 1) if per_device % d == 0)
+    return size * data_parallel
+
+
+def batch_sizes(cfg: ConfigDict, data_parallel: int) -> dict[str, int]:
+    """Rows (responses) per step, per actor/critic mini-batch and per micro-batch (all devices)."""
+    a, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    rows = cfg.data.train_batch_size * n
+    return {
+        "batch": rows,
+        "actor_mini": a.actor.ppo_mini_batch_size * n,
+        "actor_micro": a.actor.ppo_micro_batch_size_per_gpu * data_parallel,
+        "critic_mini": cfg.critic.ppo_mini_batch_size * n,
+        "critic_micro": cfg.critic.ppo_micro_batch_size_per_gpu * data_parallel,
+        "log_prob_micro": forward_micro_batch(
+            a.rollout.log_prob_micro_batch_size_per_gpu, rows, data_parallel
+        ),
+        "ref_log_prob_micro": forward_micro_batch(
+            a.ref.log_prob_micro_batch_size_per_gpu, rows, data_parallel
+        ),
+        "reward_micro": forward_micro_batch(
+            cfg.reward_model.micro_batch_size_per_gpu, rows, data_parallel
+        ),
+    }
+
+
+UNSET_WHEN_ZERO = (
+    "rollout_is_threshold",
+    "rollout_is_threshold_lower",
+    "rollout_is_veto_threshold",
+)
+
+
+def algorithm_config(cfg: ConfigDict) -> AlgorithmConfig:
+    """`algorithm.*` as the frozen `AlgorithmConfig` (the config file's 0.0 = not set = None)."""
+    values = cfg.algorithm.to_dict()
+    for key in UNSET_WHEN_ZERO:
+        if values.get(key, 0.0) <= 0:
+            values[key] = None
+    return AlgorithmConfig.from_dict(values)
+
+
+RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
+
+
+def off_policy_reasons(cfg: ConfigDict) -> list[str]:
+    """Why the actor update is not exactly on-policy; empty when it is. On-policy here means one
+    optimizer step on the whole batch (`ppo_epochs` 1, one mini-batch; micro-batches only
+    accumulate) with nothing reading π_old before the update: then the parameters of the
+    `old_log_prob` pass are those the update starts from, so π_old equals the update's own
+    log-probs, detached (TRL's and Tunix's shortcut; verl's actor notes it as `on_policy`)."""
+    a, algo, bsz = cfg.actor_rollout_ref.actor, cfg.algorithm, cfg.data.train_batch_size
+    reasons = []
+    if a.ppo_epochs != 1:
+        reasons.append(f"actor_rollout_ref.actor.ppo_epochs is {a.ppo_epochs}, not 1")
+    if a.ppo_mini_batch_size != bsz:
+        reasons.append(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) differs from "
+            f"data.train_batch_size ({bsz}): one optimizer step per mini-batch"
+        )
+    if algo.use_kl_in_reward:
+        reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
+    if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
+        reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
+    if algo.rollout_is_threshold > 0:
+        reasons.append(
+            "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "
+            "before the update"
+        )
+    return reasons
+
+
+def recompute_old_log_prob(cfg: ConfigDict) -> bool:
+    """Whether the `old_log_prob` stage runs: `actor.recompute_old_log_prob` "true" always,
+    "false" never (validated to be on-policy), "auto" unless `off_policy_reasons` is empty."""
+    mode = cfg.actor_rollout_ref.actor.recompute_old_log_prob
+    if mode == "auto":
+        return bool(off_policy_reasons(cfg))
+    return mode == "true"
+
+
+def stage_config(
+    cfg: ConfigDict, total_steps: int, data_parallel: int, actor: ModelConfig | None = None
+) -> StageConfig:
+    """The frozen config of the jitted stages (see `StageConfig`). `actor` sizes the packed
+    buffer rows of every training-side pass (`trainer.packing.attention_pair_cost`; the
+    critic is taken to be of the actor's shape); None: a whole group per row."""
+    a = cfg.actor_rollout_ref
+    sizes = batch_sizes(cfg, data_parallel)
+    pair_cost = attention_pair_cost(actor) if actor is not None else 0.0
+    packed = packing_configs(cfg, data_parallel, pair_cost)
+    actor_loss = dict(a.actor.to_dict())
+    for key in ("loss_scale_factor", "clip_ratio_low", "clip_ratio_high"):  # 0: not set
+        if actor_loss.get(key, 0) <= 0:
+            actor_loss.pop(key, None)
+    critic_loss = {k: v for k, v in cfg.critic.to_dict().items() if k != "loss_scale_factor"}
+    return StageConfig(
+        temperature=float(a.rollout.temperature) if a.rollout.do_sample else 1.0,
+        group_size=a.rollout.n,
+        log_prob_micro_batch_size=sizes["log_prob_micro"],
+        ref_log_prob_micro_batch_size=sizes["ref_log_prob_micro"],
+        algorithm=algorithm_config(cfg),
+        overlong=OverlongBufferConfig.from_dict(
+            dict(cfg.reward_model.overlong_buffer) | {"enable": overlong_enabled(cfg.reward_model)}
+        ),
+        actor_loss=ActorLossConfig.from_dict(actor_loss),
+        critic_loss=CriticLossConfig.from_dict(critic_loss),
+        actor_update=UpdateConfig(
+            a.actor.ppo_epochs,
+            sizes["actor_mini"],
+            sizes["actor_micro"],
+            a.actor.shuffle,
+            packed["update_actor"],
+        ),
+        critic_update=UpdateConfig(
+            cfg.critic.ppo_epochs,
+            sizes["critic_mini"],
+            sizes["critic_micro"],
+            False,
+            packed["update_critic"],
+        ),
+        actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
+        critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
+        recompute_old_log_prob=recompute_old_log_prob(cfg),
+        old_log_prob_packing=packed["old_log_prob"],
+        ref_packing=packed["ref"],
+        values_packing=packed["values"],
+        head=LogProbConfig(
+            use_fused_kernels=a.model.use_fused_kernels,
+            entropy_checkpointing=a.actor.entropy_checkpointing,
+            entropy_from_logits_with_chunking=a.actor.entropy_from_logits_with_chunking,
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The run's models on the training mesh: graph definitions and initial states."""
+
+    actor_graphdef: nnx.GraphDef
+    actor_state: TrainState
+    ref_params: Any | None  # a frozen copy of the actor's initial params (KL terms only)
+    critic_graphdef: nnx.GraphDef | None
+    critic_state: TrainState | None
+    reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
+    ref_is_base: bool = False  # LoRA: the reference is the actor with adapters off
+
+    def reference(self) -> Any | None:
+        """Parameters of the reference policy (None: no reference): the frozen copy, or with
+        LoRA the actor's current state with its adapters off (the same arrays, no copy)."""
+        if self.ref_is_base:
+            return adapters_off(self.actor_state.params)
+        return self.ref_params
+
+
+def checkpointed(state: TrainState) -> TrainState:
+    """What a checkpoint holds of a role: its state, or with LoRA only the adapters (and their
+    optimizer state): the base never changes and is read from `model.path` again."""
+    trainable, _ = split_trainable(state.params)
+    return dataclasses.replace(state, params=trainable)
+
+
+def restored(state: TrainState, saved: TrainState) -> TrainState:
+    """Inverse of `checkpointed`: `saved` with the frozen base of `state` put back."""
+    _, frozen = split_trainable(state.params)
+    return dataclasses.replace(saved, params=merge_trainable(saved.params, frozen))
+
+
+def frozen_copy(params: Any, cfg: ConfigDict) -> Any:
+    """A copy of `params` (same shardings) for the reference model, floating leaves in
+    `ref.fsdp_config.model_dtype` (verl's key: bfloat16 halves a frozen model's bytes)."""
+    dtype = jnp.dtype(cfg.actor_rollout_ref.ref.fsdp_config.model_dtype)
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else jnp.copy(x), params)
+
+
+def build_models(
+    cfg: ConfigDict,
+    actor_config: ModelConfig,
+    mesh,
+    stage: StageConfig,
+    use_ref: bool,
+    role_meshes: Mapping[str, Any] | None = None,
+    critic_stage: StageConfig | None = None,
+) -> Models:
+    """Actor (+ reference copy, critic when `critic.enable`, reward model when
+    `reward_model.enable`) with fresh optimizer states, each in its training layout on `mesh`,
+    or on `role_meshes[role]` (the training mesh of its own pool, `placement.<role>`) for
+    `ref`, `critic` and `reward_model`. A reference on its own pool is a copy of the initial
+    weights sent there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
+    the critic pool's `StageConfig` (default `stage`)."""
+    seed, role_meshes = cfg.trainer.seed, dict(role_meshes or {})
+    actor = build_actor(cfg, actor_config, mesh, seed)
+    actor_graphdef, params = nnx.split(actor)
+    critic_graphdef = critic_state = reward_model = None
+    if cfg.critic.enable:
+        critic_mesh = role_meshes.get("critic", mesh)
+        critic = build_critic(cfg, critic_model_config(cfg, actor_config), critic_mesh, seed + 1)
+        critic_graphdef, critic_params = nnx.split(critic)
+        critic_state = init_sharded_train_state(critic_params, (critic_stage or stage).critic_optim)
+    if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
+        reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
+    lora = cfg.actor_rollout_ref.model.lora_rank > 0
+    ref_params, ref_is_base = None, use_ref and lora
+    if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)
+        base = adapters_off(params)
+        shardings = state_shardings(base, role_meshes["ref"], REFERENCE_RULES)
+        ref_params, ref_is_base = frozen_copy(jax.device_put(base, shardings), cfg), False
+    elif use_ref and not lora:
+        ref_params = frozen_copy(params, cfg)
+    return Models(
+        actor_graphdef=actor_graphdef,
+        actor_state=init_sharded_train_state(params, stage.actor_optim),
+        ref_params=ref_params,
+        critic_graphdef=critic_graphdef,
+        critic_state=critic_state,
+        reward_model=reward_model,
+        ref_is_base=ref_is_base,
+    )

@@ -1,0 +1,317 @@
+"""The device stages of one RL step, each a pure function from batch to batch (+ metrics).
+
+    compute_old_log_prob → compute_ref_log_prob → compute_values → compute_advantage
+        → update_critic → update_actor
+
+(generation and reward live in `trainer.rollout` and `hybridjax.rewards`: they touch the host.)
+`compute_old_log_prob` is skipped when the actor update is on-policy
+(`StageConfig.recompute_old_log_prob` False): `update_actor` then takes π_old from its own pass.
+Each takes a frozen `StageConfig` and is jitted once by the trainer with the config and the
+models' graph definitions static. Forward passes and updates run packed when the role's
+`PackingConfig` is set (`hybridjax.models.packing`: no padding, the responses of a group
+sharing one prompt copy, token-budget buffers), with outputs in the same B×R layout.
+Algorithm choice happens inside the registries (`algorithm.adv_estimator`,
+`actor.policy_loss.loss_mode`), never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybridjax.algorithms.advantages import compute_advantage as estimate_advantage
+from hybridjax.algorithms.config import (
+    ActorLossConfig,
+    AlgorithmConfig,
+    CriticLossConfig,
+    OverlongBufferConfig,
+)
+from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
+from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
+from hybridjax.algorithms.overlong import apply_overlong_penalty
+from hybridjax.algorithms.rollout_correction import (
+    compute_rollout_importance_weights,
+    rollout_probs_diff_metrics,
+)
+from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.packing import PackingConfig
+from hybridjax.rl.batch import RLBatch
+from hybridjax.rl.forward import (
+    map_micro_batches,
+    packed_map,
+    response_log_probs,
+    response_values,
+)
+from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.rl.update import TrainState, UpdateConfig, ppo_update
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """Everything the device stages need, built once from the ConfigDict (hashable, static)."""
+
+    temperature: float  # rollout temperature, applied to trainer log-probs
+    group_size: int  # rollout.n
+    log_prob_micro_batch_size: int  # rows per forward micro-batch, over all devices
+    algorithm: AlgorithmConfig
+    actor_loss: ActorLossConfig
+    critic_loss: CriticLossConfig
+    actor_update: UpdateConfig
+    critic_update: UpdateConfig
+    actor_optim: OptimConfig
+    critic_optim: OptimConfig
+    overlong: OverlongBufferConfig = OverlongBufferConfig()  # reward_model.overlong_buffer
+    ref_log_prob_micro_batch_size: int = 0  # the reference pass's; 0: log_prob_micro_batch_size
+    # False: no `old_log_prob` stage; the on-policy update takes π_old = stop_gradient(π_θ)
+    recompute_old_log_prob: bool = True
+    # packed forward passes (None: padded rows in micro-batches of log_prob_micro_batch_size)
+    old_log_prob_packing: PackingConfig | None = None
+    ref_packing: PackingConfig | None = None
+    values_packing: PackingConfig | None = None
+    head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
+
+
+def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
+    """B int32: the prompt group of each row: the batch's per-row `uid` when it has one (groups
+    of any size, in any order), else contiguous groups of `rollout.n` rows. Packing shares a
+    prompt only between rows of one group whose prompt tokens are equal, so any grouping is
+    exact; better groups only share more."""
+    uid = getattr(batch, "uid", None)
+    if uid is not None and jnp.issubdtype(jnp.asarray(uid).dtype, jnp.integer):
+        return jnp.asarray(uid, jnp.int32)
+    return jnp.arange(batch.batch_size, dtype=jnp.int32) // cfg.group_size
+
+
+def _fields(batch: RLBatch, cfg: StageConfig, *names: str) -> dict[str, jax.Array]:
+    base = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "responses": batch.responses,
+        "response_mask": batch.response_mask,
+        "group_ids": group_ids(batch, cfg),
+    }
+    return base | dict(zip(names, batch.require(*names), strict=True))
+
+
+def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None, micro: int = 0):
+    """`fn(fields)` over the batch: packed buffers, or padded row micro-batches of `micro` rows
+    (0: `log_prob_micro_batch_size`)."""
+    fields = _fields(batch, cfg)
+    if packing is not None:
+        return packed_map(fn, fields, fields["group_ids"], packing)
+    return map_micro_batches(fn, fields, micro or cfg.log_prob_micro_batch_size)
+
+
+def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micro=0) -> jax.Array:
+    fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature, head=cfg.head)[0]
+    return _forward(fn, batch, cfg, packing, micro)
+
+
+def compute_old_log_prob(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> tuple[RLBatch, dict[str, jax.Array]]:
+    """Fills `old_log_probs` (B×R) with the current actor. When the rollout returned log-probs,
+    reports their gap `training/rollout_probs_diff_{mean,max,std}` = |p_trainer − p_rollout|,
+    and with `algorithm.rollout_is_threshold` set, the truncated importance weights
+    π_old / π_rollout and their `mismatch/*` metrics. With `algorithm.rollout_is` the weights
+    are kept as `rollout_is_weights` for the policy loss, and `mask` mode / the veto replace
+    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage)."""
+    mask = batch.response_mask
+    old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing) * mask
+    batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
+    if batch.rollout_log_probs is None:
+        return batch, metrics
+    metrics |= rollout_probs_diff_metrics(old, batch.rollout_log_probs, mask)
+    if algo.rollout_is_threshold is not None:
+        weights, new_mask, m = compute_rollout_importance_weights(
+            old, batch.rollout_log_probs, mask, algo
+        )
+        metrics |= m
+        if algo.rollout_is:
+            batch = batch.replace(rollout_is_weights=weights, response_mask=new_mask)
+    return batch, metrics
+
+
+def compute_ref_log_prob(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> RLBatch:
+    """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
+    return batch.replace(
+        ref_log_prob=_log_probs(
+            graphdef, params, batch, cfg, cfg.ref_packing, cfg.ref_log_prob_micro_batch_size
+        )
+        * batch.response_mask
+    )
+
+
+def compute_values(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> RLBatch:
+    """Fills `values` (B×R) with the critic."""
+    fn = lambda f: response_values(graphdef, params, f)
+    return batch.replace(values=_forward(fn, batch, cfg, cfg.values_packing))
+
+
+def token_level_rewards(
+    batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """token_level_scores (− β·KL when `algorithm.use_kl_in_reward`) (+ DAPO's overlong penalty
+    at the last valid token when `reward_model.overlong_buffer.enable`, L_max = R).
+
+    Returns (rewards B×R, next β from the KL controller, metrics): `actor/reward_kl_penalty`,
+    `actor/reward_kl_penalty_coeff` and `actor/kl_coef` (β used this step) with KL in the
+    reward; `reward/overlong_penalty/mean` and `reward/overlong_fraction` (share of responses
+    penalised) with the overlong buffer."""
+    (rewards,) = batch.require("token_level_scores")
+    algo, overlong, metrics = cfg.algorithm, cfg.overlong, {}
+    mask = batch.response_mask
+    if algo.use_kl_in_reward:
+        old, ref = batch.require("old_log_probs", "ref_log_prob")
+        rewards, metrics = apply_kl_penalty(rewards, old, ref, mask, kl_coef, algo.kl_penalty)
+        metrics["actor/kl_coef"] = metrics["actor/reward_kl_penalty_coeff"]
+        kl_coef = update_kl_coef(
+            kl_coef, metrics["actor/reward_kl_penalty"], batch.batch_size, algo.kl_ctrl
+        )
+    if overlong.enable:
+        rewards, penalty_B = apply_overlong_penalty(
+            rewards,
+            mask,
+            max_response_length=mask.shape[1],
+            overlong_buffer_len=overlong.len,
+            penalty_factor=overlong.penalty_factor,
+        )
+        metrics["reward/overlong_penalty/mean"] = jnp.mean(penalty_B)
+        metrics["reward/overlong_fraction"] = jnp.mean((penalty_B < 0).astype(jnp.float32))
+    return rewards, kl_coef, metrics
+
+
+def compute_advantage(
+    batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
+) -> tuple[RLBatch, jax.Array, dict[str, jax.Array]]:
+    """Token-level rewards (`token_level_rewards`), then the registered estimator's advantages
+    and returns (with `values` and `reward_baselines` when those stages ran). Returns (batch,
+    next KL coefficient, metrics)."""
+    rewards, kl_coef, metrics = token_level_rewards(batch, kl_coef, cfg)
+    advantages, returns = estimate_advantage(
+        rewards,
+        batch.response_mask,
+        config=cfg.algorithm,
+        uid_B=batch.uid,
+        values_BxT=batch.values,
+        reward_baselines_B=batch.reward_baselines,
+    )
+    batch = batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    return batch, kl_coef, metrics
+
+
+def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
+    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True, cfg.head)
+    if cfg.actor_loss.entropy_coeff == 0:
+        entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
+    rows = {}
+    if cfg.recompute_old_log_prob:
+        old_log_prob = micro["old_log_probs"]
+    else:  # on-policy: these parameters are π_old, so the ratio is exactly 1
+        old_log_prob = jax.lax.stop_gradient(log_prob)
+        if "rollout_log_probs" in micro:  # for the mismatch metrics of `update_actor`
+            rows["old_log_probs"] = old_log_prob
+    loss, metrics = compute_actor_loss(
+        old_log_prob,
+        log_prob,
+        micro["advantages"],
+        micro["response_mask"],
+        config=cfg.actor_loss,
+        counts=counts,
+        entropy_BxT=entropy,
+        ref_log_prob_BxT=micro.get("ref_log_prob"),
+        rollout_is_weights_BxT=micro.get("rollout_is_weights"),
+    )
+    return loss, (metrics, rows)
+
+
+def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):
+    vpreds = response_values(graphdef, params, micro)
+    loss, metrics = compute_value_loss(
+        vpreds,
+        micro["returns"],
+        micro["values"],
+        micro["response_mask"],
+        cliprange_value=cfg.critic_loss.cliprange_value,
+        loss_agg_mode=cfg.critic_loss.loss_agg_mode,
+        counts=counts,
+        loss_scale_factor=cfg.critic_loss.loss_scale_factor,
+    )
+    return loss, (metrics, {})
+
+
+def _update(role, loss, optim, update_cfg, state, fields, rng):
+    lr = learning_rate(optim, state.step)
+    state = dataclasses.replace(state, opt_state=set_learning_rate(state.opt_state, lr))
+    state, raw, rows = ppo_update(state, fields, loss, make_optimizer(optim), update_cfg, rng)
+    metrics = {k: v for k, v in raw.items() if "/" in k}
+    metrics |= {
+        f"{role}/grad_norm": raw["grad_norm"],
+        f"{role}/lr": lr,
+        f"{role}/nan_skipped_updates": raw["nan_steps"].astype(jnp.float32),
+    }
+    return state, metrics, raw["nan_steps"], rows
+
+
+def update_actor(
+    graphdef: nnx.GraphDef, state: TrainState, batch: RLBatch, rng: jax.Array, cfg: StageConfig
+) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
+    """PPO epochs over the batch with the registered policy loss (+ entropy and KL loss),
+    each token's loss weighted by `rollout_is_weights` when `algorithm.rollout_is`.
+    Returns (state, `actor/*` metrics, number of skipped non-finite updates).
+    `actor/kl_coef` is `kl_loss_coef` with a KL loss, else 0 unless the adv stage reported
+    the reward's β (KL in the reward).
+
+    Without `cfg.recompute_old_log_prob` the update must be on-policy (one epoch, the batch
+    one mini-batch): π_old is the update's own log-probs, detached, so `actor/ppo_kl` and
+    `actor/pg_clipfrac` are exactly 0, and with rollout log-probs in the batch the
+    `training/rollout_probs_diff_*` metrics come from those log-probs (= π_old) here.
+
+    Raises:
+      ValueError: no `old_log_probs` pass and the update is not one step on the whole batch.
+    """
+    use_kl_loss, recompute = cfg.actor_loss.use_kl_loss, cfg.recompute_old_log_prob
+    update = cfg.actor_update
+    if not recompute and (update.ppo_epochs != 1 or update.mini_batch_size != batch.batch_size):
+        raise ValueError(
+            f"no old_log_prob pass, but the update is not on-policy: ppo_epochs "
+            f"{update.ppo_epochs}, mini-batch {update.mini_batch_size} of {batch.batch_size} rows"
+        )
+    with_rollout = not recompute and batch.rollout_log_probs is not None
+    names = ("old_log_probs",) if recompute else ()
+    names += ("advantages",)
+    names += ("ref_log_prob",) if use_kl_loss else ()
+    names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
+    names += ("rollout_log_probs",) if with_rollout else ()
+    loss = functools.partial(_actor_loss, graphdef, cfg)
+    state, metrics, nan, rows = _update(
+        "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng
+    )
+    if with_rollout:
+        mask = batch.response_mask
+        metrics |= rollout_probs_diff_metrics(
+            rows["old_log_probs"] * mask, batch.rollout_log_probs, mask
+        )
+    if use_kl_loss or not cfg.algorithm.use_kl_in_reward:
+        metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef if use_kl_loss else 0)
+    metrics.setdefault("actor/kl_loss", jnp.float32(0.0))
+    return state, metrics, nan
+
+
+def update_critic(
+    graphdef: nnx.GraphDef, state: TrainState, batch: RLBatch, rng: jax.Array, cfg: StageConfig
+) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
+    """Clipped value-loss epochs over the batch. Returns (state, `critic/*` metrics, skipped)."""
+    loss = functools.partial(_critic_loss, graphdef, cfg)
+    fields = _fields(batch, cfg, "values", "returns")
+    return _update("critic", loss, cfg.critic_optim, cfg.critic_update, state, fields, rng)[:3]

@@ -1,0 +1,248 @@
+"""Decode attention over the paged KV pool: the kernel choice behind one function.
+
+`decode_attention` runs one query per sequence against its pages with the kernel
+`select_decode_kernel` picked: the jnp gather (`paged_cache.paged_attention_jnp`, the reference
+every kernel is tested against) or the Pallas Triton GPU kernel
+(`jax.experimental.pallas.ops.gpu.paged_attention`). On a generation mesh the kernel runs inside
+`jax.shard_map`: a `pallas_call` is opaque to the SPMD partitioner, which would otherwise
+all-gather q and the whole pool over `tensor` and run every row on every device. Inside, each
+device sees its rows (split over `data`), its query heads and its kv heads (split over
+`tensor`) and every page of the pool (the pool's page dimension is replicated over `data`).
+
+Pallas Triton accepts only power-of-two blocks: `pallas_blocks` pads the page table to a whole
+number of power-of-two partitions, so the kernel lowers at every width the engine compiles
+(checked on CPU with `jax.export(..., platforms=("cuda",))`, tests/rollout/
+test_decode_attention.py). Upstream deprecated the Pallas Triton GPU kernels (JAX 0.11), and no
+GPU measurement shows it faster than the partitioned jnp path yet: "auto" picks "jnp" on every
+backend, "pallas" must be asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from hybridjax.models.attention import NEG_INF, attention_mask
+
+DECODE_KERNELS = ("jnp", "pallas")
+MAX_K_SPLITS = 16  # upstream's default number of sequence partitions
+MAX_PAGES_PER_BLOCK = 8  # upstream's default pages per compute block
+
+
+def select_decode_kernel(impl: str, sliding_window: int | None, backend: str) -> str:
+    """The decode kernel for `rollout.attention_impl` = `impl` on `backend` ("cpu", "gpu",
+    "tpu").
+
+    "auto" → "jnp" everywhere: the partitioned jnp path stays the GPU default until a kernel is
+    measured faster on a GPU. "pallas" is the Pallas Triton kernel: GPU only, no sliding window.
+    Raises ValueError for "pallas" with a sliding window or off a GPU, or an unknown `impl`.
+    """
+    if impl == "auto":
+        return "jnp"
+    if impl not in DECODE_KERNELS:
+        raise ValueError(
+            f"unknown decode kernel {impl!r}; expected 'auto' or one of {DECODE_KERNELS}"
+        )
+    if impl == "pallas" and sliding_window is not None:
+        raise ValueError(
+            "rollout.attention_impl 'pallas': the kernel has no sliding window; use 'jnp'"
+        )
+    if impl == "pallas" and backend != "gpu":
+        raise ValueError(f"rollout.attention_impl 'pallas' needs a GPU, the backend is {backend!r}")
+    return impl
+
+
+def gather_pages(pages_KxNxSxD: jax.Array, page_table_BxP: jax.Array) -> jax.Array:
+    """Each sequence's pages laid end to end: K×B×(P·S)×D (key j of row b at index j)."""
+    kv, _, page_size, d = pages_KxNxSxD.shape
+    b, p = page_table_BxP.shape
+    return pages_KxNxSxD[:, page_table_BxP].reshape(kv, b, p * page_size, d)
+
+
+def sequence_attention(
+    q_BxTxHxD: jax.Array,
+    k_KxBxLxD: jax.Array,
+    v_KxBxLxD: jax.Array,
+    positions_BxT: jax.Array,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Attention of each query to keys 0 .. L-1 of its own row of a K×B×L×D copy, causally by
+    position (key j is attended when j <= the query's position, and inside the sliding window):
+    keys past a sequence's length are masked by that rule. Softmax in float32; output B×T×H×D
+    in q's dtype."""
+    b, t, h, d = q_BxTxHxD.shape
+    kv, _, length, _ = k_KxBxLxD.shape
+    # Batch dimensions (k, b) in the copies' order, keys as the left operand (contracting their
+    # last dimension): only q, the logits and the output (small) are transposed, never the
+    # keys/values (XLA's CPU dot would copy a transposed K×B×D×L key array at every step).
+    q_KxBxDxGT = q_BxTxHxD.reshape(b, t, kv, h // kv, d).transpose(2, 0, 4, 3, 1)
+    q_KxBxDxGT = q_KxBxDxGT.reshape(kv, b, d, -1)
+    logits_KxBxLxGT = jnp.einsum(
+        "kbld,kbdx->kblx",
+        k_KxBxLxD.astype(q_BxTxHxD.dtype),
+        q_KxBxDxGT,
+        preferred_element_type=jnp.float32,
+    )
+    logits = logits_KxBxLxGT.reshape(kv, b, length, h // kv, t).transpose(0, 1, 3, 4, 2)
+    logits = logits * (d**-0.5)
+    k_pos_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
+    mask = attention_mask(positions_BxT, k_pos_BxL, jnp.ones_like(k_pos_BxL, bool), sliding_window)
+    mask = mask[None, :, None]  # 1×B×1×T×L
+    probs = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(q_BxTxHxD.dtype)
+    out = jnp.einsum("kbgtl,kbld->kbgtd", probs, v_KxBxLxD.astype(q_BxTxHxD.dtype))
+    return out.transpose(1, 3, 0, 2, 4).reshape(b, t, h, d)
+
+
+def paged_attention_jnp(
+    q_BxTxHxD: jax.Array,
+    k_pages_KxNxSxD: jax.Array,
+    v_pages_KxNxSxD: jax.Array,
+    page_table_BxP: jax.Array,
+    positions_BxT: jax.Array,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Attention of each query to its sequence's pages: a gather of P pages per sequence, then
+    `sequence_attention`. Unused page-table entries may point anywhere (masked by position).
+    Cost: gathers B×P×S×K×D per layer (the test oracle; the decode loop gathers once per call,
+    see `PagedKVCache.gathered`)."""
+    k_seq = gather_pages(k_pages_KxNxSxD, page_table_BxP)
+    v_seq = gather_pages(v_pages_KxNxSxD, page_table_BxP)
+    return sequence_attention(q_BxTxHxD, k_seq, v_seq, positions_BxT, sliding_window)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def pallas_blocks(width: int) -> tuple[int, int, int]:
+    """(padded table width, k_splits, pages_per_compute_block) of the Pallas kernel for a page
+    table of `width` pages.
+
+    The kernel splits the table into `k_splits` partitions of `padded / k_splits` pages and
+    loads `pages_per_compute_block` pages at a time; Triton needs both counts to be powers of
+    two (the block-table block and the key block; with a power-of-two page size). Partitions
+    are the smallest power of two (at least a compute block) that keeps `k_splits` <=
+    MAX_K_SPLITS; the table is padded by fewer pages than one partition (widths 24, 48, 72, 96
+    need none: 3, 6, 9, 12 partitions of 8).
+    """
+    if width < 1:
+        raise ValueError(f"page-table width must be >= 1, got {width}")
+    per_block = min(MAX_PAGES_PER_BLOCK, _power_of_two_at_least(width))
+    per_split = max(per_block, _power_of_two_at_least(-(-width // MAX_K_SPLITS)))
+    k_splits = -(-width // per_split)
+    return k_splits * per_split, k_splits, per_block
+
+
+def paged_attention_pallas(
+    q_BxTxHxD: jax.Array,
+    k_pages_KxNxSxD: jax.Array,
+    v_pages_KxNxSxD: jax.Array,
+    page_table_BxP: jax.Array,
+    positions_BxT: jax.Array,
+    interpret: bool = False,
+) -> jax.Array:
+    """The Pallas GPU kernel, one query per sequence (T = 1): the output B×1×H×D of
+    `paged_attention_jnp` (keys at positions <= the query's), in q's dtype.
+
+    The page table is padded with page 0 to `pallas_blocks` (padding lies past every length,
+    so it is never attended). The kernel does not scale q itself: q·D^-½ is passed in the
+    pool's dtype. Raises ValueError for T != 1 or a page size that is not a power of two, and
+    ImportError where the kernel module does not exist (the import is deferred, so CPU installs
+    of any JAX version never touch it).
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged  # noqa: PLC0415
+
+    b, t, h, d = q_BxTxHxD.shape
+    if t != 1:
+        raise ValueError(f"the Pallas paged-attention kernel takes one query per sequence, got {t}")
+    page_size = k_pages_KxNxSxD.shape[2]
+    if page_size & (page_size - 1):
+        raise ValueError(
+            f"the Pallas paged-attention kernel needs a power-of-two page_size, got {page_size}"
+        )
+    width = page_table_BxP.shape[1]
+    padded, k_splits, per_block = pallas_blocks(width)
+    table = jnp.pad(page_table_BxP.astype(jnp.int32), ((0, 0), (0, padded - width)))
+    q = (q_BxTxHxD[:, 0] * (d**-0.5)).astype(k_pages_KxNxSxD.dtype)
+    lengths = (positions_BxT[:, 0] + 1).astype(jnp.int32)
+    out = pallas_paged.paged_attention(
+        q,
+        k_pages_KxNxSxD,
+        v_pages_KxNxSxD,
+        table,
+        lengths,
+        k_splits=k_splits,
+        pages_per_compute_block=per_block,
+        interpret=interpret,
+    )
+    return out[:, None].astype(q_BxTxHxD.dtype)
+
+
+def _mesh_axis(mesh, name: str, size: int, manual: frozenset[str]) -> str | None:
+    """`name` when that mesh axis exists, is not already manual (inside an enclosing
+    `shard_map`) and splits a dimension of `size` evenly, else None."""
+    n = dict(mesh.shape).get(name, 1)
+    return name if n > 1 and size % n == 0 and name not in manual else None
+
+
+def decode_specs(mesh, rows: int, heads: int, kv_heads: int, manual=frozenset()):
+    """(q, pool, table/positions) PartitionSpecs of decode attention on `mesh`: rows by
+    `data`, query and kv heads by `tensor` (both, or neither: a device's query heads must
+    attend to its own kv heads), the pool's pages whole. Axes in `manual` (already split by an
+    enclosing `shard_map`, e.g. the engine's per-replica region over `data`) are left out."""
+    data = _mesh_axis(mesh, "data", rows, manual)
+    tensor = _mesh_axis(mesh, "tensor", kv_heads, manual)
+    tensor = tensor if tensor and heads % mesh.shape["tensor"] == 0 else None
+    return PartitionSpec(data, None, tensor), PartitionSpec(tensor), PartitionSpec(data)
+
+
+def decode_attention(
+    q_BxTxHxD: jax.Array,
+    k_pages_KxNxSxD: jax.Array,
+    v_pages_KxNxSxD: jax.Array,
+    page_table_BxP: jax.Array,
+    positions_BxT: jax.Array,
+    *,
+    kernel: str,
+    mesh: Mesh | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of each sequence's queries to its pages (positions <= the query's, inside the
+    sliding window): B×T×H×D in q's dtype, by `kernel` ("jnp" or "pallas", see
+    `select_decode_kernel`; `interpret` runs Pallas in interpret mode, for tests).
+
+    With `mesh` (axes "data", "tensor"), the kernel runs per device inside `jax.shard_map`
+    (`decode_specs`): no collective at all, each device attends its rows with its heads.
+    Inside an enclosing `shard_map` (the engine's per-replica region, manual over `data`) only
+    the axes not yet manual are split.
+    Raises ValueError for an unknown kernel (and see `paged_attention_pallas`).
+    """
+    if kernel == "jnp":
+        fn = functools.partial(paged_attention_jnp, sliding_window=sliding_window)
+    elif kernel == "pallas":
+        if sliding_window is not None:
+            raise ValueError("the Pallas paged-attention kernel has no sliding window")
+        fn = functools.partial(paged_attention_pallas, interpret=interpret)
+    else:
+        raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
+    if mesh is None:
+        return fn(q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)
+    rows, _, heads, _ = q_BxTxHxD.shape
+    context = jax.sharding.get_abstract_mesh()
+    manual = frozenset(() if context.empty else context.manual_axes)
+    specs = decode_specs(mesh, rows, heads, k_pages_KxNxSxD.shape[0], manual)
+    q_spec, pool_spec, row_spec = specs
+    sharded = jax.shard_map(
+        fn,
+        mesh=context if manual else mesh,
+        axis_names=frozenset(mesh.axis_names) - manual,
+        in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
+        out_specs=q_spec,
+        check_vma=False,  # pallas_call has no varying-manual-axes rule
+    )
+    return sharded(q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)

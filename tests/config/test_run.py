@@ -1,0 +1,95 @@
+"""The resolved run config: roles, data parallelism, batch shardings and per-pool stage configs
+computed once from a validated config; the head-count check runs on its own, once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from hybridjax.config.checks import ConfigError, validate, validate_models
+from hybridjax.config.roles import Roles
+from hybridjax.config.run import resolve, total_steps
+from hybridjax.models.config import ModelConfig
+from tests.rl.tiny_run import load_config_file
+
+ACTOR = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def _tiny(**changes):
+    c = load_config_file("tiny")
+    c.data.train_files = __file__  # any existing file
+    c.data.val_files = ""
+    c.update_from_flattened_dict(changes)
+    return c
+
+
+@pytest.mark.parametrize(
+    "changes, roles",
+    [
+        ({}, Roles(reference=False, critic=True, reward_model=False)),
+        (
+            {"actor_rollout_ref.actor.use_kl_loss": True, "critic.enable": False},
+            Roles(True, False, False),
+        ),
+        ({"algorithm.use_kl_in_reward": True}, Roles(True, True, False)),
+        ({"reward_model.enable": True}, Roles(False, True, False)),  # served: no model path
+        ({"reward_model.enable": True, "reward_model.model.path": "rm"}, Roles(False, True, True)),
+    ],
+)  # fmt: skip
+def test_roles_follow_the_keys_that_make_them(changes, roles):
+    assert Roles.from_config(_tiny(**changes)) == roles
+
+
+def test_resolve_on_one_pool():
+    c = _tiny(**{"mesh.train.fsdp": 4, "mesh.train.data": 2, "mesh.generate.data": 8})
+    validate(c, 8)
+    run = resolve(c, ACTOR, steps_per_epoch=5)
+    assert run.data_parallel == 8
+    assert run.batch_sharding.spec == PartitionSpec(("data", "fsdp"))
+    assert run.batch_sharding.mesh.shape["fsdp"] == 4
+    assert run.role_meshes == {} and run.pool_batch_shardings == {} and run.role_stage_cfgs == {}
+    assert run.stage_config_of("critic") is run.stage_cfg
+    n = c.actor_rollout_ref.rollout.n
+    assert (
+        run.stage_cfg.actor_update.mini_batch_size
+        == c.actor_rollout_ref.actor.ppo_mini_batch_size * n
+    )
+    assert run.total_steps == total_steps(c, 5)
+
+
+def test_resolve_gives_a_critic_on_its_own_pool_its_own_stage_config():
+    c = _tiny()
+    c.resource_pool = dict(critic_pool=dict(n_devices=2), gen=dict(n_devices=2), train=dict())
+    c.resource_pool.train.n_devices = 4
+    c.placement.update(dict(actor="train", ref="train", reward_model="train", rollout="gen"))
+    c.placement.critic = "critic_pool"
+    validate(c, 8)
+    run = resolve(c, ACTOR, steps_per_epoch=5)
+    assert set(run.role_meshes) == {"critic"} == set(run.pool_batch_shardings)
+    assert run.data_parallel == 4 and run.role_meshes["critic"].size == 2
+    critic = run.stage_config_of("critic")
+    assert critic is not run.stage_cfg
+    assert critic.critic_update.micro_batch_size * 2 == run.stage_cfg.critic_update.micro_batch_size
+
+
+def test_total_steps():
+    c = _tiny(**{"trainer.total_training_steps": -1, "trainer.total_epochs": 3})
+    assert total_steps(c, 7) == 21
+    c.trainer.total_training_steps = 4
+    assert total_steps(c, 7) == 4
+
+
+def test_head_counts_are_checked_once_on_their_own():
+    c = _tiny(**{"mesh.train.tensor": 4, "mesh.train.fsdp": 2, "mesh.generate.tensor": 4})
+    validate(c, 8)  # the config alone fits
+    heads = dataclasses.replace(ACTOR, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads = 2 is not divisible by mesh"):
+        validate_models(c, 8, {"actor_rollout_ref.model": heads})
+    validate_models(
+        c, 8, {"actor_rollout_ref.model": dataclasses.replace(heads, num_key_value_heads=4)}
+    )

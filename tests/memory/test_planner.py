@@ -1,0 +1,131 @@
+"""The memory planner: resident states from shard shapes (hand-computed), the KV pool, the
+verdict and advice, and `trainer.check_memory` in the config check."""
+
+import dataclasses
+import pathlib
+
+import jax
+import pytest
+
+import hybridjax
+from configs.tiny import get_config
+from hybridjax.config.checks import ConfigError, validate
+from hybridjax.memory import planner as plan
+from hybridjax.rl import build
+from hybridjax.sharding import MeshConfig, make_meshes
+
+F32 = 4
+QUICKSTART_DATA = str(
+    pathlib.Path(hybridjax.__file__).parent / "assets" / "quickstart" / "data" / "train.parquet"
+)
+
+
+def _grpo(devices: int, fsdp: int = 1, num_pages: int = 10):
+    c = get_config()
+    c.critic.enable = False
+    c.algorithm.adv_estimator = "grpo"
+    c.actor_rollout_ref.rollout.n = 2
+    c.data.train_batch_size = c.actor_rollout_ref.actor.ppo_mini_batch_size = 4
+    c.data.max_prompt_length = c.actor_rollout_ref.rollout.prompt_length = 16
+    c.data.max_response_length = c.actor_rollout_ref.rollout.response_length = 8
+    c.actor_rollout_ref.rollout.num_pages = num_pages
+    c.actor_rollout_ref.rollout.page_size = 4
+    c.mesh.train.data, c.mesh.train.fsdp = devices // fsdp, fsdp
+    return c
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    c = _grpo(2)
+    actor = build.actor_model_config(c, build.load_tokenizer(c))
+    return c, actor, plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu")
+
+
+def test_resident_states_are_the_shard_bytes(tiny):
+    c, actor, p = tiny
+    stages = {s.name: s.consumers for s in p.stages}
+    gen, update = stages["gen"], stages["update_actor"]
+    params = actor.num_params() * F32  # replicated over data=2
+    assert update["actor params"] == params
+    # AdamW's two moments, plus a few scalars (step count, injected learning rate)
+    assert 2 * params <= update["actor optimizer state"] <= 2 * params + 64
+    assert gen["rollout weights"] == params  # float32 rollout, tensor=1
+    # KV pool: 10 pages × 2 (k, v) × 2 layers × 2 kv heads × page 4 × head_dim 16 × 4 bytes
+    assert p.kv_page_bytes == 2 * 2 * 2 * 4 * 16 * F32 and gen["KV pool"] == 10 * p.kv_page_bytes
+    # the engine sleeps after gen (rollout.free_cache_engine): training holds neither
+    assert "rollout weights" not in update and "KV pool" not in update
+    # live bytes counted from shapes (tests/memory/test_counts.py): AdamW's moments are
+    # two parameter-sized buffers, so the gradients (accumulator + one micro-batch's) are too
+    assert update["update_actor gradients"] == update["actor optimizer state"]
+    assert update["update_actor logits"] > 0 and update["update_actor activations"] > 0
+    assert p.xla_cpu_scratch["update_actor"] > 0  # XLA's CPU figure, kept as a reference
+    # on-policy GRPO without a KL term: no old_log_prob or ref pass to plan
+    assert [s.name for s in p.stages] == ["gen", "update_actor", "reshard"]
+    # re-layout writes the one new copy of the rollout weights into the sleeping engine
+    assert stages["reshard"]["new rollout weights"] == params
+    assert "rollout weights" not in stages["reshard"]
+
+
+def test_a_kept_engine_holds_its_pool_and_two_copies_in_reshard(tiny):
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.rollout.free_cache_engine = False
+    p = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    stages = {s.name: s.consumers for s in p.stages}
+    assert stages["update_actor"]["KV pool"] == stages["gen"]["KV pool"] > 0
+    assert stages["reshard"]["rollout weights"] == stages["reshard"]["new rollout weights"]
+
+
+def test_frozen_reference_in_bfloat16_halves_its_bytes(tiny):
+    c, actor, p = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    c.actor_rollout_ref.ref.fsdp_config.model_dtype = "bfloat16"
+    half = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    update = {s.name: s.consumers for s in half.stages}["update_actor"]
+    assert 2 * update["ref params"] == update["actor params"]
+
+
+def test_fsdp_splits_the_states(tiny):
+    c, actor, replicated = tiny
+    c = _grpo(2, fsdp=2)
+    split = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu")
+    get = lambda p: {s.name: s for s in p.stages}["update_actor"].consumers["actor params"]
+    # every weight has one dimension divisible by 2 except the norms (d = 64 floats each)
+    norms = (2 * actor.num_hidden_layers + 1) * actor.hidden_size * F32
+    assert get(split) == (get(replicated) - norms) // 2 + norms
+    # AdamW's moments are split as the weights are (XLA alone would replicate the zeros)
+    moments = {s.name: s for s in split.stages}["update_actor"].consumers["actor optimizer state"]
+    assert 2 * get(split) <= moments <= 2 * get(split) + 64
+
+
+def test_verdict_and_advice_follow_the_capacity(tiny):
+    c, actor, p = tiny
+    assert p.fits and p.worst.peak <= p.capacity
+    small = dataclasses.replace(p, capacity=p.worst.peak - 1)
+    assert not small.fits
+    meshes = make_meshes(MeshConfig.from_config(c), jax.devices()[:2])
+    advice = plan.advise(small, c, meshes.train, 2)
+    assert any("short in update_actor" in a for a in advice)
+    report = small.report()
+    assert "does NOT fit" in report and "largest consumers in update_actor" in report
+    # the pool holds 10 pages = 1 full sequence of 16 + 8 tokens (6 pages), below max_num_seqs
+    assert p.full_sequences == 1 and any("max_num_seqs" in a for a in p.advice)
+
+
+def test_too_many_devices_points_to_the_cli(tiny):
+    c, actor, _ = tiny
+    with pytest.raises(ValueError, match="python -m hybridjax.plan --devices=64"):
+        plan.plan_memory(c, actor, 64)
+
+
+def test_check_memory_is_a_config_problem_when_the_plan_does_not_fit(tiny, monkeypatch):
+    c, actor, p = tiny
+    c.trainer.check_memory = True
+    c.data.train_files = c.data.val_files = QUICKSTART_DATA
+    configs = {"actor_rollout_ref.model": actor}
+    monkeypatch.setattr(plan, "device_capacity", lambda device, local: p.worst.peak * 4)
+    validate(c, 2, configs)  # fits: no problem
+    monkeypatch.setattr(plan, "device_capacity", lambda device, local: p.worst.peak // 2)
+    with pytest.raises(ConfigError, match="trainer.check_memory: update_actor needs"):
+        validate(c, 2, configs)

@@ -97,8 +97,8 @@ def _path_exists(path: str) -> bool:
     if "*" in path:
         if any(ROOT.glob(path)):
             return True
-        path = path[: path.index("*")].rsplit("/", 1)[0]  # the folder the glob looks in
-    if (ROOT / path).exists():
+        path = path[: path.index("*")].rsplit("/", 1)[0]  # an ignored folder it looks in?
+    elif (ROOT / path).exists():
         return True
     # (as a folder too: an ignore pattern ending in `/` matches only a folder)
     ignored = subprocess.run(

@@ -13,8 +13,9 @@ mapping: parameters sharded over all 8 devices, bfloat16 compute and rollout.
 The algorithm is `configs/gsm8k_grpo.py`'s (its docstring says how it differs from textbook
 GRPO), at verl's 7B scale. Data: `python -m hybridjax.data.gsm8k --output data/gsm8k`.
 
-Planned per device against the 72 GB budget (0.9 × 80 GB): gen 45.16 GB, old_log_prob and
-ref 23.88 GB, update_actor 43.95 GB (109.7 GB before the fused head and the engine's sleep),
+Planned per device against the 72 GB budget (0.9 × 80 GB): gen 56.61 GB (of it the KV pool
+26.06 GB and the jnp decode path's gathered K/V 11.51 GB), old_log_prob and ref 23.88 GB,
+update_actor 43.95 GB (109.7 GB before the fused head and the engine's sleep),
 reshard 21.49 GB; docs/memory.md has the table. The plan:
 
     python -m hybridjax.plan --config=configs/gpu_grpo_qwen2_7b.py --devices=8 \

@@ -12,7 +12,7 @@ bfloat16 compute and rollout, gradient checkpointing; the reward model frozen in
 actor's optimizer state and the whole critic on the host while generating. The critic starts
 from the actor's checkpoint with a fresh value head (verl's PPO); GAE with γ = λ = 1.
 
-Planned per device against the 72 GB budget (0.9 × 80 GB): gen 29.73 GB, values 29.01 GB,
+Planned per device against the 72 GB budget (0.9 × 80 GB): gen 41.18 GB, values 29.01 GB,
 update_critic 41.05 GB, update_actor 48.61 GB (80.9 GB before), reshard 31.97 GB;
 docs/memory.md has the table and what still stands above 40 GB. The plan:
 

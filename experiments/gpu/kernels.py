@@ -67,7 +67,7 @@ def decode_inputs(rows: int, width: int):
 
 
 def decode_rows(ctx: Context, bandwidth: float, gpu: bool) -> list[list]:
-    from hybridjax.rollout.paged_cache import paged_attention_jnp, paged_attention_pallas
+    from hybridjax.rollout.decode_attention import paged_attention_jnp, paged_attention_pallas
 
     widths, repeats = ((4, 8), 2) if ctx.dry_run else ((24, 48, 96), 5)
     sequences = DRY_DECODE_ROWS if ctx.dry_run else DECODE_ROWS

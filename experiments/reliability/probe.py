@@ -38,6 +38,8 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hybridjax.checkpointing.run_lock import lock_path
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRACEBACK = "Traceback (most recent call last)"
 BUILT = "no device memory statistics"  # the rollout engine's first log line: models are built
@@ -524,7 +526,10 @@ def export_overwrite(ctx: Context) -> tuple[str, str]:
         f"--config.trainer.default_local_dir={run}", f"--export_hf={target}", "--overwrite"
     )
     names = sorted(os.listdir(target)) if target.is_dir() else []
+    # the run lock stays beside the target, emptied (hybridjax.checkpointing.run_lock)
+    lock = pathlib.Path(lock_path(str(target)))
     leftovers = [n for n in os.listdir(ctx.root) if n.startswith(".overwrite_hf.")]
+    leftovers = [n for n in leftovers if n != lock.name or lock.read_text()]
     if r.returncode != 0:
         return message_case(r, "--overwrite")
     if snapshot(run) != before:

@@ -210,7 +210,7 @@ def train_step(
     with timed(ctx.timing, "step"):
         batch = at(OFFLOAD, None)  # idle states to host memory while the rollout runs
         batch = at(GEN, batch)  # rollout.n responses per prompt (+ greedy ones for ReMax)
-        batch = at(SLEEP, batch)  # KV pool freed until the next gen (after DAPO's filter)
+        batch = at(SLEEP, batch)  # KV pool freed until the next gen (DAPO: after its filter)
         batch = at(ONLOAD, batch)
         batch = at(REWARD, batch)  # starts scoring; finished before the first reader (adv)
         batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary

@@ -1,7 +1,7 @@
 """Decode attention over the paged KV pool: the kernel choice behind one function.
 
 `decode_attention` runs one query per sequence against its pages with the kernel
-`select_decode_kernel` picked: the jnp gather (`paged_cache.paged_attention_jnp`, the reference
+`select_decode_kernel` picked: the jnp gather (`paged_attention_jnp`, the reference
 every kernel is tested against) or the Pallas Triton GPU kernel
 (`jax.experimental.pallas.ops.gpu.paged_attention`). On a generation mesh the kernel runs inside
 `jax.shard_map`: a `pallas_call` is opaque to the SPMD partitioner, which would otherwise

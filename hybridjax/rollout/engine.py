@@ -173,6 +173,12 @@ class Engine:
             return
         self.k_pools, self.v_pools = self._allocate_pools()
 
+    def _require_weights(self, caller: str) -> None:
+        """Raises RuntimeError when `sleep(2)` released the weights and no `update_weights`
+        brought them back: nothing can be admitted or computed until then."""
+        if self.state is None:
+            raise RuntimeError(f"Engine.{caller}: weights released by sleep(2); update_weights")
+
     @property
     def asleep(self) -> bool:
         """True between `sleep` and the next `wake_up` (no KV page pool on the devices)."""
@@ -336,7 +342,9 @@ class Engine:
     def admit(self, request: Request) -> Prefix:
         """Places the request's group on a replica (`place`) and books its pages (host only;
         `run_prefill` computes them). Raises ValueError if it can never fit, RuntimeError if
-        no replica takes it now (check `can_prefill` first)."""
+        no replica takes it now (check `can_prefill` first), and RuntimeError before booking
+        anything when `sleep(2)` released the weights (booked pages would leak)."""
+        self._require_weights("admit")
         self.check_request(request)
         replica = self.place(request)
         if replica is None:
@@ -346,8 +354,7 @@ class Engine:
     def prefill(self, requests: list[Request]) -> list[Prefix]:
         """Admits prompts (`admit`) and prefills them (all but their last token) in one call
         (`run_prefill`). Host sync: none (the call is queued)."""
-        if self.state is None:
-            raise RuntimeError("Engine.prefill: weights released by sleep(2); update_weights")
+        self._require_weights("prefill")
         self.wake_up()
         prefixes = []
         for r in requests:
@@ -358,8 +365,7 @@ class Engine:
     def run_prefill(self, prefixes: list[Prefix]) -> None:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
         call (each replica a block of rows, `replicas.per_replica`). Host sync: none."""
-        if self.state is None:
-            raise RuntimeError("Engine.run_prefill: weights released by sleep(2); update_weights")
+        self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
         todo = [p for p in prefixes if len(p.request.prompt) > 1]
         if not todo:

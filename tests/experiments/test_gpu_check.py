@@ -127,3 +127,26 @@ def test_collecting_the_gpu_tests_imports_nothing_the_gpu_image_lacks():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_every_hybridjax_name_the_check_imports_exists():
+    """The steps import hybridjax inside their functions (the image may lack a package until a
+    step needs it), so a moved name fails only on the GPU machine: check them all here."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "experiments" / "gpu").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybridjax"):
+                module = importlib.import_module(node.module)
+                missing += [
+                    f"{path.name}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not hasattr(module, a.name)
+                    and not (  # a submodule of a package
+                        hasattr(module, "__path__")
+                        and importlib.util.find_spec(f"{node.module}.{a.name}")
+                    )
+                ]
+    assert not missing, missing

@@ -101,9 +101,13 @@ def _two_steps(cfg, monkeypatch):
         batch = batch.replace(rollout_log_probs=(current.old_log_probs - 0.05) * MASK_BxR)
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|
-        deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, pool_batch_shardings={})
+        # every role on the actor's pool (the `RunConfig` fields the device stages read)
+        run = types.SimpleNamespace(pool_batch_shardings={}, stage_config_of=lambda role: sc)
+        deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=run)
         ctx = StepContext(step=n, deps=deps, models=models, kl_coef=jnp.float32(0.0))
         pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
+        if "sleep" in pipeline.names:  # no engine here: the batch is given
+            pipeline = pipeline.remove("sleep")
         pipeline.remove("reshard").run(ctx, batch)
         models = ctx.models
         metrics = {k: float(v) for k, v in ctx.metrics.items()}

@@ -7,7 +7,8 @@ Each call starts `prlimit ... bwrap ... python -I -c CODE` with
   * a root file system holding only the system's program directories (`/usr`, `/lib*`, `/bin`)
     and the interpreter's own prefix, all read-only: no `/etc`, `/home`, `/root` or run
     directory exists inside;
-  * a private, empty working directory `/work` and `/tmp` (tmpfs of at most `max_file_mb`);
+  * a private, empty working directory `/work` and `/tmp` (tmpfs of at most `max_file_mb`;
+    an interpreter prefix under either is mounted over them);
   * rlimits on CPU time, address space, processes, file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
   * the wall-clock timeout: the outer `bwrap` is killed, which kills the namespace's init and
@@ -101,12 +102,13 @@ def bwrap_args() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", _WORKDIR]
+    # after the private /tmp and /work: an interpreter that lives there stays visible
     for prefix in sorted({sys.prefix, sys.base_prefix}):
         if not prefix.startswith(_SYSTEM_DIRS):
             args += ["--ro-bind", prefix, prefix]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    args += ["--dir", _WORKDIR, "--chdir", _WORKDIR]
+    args += ["--chdir", _WORKDIR]
     env = {"PATH": "/usr/bin:/bin", "HOME": _WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
     for key, value in env.items():
         args += ["--setenv", key, value]

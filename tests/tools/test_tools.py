@@ -140,6 +140,28 @@ def test_python_sandbox_limits():
         PythonTool().execute({"code": "1/0"})
 
 
+@pytest.mark.parametrize("under", ["/tmp", "/work"])
+def test_the_sandbox_finds_an_interpreter_under_its_private_dirs(under, monkeypatch):
+    """A virtualenv under /tmp or /work (a CI checkout, a notebook's scratch dir) stays visible
+    over the sandbox's private /tmp and /work (its prefix is mounted after them)."""
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    os.makedirs(under, exist_ok=True)
+    prefix = tempfile.mkdtemp(prefix="venv-", dir=under)
+    try:
+        os.makedirs(f"{prefix}/bin")
+        os.symlink(os.path.realpath(sys.executable), f"{prefix}/bin/python")
+        monkeypatch.setattr(sys, "prefix", prefix)
+        monkeypatch.setattr(sys, "executable", f"{prefix}/bin/python")
+        rc, out, err = run_python("print(6 * 7)")
+        assert (rc, out) == (0, "42\n"), err
+    finally:
+        shutil.rmtree(prefix)
+
+
 def test_tool_config_file(tmp_path):
     path = tmp_path / "tools.yaml"
     path.write_text(

@@ -197,7 +197,7 @@ def declared_config() -> ConfigDict:
             free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
             page_size=positive(16),
-            max_num_seqs=256,
+            max_num_seqs=positive(256),  # sequences decoded at once
             log_prob_micro_batch_size_per_gpu=positive(16),
             log_prob_use_dynamic_bsz=False,  # the old-log-prob pass by token count
             log_prob_max_token_len_per_gpu=16384,

@@ -16,9 +16,14 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get("HYBRIDJAX_TEST_JAX_CACHE", _CACHE))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.environ.get("HYBRIDJAX_TEST_JAX_CACHE", _CACHE)
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# a size limit turns on the cache's file lock: parallel test workers and the runs they start
+# read and write it at once (least recently used entries go past 4 GiB)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

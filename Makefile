@@ -2,7 +2,7 @@
 # and mypy on a clean clone.
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
 export PYTHON
-PYTEST = $(PYTHON) -m pytest -q
+PYTEST = $(PYTHON) -m pytest -q -n 2 --dist loadfile  # two workers, a test file each
 # one command block of README.md, between <!-- NAME --> and <!-- /NAME --> (as .ci/run reads it)
 readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/^```bash$$/,/^```$$/p' | sed '1d;$$d'
 

@@ -2,6 +2,12 @@
 
 `HYBRIDJAX_TEST_PLATFORMS` (default `cpu`) sets `jax_platforms`; `experiments/gpu/check.sh` runs
 the `gpu`-marked tests with `cuda,cpu`. Those tests are skipped where JAX has no GPU.
+
+Compiled programs go to JAX's persistent compilation cache (`.jax_cache/` at the repository root,
+or `HYBRIDJAX_TEST_JAX_CACHE`), through environment variables so the runs the tests start as
+subprocesses share it: most tests build the same tiny models, so a program compiled once is
+loaded by every later test, process and suite. The cache is keyed on the program, the JAX
+version and the flags, so a stale entry is never used.
 """
 
 import os
@@ -9,6 +15,15 @@ import os
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.environ.get("HYBRIDJAX_TEST_JAX_CACHE", _CACHE)
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# a size limit turns on the cache's file lock: parallel test workers and the runs they start
+# read and write it at once (least recently used entries go past 4 GiB)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -30,28 +30,31 @@ class Schema:
     Attributes:
       title, command: how the page names it.
       build: returns the default ConfigDict (every key the entry point accepts).
-      rules: `rules(cfg) -> [(dotted key, predicate, message)]`, the config check's declared
-        ranges and choices; None when the entry point declares none.
+      rules: `rules() -> [(dotted key, Checked)]`, the checks declared beside the keys (ranges,
+        choices, registry names; `hybridjax.config.fields`); None when it declares none.
       commented: functions whose source comments describe the keys (later ones win).
     """
 
     title: str
     command: str
     build: Callable[[], Any]
-    rules: Callable[[Any], list[tuple[str, Any, str]]] | None
+    rules: Callable[[], list[tuple[str, Any]]] | None
     commented: tuple[Callable[..., Any], ...]
 
 
 def schemas() -> list[Schema]:
     """The RL trainer's, SFT's and DPO's configs, where they live today."""
-    from hybridjax.config.checks import _range_rules
-    from hybridjax.config.schema import base_config
+    from hybridjax.config.schema import base_config, declared_checks, declared_config
     from hybridjax.offline.dpo import dpo_config
     from hybridjax.offline.sft import sft_config
 
     return [
         Schema(
-            "RL training", "python -m hybridjax.train", base_config, _range_rules, (base_config,)
+            "RL training",
+            "python -m hybridjax.train",
+            base_config,
+            declared_checks,
+            (declared_config,),
         ),
         Schema("SFT", "python -m hybridjax.sft", sft_config, None, (sft_config,)),
         Schema("DPO", "python -m hybridjax.dpo", dpo_config, None, (sft_config, dpo_config)),
@@ -76,7 +79,7 @@ def source_comments(fn: Callable[..., Any]) -> dict[str, str]:
     """Dotted key -> the comment beside it (trailing) or just above it in `fn`'s source.
 
     Reads `c.<section> = dict(key=value, ...)` assignments and nested `dict(...)` calls (and
-    helpers returning `ConfigDict(dict(...))` called from them, such as the optimizer block).
+    helpers returning `dict(...)` called from them, such as the optimizer block).
     A key the parse does not reach has no comment; the reference stays complete without it.
     """
     module = inspect.getmodule(fn)
@@ -108,6 +111,8 @@ def source_comments(fn: Callable[..., Any]) -> dict[str, str]:
             return
         if call.func.id == "ConfigDict" and call.args:
             visit(call.args[0], prefix, seen)
+            return
+        if call.func.id != "dict":  # a checked field (`positive(8)`) is a leaf
             return
         for kw in call.keywords:
             if kw.arg is None:
@@ -156,8 +161,8 @@ def schema_markdown(schema: Schema) -> list[str]:
     """`## <title>` and, per top-level section, `### <section>` with a table of its keys."""
     cfg = schema.build()
     checks: dict[str, list[str]] = {}
-    for key, _, message in schema.rules(cfg) if schema.rules else ():
-        checks.setdefault(key, []).append(message)
+    for key, field in schema.rules() if schema.rules else ():
+        checks.setdefault(key, []).append(field.rule)
     notes: dict[str, str] = {}
     for fn in schema.commented:
         notes.update(source_comments(fn))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -25,43 +25,36 @@ from hybridjax.algorithms.advantages import (
     compute_advantage,
     needs_reward_baseline,
 )
-from hybridjax.algorithms.config import KL_CTRL_TYPES, ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
-from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
-from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
-from hybridjax.algorithms.losses import POLICY_LOSSES
 from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
-from hybridjax.config.schema import base_config
-from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT, as_file_list
+from hybridjax.config import fields
+from hybridjax.config.schema import base_config, declared_checks
+from hybridjax.data.dataset import as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
 from hybridjax.memory.planner import memory_problems
-from hybridjax.metrics.tracking import LOGGERS, missing_logger_packages
-from hybridjax.models.config import DTYPE_NAMES, ModelConfig
+from hybridjax.metrics.tracking import missing_logger_packages
+from hybridjax.models.config import ModelConfig
 from hybridjax.models.lora import LoRAConfig
 from hybridjax.rewards.manager import (
-    COMBINE,
-    ON_ERROR_POLICIES,
-    REWARD_MANAGERS,
     overlong_enabled,
 )
 from hybridjax.rewards.registry import load_custom_reward_function
 from hybridjax.rewards.scoring import check_signature
 from hybridjax.rl import step
-from hybridjax.rl.build import RECOMPUTE_OLD_LOG_PROB, algorithm_config, off_policy_reasons
+from hybridjax.rl.build import algorithm_config, off_policy_reasons
 from hybridjax.rl.multi_turn import config_problems as multi_turn_problems
 from hybridjax.rl.packing import packing_problems
-from hybridjax.rollout.config import ATTENTION_IMPLS
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
 from hybridjax.sharding.validate import head_count_problems
 
-TRUNCATIONS = ("error", "left", "right", "middle")
 REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
-ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
 RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
-WARMUP_STYLES = ("constant", "cosine")
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-FREE_FORM = ("override_config", "reward_kwargs", "resource_pool")
-ROLLOUT_MODES = ("sync", "one_step_off", "async")  # dict-valued keys, checked as a whole
+FREE_FORM = (
+    "override_config",
+    "reward_kwargs",
+    "resource_pool",
+)  # dict-valued keys, checked as a whole
 
 
 def _walk(cfg: ConfigDict, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -118,148 +111,6 @@ def _schema_problems(cfg: ConfigDict) -> list[str]:
         if problem:
             problems.append(problem)
     return problems
-
-
-def _range_rules(c: ConfigDict) -> list[tuple[str, Callable[[Any], bool], str]]:
-    positive = lambda v: v > 0
-    rules = [
-        ("data.train_batch_size", positive, "must be > 0"),
-        ("data.max_prompt_length", positive, "must be > 0"),
-        ("data.max_response_length", positive, "must be > 0"),
-        ("data.truncation", lambda v: v in TRUNCATIONS, f"must be one of {TRUNCATIONS}"),
-        ("data.train_files", lambda v: bool(v), "must name at least one parquet file"),
-        ("actor_rollout_ref.actor.ppo_mini_batch_size", positive, "must be > 0"),
-        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", positive, "must be > 0"),
-        ("actor_rollout_ref.actor.ppo_epochs", positive, "must be > 0"),
-        (
-            "actor_rollout_ref.actor.recompute_old_log_prob",
-            lambda v: v in RECOMPUTE_OLD_LOG_PROB,
-            f"one of {RECOMPUTE_OLD_LOG_PROB} (strings)",
-        ),
-        ("actor_rollout_ref.actor.grad_clip", positive, "must be > 0"),
-        ("actor_rollout_ref.actor.clip_ratio", lambda v: 0 < v < 1, "must be in (0, 1)"),
-        (
-            "actor_rollout_ref.actor.clip_ratio_low",
-            lambda v: 0 <= v < 1,
-            "must be in (0, 1), or 0 to follow clip_ratio",
-        ),
-        (
-            "actor_rollout_ref.actor.clip_ratio_high",
-            lambda v: v >= 0,
-            "must be > 0, or 0 to follow clip_ratio",
-        ),
-        ("actor_rollout_ref.actor.clip_ratio_c", lambda v: v > 1, "must be > 1"),
-        ("actor_rollout_ref.actor.entropy_coeff", lambda v: v >= 0, "must be >= 0"),
-        ("actor_rollout_ref.actor.kl_loss_coef", lambda v: v >= 0, "must be >= 0"),
-        ("actor_rollout_ref.actor.kl_loss_type", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
-        ("actor_rollout_ref.model.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
-        ("actor_rollout_ref.rollout.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
-        (REF_DTYPE, lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
-        ("reward_model.model.dtype", lambda v: v in DTYPE_NAMES, f"one of {DTYPE_NAMES}"),
-        (
-            "actor_rollout_ref.rollout.attention_impl",
-            lambda v: v in ATTENTION_IMPLS,
-            f"one of {ATTENTION_IMPLS}",
-        ),
-        (
-            "actor_rollout_ref.rollout.name",
-            lambda v: v in ROLLOUT_NAMES,
-            f"one of {ROLLOUT_NAMES} (the built-in paged engine)",
-        ),
-        (
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-            positive,
-            "must be > 0",
-        ),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", positive, "must be > 0"),
-        (
-            "data.special_tokens_in_content",
-            lambda v: v in SPECIAL_TOKENS_IN_CONTENT,
-            f"one of {SPECIAL_TOKENS_IN_CONTENT}",
-        ),
-        ("actor_rollout_ref.rollout.n", positive, "must be > 0"),
-        ("actor_rollout_ref.rollout.temperature", lambda v: v >= 0, "must be >= 0"),
-        ("actor_rollout_ref.rollout.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-        ("actor_rollout_ref.rollout.page_size", positive, "must be > 0"),
-        (
-            "actor_rollout_ref.rollout.gpu_memory_utilization",
-            lambda v: 0 < v <= 1,
-            "must be in (0, 1]",
-        ),
-        ("critic.ppo_micro_batch_size_per_gpu", positive, "must be > 0"),
-        ("critic.ppo_mini_batch_size", positive, "must be > 0"),
-        ("critic.ppo_epochs", positive, "must be > 0"),
-        ("critic.grad_clip", positive, "must be > 0"),
-        ("critic.cliprange_value", positive, "must be > 0"),
-        ("algorithm.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-        ("algorithm.lam", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-        ("algorithm.kl_ctrl.type", lambda v: v in KL_CTRL_TYPES, " or ".join(KL_CTRL_TYPES)),
-        ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, "must be >= 0"),
-        ("algorithm.kl_penalty", lambda v: v in KL_TYPES, f"one of {KL_TYPES}"),
-        ("algorithm.kl_ctrl.target_kl", positive, "must be > 0"),
-        ("algorithm.kl_ctrl.horizon", positive, "must be > 0"),
-        ("algorithm.rollout_is_threshold", lambda v: v >= 0, "must be >= 0 (0: off)"),
-        ("algorithm.rollout_is_threshold_lower", lambda v: v >= 0, "must be >= 0 (0: 1/upper)"),
-        ("algorithm.rollout_is_veto_threshold", lambda v: v >= 0, "must be >= 0 (0: off)"),
-        (
-            "algorithm.rollout_is_level",
-            lambda v: v in ROLLOUT_IS_LEVELS,
-            f"one of {ROLLOUT_IS_LEVELS}",
-        ),
-        (
-            "algorithm.rollout_is_mode",
-            lambda v: v in ROLLOUT_IS_MODES,
-            f"one of {ROLLOUT_IS_MODES}",
-        ),
-        (
-            "reward_model.reward_manager",
-            lambda v: v in REWARD_MANAGERS,
-            f"one of {REWARD_MANAGERS}",
-        ),
-        ("reward_model.on_error", lambda v: v in ON_ERROR_POLICIES, f"one of {ON_ERROR_POLICIES}"),
-        ("reward_model.combine", lambda v: v in COMBINE, f"one of {COMBINE}"),
-        ("reward_model.num_workers", positive, "must be > 0"),
-        ("reward_model.timeout_s", lambda v: v >= 0, "must be >= 0 (0: no limit)"),
-        ("reward_model.remote.timeout_s", positive, "must be > 0"),
-        ("reward_model.remote.max_retries", lambda v: v >= 0, "must be >= 0"),
-        ("reward_model.remote.retry_backoff_s", lambda v: v >= 0, "must be >= 0"),
-        ("reward_model.max_consecutive_failed_steps", positive, "must be > 0"),
-        ("reward_model.remote.concurrency", positive, "must be > 0"),
-        ("reward_model.remote.batch_size", positive, "must be > 0"),
-        ("reward_model.overlong_buffer.len", lambda v: v >= 0, "must be >= 0"),
-        ("reward_model.overlong_buffer.penalty_factor", lambda v: v >= 0, "must be >= 0"),
-        ("trainer.total_epochs", positive, "must be > 0"),
-        ("trainer.logger", lambda v: set(v) <= set(LOGGERS), f"a subset of {LOGGERS}"),
-        ("trainer.max_actor_ckpt_to_keep", positive, "must be > 0"),
-        ("trainer.max_consecutive_nan_steps", positive, "must be > 0"),
-        ("trainer.critic_warmup", lambda v: v >= 0, "must be >= 0"),
-        ("trainer.rollout_mode", lambda v: v in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
-        ("trainer.staleness_threshold", lambda v: v >= 0, "must be >= 0"),
-        ("trainer.peak_flops", lambda v: v >= 0, "must be >= 0"),
-        ("trainer.device_memory_fraction", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-        ("trainer.total_training_steps", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
-        ("trainer.save_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
-        ("trainer.test_freq", lambda v: v == -1 or v > 0, "must be -1 or > 0"),
-        ("trainer.log_val_generations", lambda v: v >= 0, "must be >= 0"),
-        ("trainer.log_train_generations", lambda v: v >= 0, "must be >= 0"),
-        ("actor_rollout_ref.rollout.val_kwargs.n", positive, "must be > 0"),
-    ]
-    for role in ("actor_rollout_ref.actor", "critic"):
-        rules += [
-            (f"{role}.loss_agg_mode", lambda v: v in LOSS_AGG_MODES, f"one of {LOSS_AGG_MODES}"),
-            (f"{role}.optim.lr", lambda v: v >= 0, "must be >= 0"),
-            (f"{role}.optim.weight_decay", lambda v: v >= 0, "must be >= 0"),
-            (f"{role}.optim.warmup_style", lambda v: v in WARMUP_STYLES, f"one of {WARMUP_STYLES}"),
-            (f"{role}.optim.lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-            (f"{role}.optim.min_lr_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-        ]
-    registries = (
-        ("algorithm.adv_estimator", ADV_ESTIMATORS.names()),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSSES.names()),
-    )
-    for key, names in registries:
-        rules.append((key, lambda v, names=names: v in names, f"one of {list(names)}"))
-    return rules
 
 
 def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
@@ -527,10 +378,7 @@ def validate(
     """
     problems = _schema_problems(cfg)
     if not problems:  # ranges and structure assume well-typed values
-        for key, ok, why in _range_rules(cfg):
-            value = _get(cfg, key)
-            if not ok(value):
-                problems.append(f"{key}: {why} (got {value!r})")
+        problems += fields.problems(declared_checks(), lambda key: _get(cfg, key))
         problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
         problems += packing_problems(cfg)
         problems += multi_turn_problems(cfg)

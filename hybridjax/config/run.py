@@ -13,7 +13,7 @@ the memory planner read these instead of deriving them again from the ConfigDict
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh, NamedSharding
@@ -73,18 +73,24 @@ def total_steps(cfg: ConfigDict, steps_per_epoch: int) -> int:
     )
 
 
-def resolve(cfg: ConfigDict, actor_model: ModelConfig, steps_per_epoch: int) -> RunConfig:
-    """The `RunConfig` of a validated config on this process's devices.
+def resolve(
+    cfg: ConfigDict,
+    actor_model: ModelConfig,
+    steps_per_epoch: int,
+    devices: Sequence[Any] | None = None,
+) -> RunConfig:
+    """The `RunConfig` of a validated config on `devices` (default: this process's devices).
 
     Args:
       cfg: a ConfigDict that `hybridjax.config.checks.validate` accepted.
       actor_model: the actor's `ModelConfig` (sizes packed rows).
       steps_per_epoch: batches of the training loader (`len(loader)`).
+      devices: the devices the pools split (the memory planner plans on the first N).
     """
     # imported here: `hybridjax.rl` (its trainer) imports this module
     from hybridjax.rl.build import off_policy_reasons, stage_config
 
-    placement = make_placement(cfg)
+    placement = make_placement(cfg, devices)
     meshes = placement.meshes()
     steps = total_steps(cfg, steps_per_epoch)
     role_meshes = {

@@ -1,4 +1,4 @@
-"""The full RL trainer configuration: every key, its default, and verl's name for it.
+"""The full RL trainer configuration: every key, its default, its check, and verl's name for it.
 
 `base_config()` is the schema: a config file starts from it and changes values, and
 `hybridjax.config.checks` rejects any key that is not here. Key names follow verl's
@@ -7,49 +7,113 @@
 two device layouts of the hybrid engine and `resource_pool.*` / `placement.*` for the device
 pools of the roles. Empty strings mean "not set" (ConfigDict fields keep
 their type, so `None` defaults would break `--config.a.b=x` overrides).
+
+A key's bounds and choices are written beside it (`positive(1024)`, `one_of("error", ...)`,
+`hybridjax.config.fields`): `declared_config()` holds them, `base_config()` its defaults and
+`declared_checks()` the checks the start-up validation applies and the reference prints.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 from ml_collections import ConfigDict, FieldReference
 
-from hybridjax.algorithms.config import KLControlConfig
+from hybridjax.algorithms.advantages import ADV_ESTIMATORS
+from hybridjax.algorithms.config import (
+    KL_CTRL_TYPES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    KLControlConfig,
+)
+from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
+from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
+from hybridjax.algorithms.losses import POLICY_LOSSES
+from hybridjax.config.fields import (
+    Checked,
+    at_least,
+    check,
+    checks,
+    one_of,
+    positive,
+    positive_or_unset,
+    subset_of,
+    within,
+)
+from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT
+from hybridjax.metrics.tracking import LOGGERS
+from hybridjax.models.config import DTYPE_NAMES
+from hybridjax.rewards.manager import COMBINE, ON_ERROR_POLICIES, REWARD_MANAGERS
+from hybridjax.rollout.config import ATTENTION_IMPLS
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
+WARMUP_STYLES = ("constant", "cosine")
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
+RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
 
 
-def _optim(lr: float) -> ConfigDict:
-    return ConfigDict(
-        dict(
-            lr=lr,
-            lr_warmup_steps=-1,  # -1: use lr_warmup_steps_ratio
-            lr_warmup_steps_ratio=0.0,
-            warmup_style="constant",  # constant | cosine
-            min_lr_ratio=0.0,
-            weight_decay=0.01,
-            betas=(0.9, 0.999),
-            total_training_steps=-1,  # -1: filled from the trainer's step count
-        )
+def _optim(lr: float) -> dict[str, Any]:
+    return dict(
+        lr=at_least(lr, 0),
+        lr_warmup_steps=-1,  # -1: use lr_warmup_steps_ratio
+        lr_warmup_steps_ratio=within(0.0, 0, 1),
+        warmup_style=one_of("constant", WARMUP_STYLES),  # constant | cosine
+        min_lr_ratio=within(0.0, 0, 1),
+        weight_decay=at_least(0.01, 0),
+        betas=(0.9, 0.999),
+        total_training_steps=-1,  # -1: filled from the trainer's step count
+    )
+
+
+def _kl_ctrl(d: KLControlConfig) -> dict[str, Any]:
+    return dict(
+        type=check(d.type, lambda v: v in KL_CTRL_TYPES, " or ".join(KL_CTRL_TYPES)),
+        kl_coef=at_least(d.kl_coef, 0),
+        target_kl=positive(d.target_kl),
+        horizon=positive(d.horizon),
     )
 
 
 def base_config() -> ConfigDict:
     """Every trainer key with its default (verl's defaults where verl has the key)."""
+    return _defaults(declared_config())
+
+
+def declared_checks() -> list[tuple[str, Checked]]:
+    """(dotted key, its declared check) for every checked key of `base_config()`, in order."""
+    return list(checks(declared_config()))
+
+
+def _defaults(cfg: ConfigDict) -> ConfigDict:
+    """`cfg` with each checked field replaced, in place, by its default (key order and the
+    shared `FieldReference`s of the run directory kept)."""
+    for key, value in cfg.items(preserve_field_references=True):
+        if isinstance(value, Checked):
+            with cfg.ignore_type():
+                cfg[key] = value.default
+        elif isinstance(value, ConfigDict):
+            _defaults(value)
+    return cfg
+
+
+def declared_config() -> ConfigDict:
+    """Every trainer key with its default, and its check where it has one (`Checked` leaves)."""
     c = ConfigDict()
     c.data = dict(
-        train_files="",
+        train_files=check("", bool, "must name at least one parquet file"),
         val_files="",
         tokenizer="",  # tokenizer.json path; "" = the model path's tokenizer
         prompt_key="prompt",
-        max_prompt_length=512,
-        max_response_length=512,
-        train_batch_size=1024,
+        max_prompt_length=positive(512),
+        max_response_length=positive(512),
+        train_batch_size=positive(1024),
         val_batch_size=-1,  # -1: the whole validation set in batches of train_batch_size
-        truncation="error",
+        truncation=check("error", lambda v: v in TRUNCATIONS, f"must be one of {TRUNCATIONS}"),
         filter_overlong_prompts=False,
         # message text that spells a special token (`<|im_end|>`): keep (as transformers: it
         # becomes that token) | escape (tokenised as plain text) | error; rows counted at load
-        special_tokens_in_content="keep",
+        special_tokens_in_content=one_of("keep", SPECIAL_TOKENS_IN_CONTENT),
         shuffle=True,
         seed=1,
         val_max_samples=-1,  # -1: every validation row
@@ -59,7 +123,7 @@ def base_config() -> ConfigDict:
             path="",  # HF checkpoint dir; "" = random init from override_config
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
-            dtype="float32",  # compute dtype of training matmuls
+            dtype=one_of("float32", DTYPE_NAMES),  # compute dtype of training matmuls
             # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is
             # "all-linear" (every attention and MLP projection) or names, e.g. "q_proj,v_proj"
             lora_rank=0,
@@ -72,9 +136,9 @@ def base_config() -> ConfigDict:
             use_fused_kernels=True,
         ),
         actor=dict(
-            ppo_mini_batch_size=256,  # in prompts; × rollout.n responses
-            ppo_micro_batch_size_per_gpu=8,  # in responses, per data-parallel shard
-            ppo_epochs=1,
+            ppo_mini_batch_size=positive(256),  # in prompts; × rollout.n responses
+            ppo_micro_batch_size_per_gpu=positive(8),  # in responses, per data-parallel shard
+            ppo_epochs=positive(1),
             shuffle=False,
             # micro-batches by token count (per device) instead of ppo_micro_batch_size_per_gpu
             use_dynamic_bsz=False,
@@ -83,60 +147,65 @@ def base_config() -> ConfigDict:
             # the separate old-log-prob pass: "auto" skips it when the update is on-policy (one
             # epoch, one mini-batch, nothing needs π_old before the update), "true" always runs
             # it, "false" never (rejected unless on-policy); see build.recompute_old_log_prob
-            recompute_old_log_prob="auto",
-            grad_clip=1.0,
-            clip_ratio=0.2,
-            clip_ratio_low=0.0,  # 0: follow clip_ratio (verl's null)
-            clip_ratio_high=0.0,  # 0: follow clip_ratio
-            clip_ratio_c=3.0,
-            loss_agg_mode="token-mean",
+            recompute_old_log_prob=one_of("auto", RECOMPUTE_OLD_LOG_PROB, "strings"),
+            grad_clip=positive(1.0),
+            clip_ratio=within(0.2, 0, 1, low_open=True, high_open=True),
+            clip_ratio_low=check(  # 0: follow clip_ratio (verl's null)
+                0.0, lambda v: 0 <= v < 1, "must be in (0, 1), or 0 to follow clip_ratio"
+            ),
+            clip_ratio_high=check(  # 0: follow clip_ratio
+                0.0, lambda v: v >= 0, "must be > 0, or 0 to follow clip_ratio"
+            ),
+            clip_ratio_c=check(3.0, lambda v: v > 1, "must be > 1"),
+            loss_agg_mode=one_of("token-mean", LOSS_AGG_MODES),
             loss_scale_factor=0.0,  # seq-mean-token-sum-norm divisor; 0 = response length
-            policy_loss=dict(loss_mode="vanilla"),
-            entropy_coeff=0.0,
+            policy_loss=dict(loss_mode=one_of("vanilla", POLICY_LOSSES.names)),
+            entropy_coeff=at_least(0.0, 0),
             # without use_fused_kernels: the entropy recomputed in the backward (no softmax
             # kept) and computed over chunks of positions (verl's keys)
             entropy_checkpointing=True,
             entropy_from_logits_with_chunking=True,
             use_kl_loss=False,
-            kl_loss_coef=0.001,
-            kl_loss_type="low_var_kl",
+            kl_loss_coef=at_least(0.001, 0),
+            kl_loss_type=one_of("low_var_kl", KL_TYPES),
             optim=_optim(1e-6),
             # host memory while the rollout runs (verl's keys)
             fsdp_config=dict(param_offload=False, optimizer_offload=False),
         ),
         ref=dict(
-            log_prob_micro_batch_size_per_gpu=16,
+            log_prob_micro_batch_size_per_gpu=positive(16),
             log_prob_use_dynamic_bsz=False,
             log_prob_max_token_len_per_gpu=16384,
             use_prefix_sharing=True,
             # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; not with LoRA,
             # whose reference is the actor's base weights)
-            fsdp_config=dict(param_offload=False, model_dtype="float32"),
+            fsdp_config=dict(param_offload=False, model_dtype=one_of("float32", DTYPE_NAMES)),
         ),
         rollout=dict(
-            name="hybridjax",
-            n=1,
-            temperature=1.0,
+            name=one_of("hybridjax", ROLLOUT_NAMES, "the built-in paged engine"),
+            n=positive(1),
+            temperature=at_least(1.0, 0),
             top_k=-1,
-            top_p=1.0,
+            top_p=within(1.0, 0, 1, low_open=True),
             do_sample=True,
             prompt_length=512,
             response_length=512,
-            dtype="float32",  # generation-layout dtype (update_weights casts to it)
-            gpu_memory_utilization=0.5,
+            # generation-layout dtype (update_weights casts to it)
+            dtype=one_of("float32", DTYPE_NAMES),
+            gpu_memory_utilization=within(0.5, 0, 1, low_open=True),
             # release the KV pool and the generation weights after gen (hybridjax.rl.residency)
             free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
-            page_size=16,
-            max_num_seqs=256,
-            log_prob_micro_batch_size_per_gpu=16,
+            page_size=positive(16),
+            max_num_seqs=positive(256),  # sequences decoded at once
+            log_prob_micro_batch_size_per_gpu=positive(16),
             log_prob_use_dynamic_bsz=False,  # the old-log-prob pass by token count
             log_prob_max_token_len_per_gpu=16384,
             ignore_eos=False,
-            attention_impl="auto",  # auto | jnp | pallas
+            attention_impl=one_of("auto", ATTENTION_IMPLS),
             decode_steps_per_call=32,
             min_prefill_bucket=16,
-            val_kwargs=dict(n=1, temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
+            val_kwargs=dict(n=positive(1), temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
             # multi-turn rollouts with tools (hybridjax.rollout.agent_loop; verl's keys, plus
             # tool_timeout_s / tool_workers); response_length bounds model + tool tokens
             multi_turn=dict(
@@ -164,61 +233,66 @@ def base_config() -> ConfigDict:
             fsdp_config=dict(param_offload=False, optimizer_offload=False),
             use_remove_padding=True,
         ),
-        ppo_mini_batch_size=256,
-        ppo_micro_batch_size_per_gpu=8,
+        ppo_mini_batch_size=positive(256),
+        ppo_micro_batch_size_per_gpu=positive(8),
         use_dynamic_bsz=False,
         ppo_max_token_len_per_gpu=32768,
         forward_max_token_len_per_gpu=32768,
         use_prefix_sharing=True,
-        ppo_epochs=1,
-        grad_clip=1.0,
-        cliprange_value=0.5,
-        loss_agg_mode="token-mean",
+        ppo_epochs=positive(1),
+        grad_clip=positive(1.0),
+        cliprange_value=positive(0.5),
+        loss_agg_mode=one_of("token-mean", LOSS_AGG_MODES),
         optim=_optim(1e-5),
     )
     c.reward_model = dict(
         enable=False,
-        model=dict(path="", use_remove_padding=True, dtype="float32"),  # dtype: its params
+        # dtype: its params
+        model=dict(path="", use_remove_padding=True, dtype=one_of("float32", DTYPE_NAMES)),
         micro_batch_size_per_gpu=16,
         use_dynamic_bsz=False,
         forward_max_token_len_per_gpu=32768,
         use_prefix_sharing=True,
-        reward_manager="naive",  # naive | batch | dapo | prime (hybridjax.rewards.manager)
-        on_error="zero",  # a reward function that fails on a row: zero | raise
-        num_workers=8,  # threads (built-ins) or worker processes (custom functions)
-        timeout_s=30.0,  # per call of a custom reward function in a worker process; 0 = none
-        combine="replace",  # rule score with a reward model's: replace (model only) | sum
+        reward_manager=one_of("naive", REWARD_MANAGERS),  # hybridjax.rewards.manager
+        on_error=one_of("zero", ON_ERROR_POLICIES),  # a reward function that fails on a row
+        num_workers=positive(8),  # threads (built-ins) or worker processes (custom functions)
+        # per call of a custom reward function in a worker process; 0 = none
+        timeout_s=at_least(30.0, 0, "0: no limit"),
+        # rule score with a reward model's: replace (model only) | sum
+        combine=one_of("replace", COMBINE),
         # reward servers (python -m hybridjax.rewards.serve); urls comma-separated, "" = local
         remote=dict(
             urls="",
-            timeout_s=60.0,
-            max_retries=2,
-            retry_backoff_s=0.5,  # before the first retry, doubling after each
-            concurrency=4,
-            batch_size=32,
+            timeout_s=positive(60.0),
+            max_retries=at_least(2, 0),
+            retry_backoff_s=at_least(0.5, 0),  # before the first retry, doubling after each
+            concurrency=positive(4),
+            batch_size=positive(32),
         ),
         # stop the run after this many consecutive steps in which most rows' rewards failed
         # (whatever on_error says); such steps are never checkpointed (hybridjax.rewards.guard)
-        max_consecutive_failed_steps=3,
+        max_consecutive_failed_steps=positive(3),
         # DAPO soft overlong punishment on token_level_rewards (hybridjax.algorithms.overlong)
-        overlong_buffer=dict(enable=False, len=0, penalty_factor=1.0),
+        overlong_buffer=dict(enable=False, len=at_least(0, 0), penalty_factor=at_least(1.0, 0)),
     )
     c.custom_reward_function = dict(path="", name="compute_score", reward_kwargs=ConfigDict())
     c.algorithm = dict(
-        adv_estimator="gae",
-        gamma=1.0,
-        lam=1.0,
+        adv_estimator=one_of("gae", ADV_ESTIMATORS.names),
+        gamma=within(1.0, 0, 1),
+        lam=within(1.0, 0, 1),
         norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False,
-        kl_penalty="kl",
-        kl_ctrl=dataclasses.asdict(KLControlConfig()),  # fixed, 0.001, target 0.1, horizon 1e4
+        kl_penalty=one_of("kl", KL_TYPES),
+        kl_ctrl=_kl_ctrl(KLControlConfig()),  # fixed, 0.001, target 0.1, horizon 1e4
         # rollout/trainer mismatch (hybridjax.algorithms.rollout_correction); 0.0 = not set
         rollout_is=False,  # apply the weights to the policy loss (else metrics only)
-        rollout_is_threshold=0.0,  # upper bound; 0 = no importance weights at all
-        rollout_is_threshold_lower=0.0,  # 0 = 1 / rollout_is_threshold
-        rollout_is_level="token",  # token | sequence | geometric
-        rollout_is_mode="truncate",  # truncate | mask
-        rollout_is_veto_threshold=0.0,  # drop a response with a token ratio below; 0 = off
+        # upper bound; 0 = no importance weights at all
+        rollout_is_threshold=at_least(0.0, 0, "0: off"),
+        rollout_is_threshold_lower=at_least(0.0, 0, "0: 1/upper"),  # 0 = 1 / rollout_is_threshold
+        rollout_is_level=one_of("token", ROLLOUT_IS_LEVELS),
+        rollout_is_mode=one_of("truncate", ROLLOUT_IS_MODES),
+        # drop a response with a token ratio below; 0 = off
+        rollout_is_veto_threshold=at_least(0.0, 0, "0: off"),
         # DAPO dynamic sampling (hybridjax.rl.dynamic_sampling): drop groups whose metric
         # has no spread, generate more until data.train_batch_size groups; 0 = no cap
         filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0),
@@ -229,33 +303,34 @@ def base_config() -> ConfigDict:
     c.trainer = dict(
         project_name=project_name,  # wandb project; names the run directory (below)
         experiment_name=experiment_name,  # wandb run, TensorBoard run, run directory
-        logger=("console", "jsonl", "tensorboard"),  # also "wandb" (pip install -e '.[wandb]')
-        log_val_generations=0,  # K (prompt, response, score) samples per validation
-        log_train_generations=0,  # K samples of the training rollout, every step
-        total_epochs=1,
-        total_training_steps=-1,  # -1: total_epochs × batches per epoch
+        # also "wandb" (pip install -e '.[wandb]')
+        logger=subset_of(("console", "jsonl", "tensorboard"), LOGGERS),
+        log_val_generations=at_least(0, 0),  # K (prompt, response, score) samples per validation
+        log_train_generations=at_least(0, 0),  # K samples of the training rollout, every step
+        total_epochs=positive(1),
+        total_training_steps=positive_or_unset(-1),  # -1: total_epochs × batches per epoch
         seed=0,
-        save_freq=-1,  # -1: only at the end and on SIGTERM/SIGINT
-        test_freq=-1,  # -1: no periodic validation
+        save_freq=positive_or_unset(-1),  # -1: only at the end and on SIGTERM/SIGINT
+        test_freq=positive_or_unset(-1),  # -1: no periodic validation
         val_before_train=False,
-        critic_warmup=0,
+        critic_warmup=at_least(0, 0),
         default_local_dir=FieldReference("checkpoints/") + project_name + "/" + experiment_name,
         resume_mode="auto",  # auto | disable | a checkpoint path
-        max_actor_ckpt_to_keep=2,
-        max_consecutive_nan_steps=3,
-        peak_flops=0.0,  # per device, FLOP/s; 0 = measure a matmul at start
+        max_actor_ckpt_to_keep=positive(2),
+        max_consecutive_nan_steps=positive(3),
+        peak_flops=at_least(0.0, 0),  # per device, FLOP/s; 0 = measure a matmul at start
         progress_bar=True,
         # sync: generate, then train; one_step_off: batch k+1 is generated (with the weights
         # of step k-1) while step k trains; async: up to staleness_threshold batches ahead.
         # Both need the rollout on its own pool (hybridjax.rl.async_rollout)
-        rollout_mode="sync",
-        staleness_threshold=1,  # async only: policy versions a sample may lag
+        rollout_mode=one_of("sync", ROLLOUT_MODES),
+        staleness_threshold=at_least(1, 0),  # async only: policy versions a sample may lag
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,
         # fraction of each GPU JAX's allocator takes (hybridjax.allocator); set before JAX
         # starts, XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; CPU ignores it
-        device_memory_fraction=0.9,
+        device_memory_fraction=within(0.9, 0, 1, low_open=True),
         # edits of the default step (hybridjax.rl.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),

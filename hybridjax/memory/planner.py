@@ -47,7 +47,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from hybridjax.config.roles import Roles, batch_sharding, data_parallel_size
 from hybridjax.memory.counts import LoopStep, stage_bytes
 
 log = logging.getLogger(__name__)
@@ -260,6 +259,7 @@ def plan_memory(
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
+    from hybridjax.config.run import resolve
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
@@ -271,8 +271,6 @@ def plan_memory(
         ACTOR_TRAIN_RULES,
         CRITIC_RULES,
         REWARD_MODEL_RULES,
-        MeshConfig,
-        make_meshes,
     )
 
     available = jax.devices()
@@ -283,11 +281,10 @@ def plan_memory(
             f"`python -m hybridjax.plan --devices={devices}` (simulated CPU devices)"
         )
     capacity = capacity_bytes or device_capacity(available[0], len(jax.local_devices()))
-    meshes = make_meshes(MeshConfig.from_config(cfg), available[:devices])
-    train, gen = meshes.train, meshes.generate
-    dp = data_parallel_size(train)
-    sc = build.stage_config(cfg, max(cfg.trainer.total_training_steps, 1), dp, actor_config)
-    roles = Roles.from_config(cfg)
+    # the run as the trainer resolves it (one step per epoch: the schedule does not size memory)
+    run = resolve(cfg, actor_config, 1, available[:devices])
+    train, gen = run.meshes.train, run.meshes.generate
+    dp, sc, roles = run.data_parallel, run.stage_cfg, run.roles
     use_ref = roles.reference
     a = cfg.actor_rollout_ref
 
@@ -327,7 +324,7 @@ def plan_memory(
 
     rows = cfg.data.train_batch_size * a.rollout.n
     prompt, response = cfg.data.max_prompt_length, r.response_length
-    sharding = batch_sharding(train)
+    sharding = run.batch_sharding
     forward_batch = abstract_batch(rows, prompt, response, sharding)
     fields = ["advantages", "returns", "token_level_scores", "token_level_rewards"]
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref

@@ -213,9 +213,6 @@ def algorithm_config(cfg: ConfigDict) -> AlgorithmConfig:
     return AlgorithmConfig.from_dict(values)
 
 
-RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
-
-
 def off_policy_reasons(cfg: ConfigDict) -> list[str]:
     """Why the actor update is not exactly on-policy; empty when it is. On-policy here means one
     optimizer step on the whole batch (`ppo_epochs` 1, one mini-batch; micro-batches only

@@ -207,9 +207,14 @@ def test_configuration_reference_lists_every_key_with_its_checks():
     assert "one of ('error', 'left', 'right', 'middle')" in rows["data.truncation"]
     assert "`512`" in rows["data.max_prompt_length"]  # the default
     assert "multi-turn rollouts with tools" in rows["actor_rollout_ref.rollout.multi_turn.enable"]
-    assert "auto | jnp | pallas" in rows["actor_rollout_ref.rollout.attention_impl"].replace(
-        "\\|", "|"
-    )
+    assert "one of ('auto', 'jnp', 'pallas')" in rows["actor_rollout_ref.rollout.attention_impl"]
+    # a rule with a note, written beside the key with the comment above it
+    low = rows["actor_rollout_ref.actor.clip_ratio_low"]
+    assert "must be in (0, 1), or 0 to follow clip_ratio" in low and "verl's null" in low
+    assert "must be in [0, 1]" in rows["critic.optim.min_lr_ratio"]  # the optimizer helper's
+    assert "fixed or adaptive" in rows["algorithm.kl_ctrl.type"]
+    estimators = rows["algorithm.adv_estimator"]  # a registry's names, read when it is printed
+    assert "'grpo'" in estimators and "'gae'" in estimators
     full = module.reference_markdown()
     for schema in (sft, dpo):
         assert f"## {schema.title}: `{schema.command}`" in full

@@ -2,7 +2,7 @@
 # and mypy on a clean clone.
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
 export PYTHON
-PYTEST = $(PYTHON) -m pytest -q -n 2 --dist loadfile  # two workers, a test file each
+PYTEST = $(PYTHON) -m pytest -q
 # one command block of README.md, between <!-- NAME --> and <!-- /NAME --> (as .ci/run reads it)
 readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/^```bash$$/,/^```$$/p' | sed '1d;$$d'
 
@@ -12,7 +12,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
 test: ## the fast tests (everything not marked slow)
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -n 2 --dist loadfile -m "not slow" tests  # two workers, a test file each
 
 slow: ## the slow, end-to-end tests
 	$(PYTEST) -m slow tests

@@ -7,26 +7,10 @@ import pytest
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS
 from hybridjax.config import fields
-from hybridjax.config.checks import validate
+from hybridjax.config.checks import _get, validate
 from hybridjax.config.schema import base_config, declared_checks, declared_config
 from hybridjax.errors import ConfigError
-from tests.rl.tiny_run import REPO, load_config_file
-
-DATA = REPO / "hybridjax" / "assets" / "quickstart" / "data"
-
-
-def _config(**changes):
-    c = load_config_file("tiny")
-    c.data.train_files = str(DATA / "train.parquet")
-    c.data.val_files = str(DATA / "test.parquet")
-    c.update_from_flattened_dict(changes)
-    return c
-
-
-def _problems(**changes) -> str:
-    with pytest.raises(ConfigError) as err:
-        validate(_config(**changes), 8)
-    return str(err.value)
+from tests.reliability.test_config_checks import _config, _problems
 
 
 @pytest.mark.parametrize(
@@ -84,12 +68,6 @@ def test_every_default_passes_its_own_check():
     assert len(keys) == len(set(keys))
     problems = list(fields.problems(declared, lambda key: _get(cfg, key)))
     assert problems == ["data.train_files: must name at least one parquet file (got '')"]
-
-
-def _get(cfg, key):
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg
 
 
 def test_the_default_config_holds_plain_typed_values():

@@ -5,13 +5,10 @@ backoff and named, and the guard that stops a run whose rewards mostly fail."""
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
@@ -19,6 +16,7 @@ from hybridjax.rewards import RewardConfig, RewardManager, RewardResult
 from hybridjax.rewards.guard import RewardFailureError, RewardFailureGuard
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.scoring import Outcome, normalize
+from tests.http_testing import serve
 
 
 @pytest.mark.parametrize(
@@ -131,18 +129,7 @@ def _app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def url():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(5)
+    yield from serve(_app())
 
 
 def _client(url, **kw) -> RemoteClient:

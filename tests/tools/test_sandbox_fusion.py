@@ -3,17 +3,13 @@ answering as SandboxFusion's `POST /run_code` does)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from hybridjax.tools import ToolCall, ToolExecutor, load_tools
 from hybridjax.tools.sandbox_fusion import VERL_CLASS, SandboxFusionTool
+from tests.http_testing import serve
 
 REQUESTS: list[dict] = []
 
@@ -43,18 +39,8 @@ def _app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def url():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/run_code"
-    server.should_exit = True
-    thread.join(5)
+    for base in serve(_app()):
+        yield base + "/run_code"
 
 
 def test_runs_code_remotely_with_verls_request(url):

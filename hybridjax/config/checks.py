@@ -34,6 +34,7 @@ from hybridjax.memory.planner import memory_problems
 from hybridjax.metrics.tracking import missing_logger_packages
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.lora import LoRAConfig
+from hybridjax.rewards.genrm import TEMPLATE_FIELDS, unknown_fields
 from hybridjax.rewards.manager import (
     overlong_enabled,
 )
@@ -230,6 +231,21 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         not c.reward_model.enable or bool(c.reward_model.model.path or c.reward_model.remote.urls),
         "reward_model.enable is true but reward_model.model.path and reward_model.remote.urls "
         "are empty",
+    )
+    gen = c.reward_model.generative
+    need(
+        not gen.enable or c.reward_model.enable,
+        "reward_model.generative.enable is true but reward_model.enable is false",
+    )
+    need(
+        not gen.enable or gen.min_score <= gen.max_score,
+        f"reward_model.generative.min_score ({gen.min_score}) > max_score ({gen.max_score})",
+    )
+    unknown = unknown_fields(gen.prompt_template)
+    need(
+        not (gen.enable and unknown),
+        f"reward_model.generative.prompt_template: unknown field(s) {unknown}; valid: "
+        f"{list(TEMPLATE_FIELDS)}",
     )
     need(
         bool(a.model.path) or bool(override),

@@ -43,6 +43,7 @@ from hybridjax.config.fields import (
 from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT
 from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import DTYPE_NAMES
+from hybridjax.rewards.genrm import DEFAULT_TEMPLATE, VERDICT_PARSERS
 from hybridjax.rewards.manager import COMBINE, ON_ERROR_POLICIES, REWARD_MANAGERS
 from hybridjax.rollout.config import ATTENTION_IMPLS
 
@@ -268,6 +269,28 @@ def declared_config() -> ConfigDict:
             retry_backoff_s=at_least(0.5, 0),  # before the first retry, doubling after each
             concurrency=positive(4),
             batch_size=positive(32),
+        ),
+        # a generative reward model (LLM as judge, hybridjax.rewards.genrm): model.path is a
+        # *ForCausalLM judge (with its own tokenizer) run by the paged engine, or remote.urls a
+        # judge server (python -m hybridjax.rewards.serve --judge_path ...)
+        generative=dict(
+            enable=False,
+            # fields {prompt} {response} {ground_truth}: decoded text
+            prompt_template=DEFAULT_TEMPLATE,
+            # verdict text -> score; a name, or parser_path/parser_name: fn(verdict) -> float
+            parser=one_of("number", lambda: sorted(VERDICT_PARSERS)),
+            parser_path="",
+            parser_name="parse_verdict",
+            min_score=0.0,  # number/boxed: accepted range; yes_no: the scores of no/yes
+            max_score=1.0,
+            apply_chat_template=False,  # wrap the filled template as one user turn
+            response_length=positive(16),  # verdict tokens at most
+            prompt_length=positive(1024),  # judge prompt tokens at most
+            temperature=at_least(0.0, 0, "0: greedy"),
+            top_p=within(1.0, 0, 1, low_open=True),
+            top_k=-1,
+            max_num_seqs=positive(64),  # the judge engine's decode slots
+            gpu_memory_utilization=within(0.2, 0, 1, low_open=True),  # its KV pool
         ),
         # stop the run after this many consecutive steps in which most rows' rewards failed
         # (whatever on_error says); such steps are never checkpointed (hybridjax.rewards.guard)

@@ -79,7 +79,8 @@ class RemoteClient:
 
     Args:
       config: `RemoteConfig` with at least one URL.
-      kind: what the servers must serve, `rule` (rows of text) or `model` (token ids).
+      kind: what the servers must serve, `rule` (rows of text), `model` (token ids) or `judge`
+        (a generative reward model: prompt and response texts).
 
     Raises:
       RewardServerError: a URL fails its health check or serves another kind (names the URL).
@@ -114,7 +115,8 @@ class RemoteClient:
         if served != self.kind:
             raise RewardServerError(
                 f"reward server {url} serves kind {served!r}, expected {self.kind!r} "
-                "(a rule server takes rows of text, a model server token ids)"
+                "(a rule server takes rows of text, a model server token ids, a judge server "
+                "prompt and response texts)"
             )
         if not health.get("authorized", True):
             raise RewardServerError(
@@ -196,6 +198,24 @@ class RemoteClient:
         return [
             r if isinstance(r, Outcome) else Outcome.from_json(r)
             for r in self.post_all("/score_tokens", pairs, body)
+        ]
+
+    def judge(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[Any] | None = None,
+    ) -> list[Outcome]:
+        """Verdict scores from `judge` servers (`POST /judge`), one per (prompt, response)
+        text pair; the same outcomes as `hybridjax.rewards.genrm.Judge.score` on the server."""
+        truths = [None] * len(prompts) if ground_truths is None else list(ground_truths)
+        rows = [
+            {"prompt": p, "response": r, "ground_truth": t}
+            for p, r, t in zip(prompts, responses, truths, strict=True)
+        ]
+        return [
+            r if isinstance(r, Outcome) else Outcome.from_json(r)
+            for r in self.post_all("/judge", rows, lambda chunk: {"rows": chunk})
         ]
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
     python -m hybridjax.rewards.serve --port 8000               # built-ins by data_source
     python -m hybridjax.rewards.serve --custom_path my.py --custom_name fn --timeout_s 10
     python -m hybridjax.rewards.serve --model_path ckpt/rm      # *ForSequenceClassification
+    python -m hybridjax.rewards.serve --judge_path ckpt/judge \
+        --judge_config '{"parser": "number", "max_score": 10}'  # a generative RM (LLM judge)
 
 JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`):
   * `GET /health` → `{"status": "ok", "kind": "rule" | "model", "serves": str, "authorized":
@@ -13,6 +15,12 @@ JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`)
     "extras": {...}}` or `{"kind": "error" | "crash" | "timeout" | "nonfinite", "error": str}`.
   * `POST /score_tokens` (model servers) `{"prompts": [[int]], "responses": [[int]]}` (token ids
     without padding) → `{"results": [{"kind": "ok", "score": float, "extras": {}}]}`.
+  * `POST /judge` (judge servers) `{"rows": [{"prompt": str, "response": str, "ground_truth"}]}`
+    → `{"results": [...]}`: the verdict's parsed score with extras `genrm_prompt_tokens`,
+    `genrm_verdict_tokens`, or `{"kind": "error"}` for an unparseable verdict
+    (`hybridjax.rewards.genrm`: template, parser and sampling from `--judge_config`, the keys of
+    `reward_model.generative`; the judge runs on our paged engine with continuous batching, so
+    several trainers share one judge).
 A malformed body gets 422 with the reason, a wrong or missing bearer token 401 (when the
 environment variable `HYBRIDJAX_REWARD_TOKEN` is set for the server), a body over
 `--max_request_bytes` 413, a body without Content-Length 411. The server binds 127.0.0.1 unless
@@ -63,6 +71,16 @@ class ScoreRequest(pydantic.BaseModel):
 class TokenRequest(pydantic.BaseModel):
     prompts: list[list[pydantic.NonNegativeInt]]
     responses: list[list[pydantic.NonNegativeInt]]
+
+
+class JudgeRow(pydantic.BaseModel):
+    prompt: str
+    response: str
+    ground_truth: Any = None
+
+
+class JudgeRequest(pydantic.BaseModel):
+    rows: list[JudgeRow]
 
 
 class BodyLimit:
@@ -135,6 +153,29 @@ class ServedModel:
         return [float(s) for s in scores[:n]]
 
 
+class ServedJudge:
+    """A generative reward model (`hybridjax.rewards.genrm.load_judge`) on this process's
+    devices (the generation mesh of all of them); one judge batch at a time (the engine's host
+    loop is not thread-safe), continuous batching within it."""
+
+    def __init__(self, path: str, block: dict[str, Any], dtype: str = "float32"):
+        from hybridjax.rewards import genrm
+        from hybridjax.sharding import MeshConfig, make_meshes
+
+        self.config = genrm.JudgeConfig.from_dict(block)
+        engine_config = genrm.judge_engine_config(block)
+        mesh = make_meshes(MeshConfig()).generate
+        self.judge = genrm.load_judge(path, self.config, engine_config, mesh, dtype)
+        self.path = path
+        self._lock = threading.Lock()
+
+    def score(self, rows: list[JudgeRow]):
+        with self._lock:
+            return self.judge.score(
+                [r.prompt for r in rows], [r.response for r in rows], [r.ground_truth for r in rows]
+            )
+
+
 def describe_rule(config: RewardConfig) -> str:
     """What a rule server scores with, e.g. `built-in rules (naive)` or
     `my.py:fn {"bonus": 0.1} (batch)`; URLs serving different things are refused by clients."""
@@ -150,14 +191,16 @@ def create_app(
     model: ServedModel | None = None,
     token: str = "",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    judge: ServedJudge | None = None,
 ) -> fastapi.FastAPI:
-    """The ASGI app: a rule server (`reward_config`) or a model server (`model`).
+    """The ASGI app: a rule server (`reward_config`), a model server (`model`) or a judge
+    server (`judge`).
 
     Raises:
-      ValueError: both or neither of `reward_config` and `model`.
+      ValueError: not exactly one of `reward_config`, `model` and `judge`.
     """
-    if (reward_config is None) == (model is None):
-        raise ValueError("a reward server serves either a rule function or a reward model")
+    if sum(x is not None for x in (reward_config, model, judge)) != 1:
+        raise ValueError("a reward server serves one of a rule function, a reward model, a judge")
 
     def authorized(authorization: str) -> bool:
         return not token or secrets.compare_digest(authorization, f"Bearer {token}")
@@ -188,6 +231,14 @@ def create_app(
                 raise fastapi.HTTPException(422, "prompts and responses differ in length")
             scores = model.score(request.prompts, request.responses)
             return {"results": [normalize(s).to_json() for s in scores]}
+
+    elif judge is not None:
+        health = {"status": "ok", "kind": "judge",
+                  "serves": f"judge {judge.path} ({judge.config.describe()})"}  # fmt: skip
+
+        @app.post("/judge", dependencies=guarded)
+        def judge_rows(request: JudgeRequest) -> dict:
+            return {"results": [o.to_json() for o in judge.score(request.rows)]}
 
     else:
         health = {"status": "ok", "kind": "rule", "reward_manager": reward_config.reward_manager,
@@ -254,9 +305,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout_s", type=float, default=30.0)
     parser.add_argument("--model_path", default="", help="an HF *ForSequenceClassification dir")
     parser.add_argument("--micro_batch_size_per_device", type=int, default=16)
+    parser.add_argument("--judge_path", default="", help="an HF *ForCausalLM judge dir")
+    parser.add_argument(
+        "--judge_config", default="{}", help="JSON: keys of reward_model.generative"
+    )
+    parser.add_argument("--dtype", default="float32", help="the judge's parameters")
     parser.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     args = parser.parse_args(argv)
-    if args.model_path:
+    token = os.environ.get(TOKEN_ENV, "")
+    if args.judge_path:
+        try:
+            block = json.loads(args.judge_config)
+        except json.JSONDecodeError as e:
+            parser.error(f"--judge_config is not JSON: {e}")
+        served = ServedJudge(args.judge_path, block, args.dtype)
+        app = create_app(judge=served, token=token, max_request_bytes=args.max_request_bytes)
+        what = f"judge {args.judge_path} ({served.config.describe()})"
+    elif args.model_path:
         app = create_app(
             model=ServedModel(args.model_path, args.micro_batch_size_per_device),
             token=os.environ.get(TOKEN_ENV, ""),
@@ -279,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_request_bytes=args.max_request_bytes)  # fmt: skip
     import uvicorn
 
-    what = f"model {args.model_path}" if args.model_path else describe_rule(config)
+    if not args.judge_path:
+        what = f"model {args.model_path}" if args.model_path else describe_rule(config)
     print(f"serving {what} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -166,6 +166,21 @@ def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
     )
 
 
+def build_judge(cfg: ConfigDict, mesh, seed: int = 0):
+    """A generative reward model's `score` (`reward_model.generative.enable` with a local
+    `reward_model.model.path`, an HF `*ForCausalLM` with its tokenizer) on a paged engine of
+    its own on `mesh`: the rollout's devices, or the reward model's pool
+    (`placement.reward_model`). None when there is no local judge."""
+    from hybridjax.rewards import genrm
+
+    rm = cfg.reward_model
+    if not (rm.enable and rm.generative.enable and rm.model.path):
+        return None
+    config = dataclasses.replace(genrm.JudgeConfig.from_dict(rm.generative), seed=seed)
+    engine_config = genrm.judge_engine_config(rm.generative)
+    return genrm.load_judge(rm.model.path, config, engine_config, mesh, rm.model.dtype).score
+
+
 def forward_micro_batch(requested: int, rows: int, data_parallel: int) -> int:
     """Rows per micro-batch of a forward-only pass: the largest multiple of `data_parallel` that
     divides `rows` and is at most `requested` per device × `data_parallel` (at least one per
@@ -369,7 +384,8 @@ def build_models(
         critic = build_critic(cfg, critic_model_config(cfg, actor_config), critic_mesh, seed + 1)
         critic_graphdef, critic_params = nnx.split(critic)
         critic_state = init_sharded_train_state(critic_params, (critic_stage or stage).critic_optim)
-    if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
+    rm = cfg.reward_model  # a judge (`generative`) is built with the engines (`build_judge`)
+    if rm.enable and rm.model.path and not rm.generative.enable:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     ref_params, ref_is_base = None, use_ref and lora

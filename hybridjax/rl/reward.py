@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,9 +41,11 @@ from hybridjax.rewards import (
     decode_responses,
     place_scores,
 )
+from hybridjax.rewards.genrm import JudgeConfig, judge_metrics
 from hybridjax.rewards.manager import check_outcomes, serves_model
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
+from hybridjax.rewards.scoring import Outcome
 from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.build import forward_micro_batch
 from hybridjax.rl.generation import HostColumns, put_global
@@ -81,7 +84,19 @@ def check_reward_servers(cfg) -> None:
     """
     remote = RemoteConfig.from_dict(cfg.reward_model.remote)
     if remote.urls:
-        RemoteClient(remote, "model" if serves_model(cfg.reward_model) else "rule").close()
+        RemoteClient(remote, served_kind(cfg.reward_model)).close()
+
+
+def served_kind(rm) -> str:
+    """What `reward_model.remote.urls` serve: `judge` (a generative reward model), `model`
+    (a reward model, `serves_model`) or `rule`."""
+    if serves_model(rm):
+        return "judge" if rm.generative.enable else "model"
+    return "rule"
+
+
+# (prompt texts, response texts, ground truths) -> one outcome per row
+JudgeFn = Callable[[Sequence[str], Sequence[str], Sequence[Any]], list[Outcome]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +127,10 @@ class RewardStage:
       model_sharding: the batch axes of the reward model's own pool when it is not the
         actor's (`placement.reward_model`): its inputs move there and its scores back; None
         when they share one.
+      judge: a generative reward model (`reward_model.generative`): a local
+        `hybridjax.rewards.genrm.Judge.score` or a judge server's `RemoteClient.judge` (then
+        `model_client` is that client); it replaces `reward_model` and runs on the stage's
+        thread, so the trainer's device stages run meanwhile.
     """
 
     def __init__(
@@ -126,8 +145,10 @@ class RewardStage:
         combine: str = "replace",
         packing: PackingConfig | None = None,
         model_sharding: NamedSharding | None = None,
+        judge: JudgeFn | None = None,
     ):
         self.manager = manager
+        self.judge = judge
         self.tokenizer = tokenizer
         self.reward_model = reward_model
         self.micro_per_device = micro_batch_size_per_device
@@ -146,9 +167,12 @@ class RewardStage:
 
     @classmethod
     def from_config(
-        cls, cfg, tokenizer, reward_model, sharding, data_parallel, model_sharding=None
-    ) -> RewardStage:
-        """The stage of a trainer config (`reward_model.*`, `custom_reward_function.*`).
+        cls, cfg, tokenizer, reward_model, sharding, data_parallel, model_sharding=None,
+        judge=None,
+    ) -> RewardStage:  # fmt: skip
+        """The stage of a trainer config (`reward_model.*`, `custom_reward_function.*`);
+        `judge`, a local judge's `score` (`genrm.load_judge`) when `reward_model.generative`
+        has a `model.path`.
 
         Raises:
           RewardServerError: a reward server fails its health check (names the URL).
@@ -157,7 +181,10 @@ class RewardStage:
         config = RewardConfig.from_config(cfg)
         client = None
         if serves_model(rm):
-            client = RemoteClient(RemoteConfig.from_dict(rm.remote), "model")
+            client = RemoteClient(RemoteConfig.from_dict(rm.remote), served_kind(rm))
+            if rm.generative.enable:
+                JudgeConfig.from_dict(rm.generative)  # the server's, but checked here too
+                judge = client.judge
         return cls(
             RewardManager(config),
             tokenizer,
@@ -171,6 +198,7 @@ class RewardStage:
                 "reward_model"
             ],
             model_sharding,
+            judge,
         )
 
     def submit(self, batch: RLBatch, host: HostColumns, step: int = 0) -> PendingScores:
@@ -199,11 +227,12 @@ class RewardStage:
                 micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
                 packing=self.packing,
             )
-        elif self.model_client is not None:
+        elif self.model_client is not None or self.judge is not None:
             # Host sync (small): every process gets the whole batch's prompt ids.
             prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
             prompt_mask = np.asarray(mask)[:, : prompts.shape[1]].astype(bool)
-            model = self._posts.submit(self._score_served, prompts, prompt_mask, host)
+            score = self._score_judged if self.judge is not None else self._score_served
+            model = self._posts.submit(score, prompts, prompt_mask, host)
         pending = PendingScores(rule, model, nbytes)
         self._watch.submit(self._record, pending, step, start)
         return pending
@@ -230,14 +259,28 @@ class RewardStage:
             [p[m].tolist() for p, m in zip(np.asarray(prompts), prompt_mask, strict=True)],
             [r[m].tolist() for r, m in zip(host.responses, mask, strict=True)],
         )
+        return self._placed(outcomes, host, {})
+
+    def _score_judged(self, prompts, prompt_mask, host: HostColumns):
+        """(B×R float32 token scores, metrics with `reward/genrm_*`) from the judge, on the
+        decoded prompts and responses; an unparseable verdict follows `reward_model.on_error`.
+        Blocks this thread for the judge's generation (inside the `reward` stage's time)."""
+        if self.model_client is not None:
+            self.model_client.reset_counters()
+        ids = [p[m] for p, m in zip(np.asarray(prompts), prompt_mask, strict=True)]
+        texts = decode_responses(self.tokenizer, host.responses, host.valid_mask)
+        outcomes = self.judge(self.tokenizer.batch_decode(ids), texts, list(host.ground_truth))
+        return self._placed(outcomes, host, judge_metrics(outcomes))
+
+    def _placed(self, outcomes: list[Outcome], host: HostColumns, metrics: dict[str, float]):
+        """Outcomes → (B×R float32 scores on each last token, metrics); applies `on_error`."""
         first = self._model_batches == 0
         self._model_batches += 1
-        metrics = check_outcomes(outcomes, host.data_source, self.manager.config.on_error, first)
-        scores = np.array([o.score for o in outcomes], np.float32)
+        checked = check_outcomes(outcomes, host.data_source, self.manager.config.on_error, first)
+        scores = np.array([o.score if o.kind == "ok" else 0.0 for o in outcomes], np.float32)
         width = host.responses.shape[1]
-        return place_scores(scores, host.response_lengths, width), metrics | (
-            self.model_client.metrics()
-        )
+        served = self.model_client.metrics() if self.model_client is not None else {}
+        return place_scores(scores, host.response_lengths, width), checked | metrics | served
 
     def collect(self, pending: PendingScores) -> tuple[jax.Array, RewardResult]:
         """(token_level_scores B×R float32 in `sharding`, the rule's result, whose metrics

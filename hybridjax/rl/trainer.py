@@ -144,6 +144,7 @@ class RLTrainer:
             self.multi_turn,
             needs_reward_baseline(cfg.algorithm.adv_estimator),
         )
+        judge_mesh = local_mesh(run.role_meshes.get("reward_model", self.meshes.generate))
         self.reward = RewardStage.from_config(
             cfg,
             self.tokenizer,
@@ -151,6 +152,7 @@ class RLTrainer:
             self.batch_sharding,
             run.data_parallel,
             self.pool_batch_shardings.get("reward_model"),
+            build.build_judge(cfg, judge_mesh, t.seed),
         )
         self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
         self.weights.rollout_ahead = self.rollout_ahead

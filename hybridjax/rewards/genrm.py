@@ -1,0 +1,286 @@
+"""A generative reward model (LLM as judge): the judge *writes* a verdict, a parser reads a score.
+
+Per row (`reward_model.generative.*`):
+  1. the judge prompt is `prompt_template` filled with the decoded `{prompt}`, `{response}` and
+     `{ground_truth}` (and wrapped in the judge tokenizer's chat template as one user turn when
+     `apply_chat_template`), tokenized with the *judge's* tokenizer (it need not be the actor's);
+  2. the judge generates at most `response_length` verdict tokens (`temperature` 0 = greedy);
+  3. the verdict text goes through the parser (`parser`, a name in `VERDICT_PARSERS`, or
+     `parser_path` / `parser_name`, a function `fn(verdict: str) -> float` of a user file): its
+     float is the row's score. A verdict it cannot read (the parser raises ValueError) is an
+     `error` outcome and follows `reward_model.on_error` like a failing rule function.
+
+The judge generates through a `GenerateFn` (token-id prompts in, token-id verdicts out):
+`engine_generate` runs our paged engine (`hybridjax.rollout`) with continuous batching; the
+trainer builds it on the rollout's devices, `hybridjax.rewards.serve --judge_path` on its own.
+
+Prefix sharing: the engine shares full prompt pages only among the `n` samples of one request.
+The judge prompts of a prompt's n responses share `template head + prompt` but differ from the
+response on, so each is a request of its own and its prefix is prefilled n times. Sharing it
+would take a prefix cache in `hybridjax.rollout.pages` (full pages keyed by the hash of their
+tokens and of the pages before them, reference-counted, looked up in `admit` before a prefill).
+
+Verl has no built-in judge: its reward loop leaves template, generation and parsing to a user
+`custom_reward_function` that calls a served GenRM (docs/rewards.md, "Generative reward model").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridjax.rewards.scoring import Outcome
+from hybridjax.user_code import load_module
+
+GenerateFn = Callable[[list[list[int]]], list[list[int]]]
+VerdictParser = Callable[[str, float, float], float]
+
+VERDICT_PARSERS: dict[str, VerdictParser] = {}
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
+DEFAULT_TEMPLATE = (
+    "Rate the response to the question from 0 to 1.\nQuestion: {prompt}\nResponse: {response}\n"
+    "Score:"
+)
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+def unknown_fields(template: str) -> list[str]:
+    """The `{field}` names of a judge prompt template that are not in `TEMPLATE_FIELDS`."""
+    return sorted(set(re.findall(r"\{(\w*)\}", template)) - set(TEMPLATE_FIELDS))
+
+
+def register_parser(name: str) -> Callable[[VerdictParser], VerdictParser]:
+    """Adds a verdict parser `fn(verdict, min_score, max_score) -> float` under `name`.
+
+    Raises:
+      ValueError: `name` is already registered.
+    """
+
+    def add(fn: VerdictParser) -> VerdictParser:
+        if name in VERDICT_PARSERS:
+            raise ValueError(f"verdict parser {name!r} is already registered")
+        VERDICT_PARSERS[name] = fn
+        return fn
+
+    return add
+
+
+def _in_range(value: float, low: float, high: float) -> float:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"score {value} outside [{low}, {high}]")
+    return value
+
+
+@register_parser("number")
+def parse_number(verdict: str, low: float, high: float) -> float:
+    """The last number in the verdict, which must lie in [low, high] (e.g. `Score: 7`)."""
+    found = re.findall(_NUMBER, verdict)
+    if not found:
+        raise ValueError("no number in the verdict")
+    return _in_range(float(found[-1]), low, high)
+
+
+@register_parser("yes_no")
+def parse_yes_no(verdict: str, low: float, high: float) -> float:
+    """`high` when the verdict's first word is yes, `low` when it is no (case-insensitive)."""
+    words = re.findall(r"[a-z]+", verdict.lower())
+    if words and words[0] in ("yes", "no"):
+        return high if words[0] == "yes" else low
+    raise ValueError("the verdict does not start with yes or no")
+
+
+@register_parser("boxed")
+def parse_boxed(verdict: str, low: float, high: float) -> float:
+    """The number in the last `\\boxed{...}` of the verdict, in [low, high]."""
+    found = re.findall(r"\\boxed\{\s*(" + _NUMBER + r")\s*\}", verdict)
+    if not found:
+        raise ValueError("no \\boxed{number} in the verdict")
+    return _in_range(float(found[-1]), low, high)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """`reward_model.generative.*` (see the module docstring); `temperature` 0 is greedy,
+    `response_length` the verdict's token bound, `seed` the sampling seed."""
+
+    prompt_template: str = DEFAULT_TEMPLATE
+    parser: str = "number"
+    parser_path: str = ""
+    parser_name: str = "parse_verdict"
+    min_score: float = 0.0
+    max_score: float = 1.0
+    apply_chat_template: bool = False
+    response_length: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = unknown_fields(self.prompt_template)
+        if unknown:
+            raise ValueError(
+                f"reward_model.generative.prompt_template: unknown field(s) {unknown}; "
+                f"valid: {list(TEMPLATE_FIELDS)}"
+            )
+        if not self.parser_path and self.parser not in VERDICT_PARSERS:
+            raise ValueError(
+                f"reward_model.generative.parser={self.parser!r}; expected one of "
+                f"{sorted(VERDICT_PARSERS)} (or parser_path for a function of your own)"
+            )
+        if self.min_score > self.max_score:
+            raise ValueError("reward_model.generative.min_score must be <= max_score")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> JudgeConfig:
+        """From the `reward_model.generative` block (a ConfigDict or dict)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"seed"}
+        return cls(**{k: d[k] for k in names if k in d})
+
+    def describe(self) -> str:
+        """What the judge's parser is (its health and errors name it)."""
+        return f"{self.parser_path}:{self.parser_name}" if self.parser_path else self.parser
+
+
+def load_parser(config: JudgeConfig) -> Callable[[str], float]:
+    """The configured parser as `fn(verdict) -> float`.
+
+    Raises:
+      ValueError: `parser_path` has no callable `parser_name`.
+    """
+    if not config.parser_path:
+        fn = VERDICT_PARSERS[config.parser]
+        return lambda v: fn(v, config.min_score, config.max_score)
+    custom = getattr(load_module(config.parser_path), config.parser_name, None)
+    if not callable(custom):
+        raise ValueError(
+            f"reward_model.generative.parser_path {config.parser_path!r} has no function "
+            f"{config.parser_name!r} (reward_model.generative.parser_name)"
+        )
+    return lambda v: _in_range(float(custom(v)), -math.inf, math.inf)
+
+
+class Judge:
+    """Scores (prompt, response) texts by generating verdicts.
+
+    Args:
+      config: the template, parser and sampling settings.
+      tokenizer: the judge's tokenizer (`encode`, `decode`, `apply_chat_template`).
+      generate: judge prompt ids → verdict ids (`engine_generate`, or a stub in tests).
+    """
+
+    def __init__(self, config: JudgeConfig, tokenizer: Any, generate: GenerateFn):
+        self.config, self.tokenizer, self.generate = config, tokenizer, generate
+        self.parse = load_parser(config)
+
+    def judge_prompt(self, prompt: str, response: str, ground_truth: Any = None) -> list[int]:
+        """The judge's prompt token ids for one row."""
+        fields = dict(prompt=prompt, response=response, ground_truth="" if ground_truth is None
+                      else str(ground_truth))  # fmt: skip
+        text = self.config.prompt_template.format(**fields)
+        if self.config.apply_chat_template:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        return self.tokenizer.encode(text)
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[Any] | None = None,
+    ) -> list[Outcome]:
+        """One `Outcome` per row: `ok` with the parsed score, or `error` for an unreadable
+        verdict; extras `genrm_prompt_tokens`, `genrm_verdict_tokens` (counts) either way.
+        One batched `generate` call for all rows (continuous batching inside it)."""
+        truths = [None] * len(prompts) if ground_truths is None else list(ground_truths)
+        ids = [self.judge_prompt(*row) for row in zip(prompts, responses, truths, strict=True)]
+        verdicts = self.generate(ids) if ids else []
+        outcomes = []
+        for prompt_ids, verdict_ids in zip(ids, verdicts, strict=True):
+            extras = {
+                "genrm_prompt_tokens": len(prompt_ids),
+                "genrm_verdict_tokens": len(verdict_ids),
+            }
+            text = self.tokenizer.decode(verdict_ids)
+            try:
+                outcomes.append(Outcome(score=self.parse(text), extras=extras))
+            except ValueError as e:
+                error = f"unparseable verdict ({self.config.describe()}: {e}): {text[:80]!r}"
+                outcomes.append(Outcome(kind="error", error=error, extras=extras))
+        return outcomes
+
+
+def judge_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """`reward/genrm_*` of a batch: `parse_failures` (rows whose verdict was unreadable),
+    `score_mean` over parsed verdicts, and the mean `prompt_tokens` / `verdict_tokens` per
+    parsed row (a served judge returns no counts for failed rows, so both paths count these)."""
+    ok = [o for o in outcomes if o.kind == "ok"]
+    failures = sum(
+        o.kind == "error" and o.error.startswith("unparseable verdict") for o in outcomes
+    )
+    mean = lambda values: float(sum(values) / len(values)) if values else 0.0
+    return {
+        "reward/genrm_parse_failures": float(failures),
+        "reward/genrm_score_mean": mean([o.score for o in ok]),
+        "reward/genrm_prompt_tokens": mean([o.extras.get("genrm_prompt_tokens", 0) for o in ok]),
+        "reward/genrm_verdict_tokens": mean([o.extras.get("genrm_verdict_tokens", 0) for o in ok]),
+    }
+
+
+def engine_generate(engine: Any, config: JudgeConfig, pad_token_id: int = 0) -> GenerateFn:
+    """A `GenerateFn` on a paged `Engine`: one request per judge prompt (n = 1), continuous
+    batching, at most `config.response_length` tokens each, the stop token dropped. Blocks
+    (host loop; the engine is not thread-safe, so one judge batch at a time per engine)."""
+    from hybridjax.rollout import SamplingParams
+    from hybridjax.rollout.batching import generate
+
+    params = SamplingParams(
+        n=1,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        max_tokens=config.response_length,
+        seed=config.seed,
+    )
+    stops = set(engine.eos_ids)
+
+    def run(prompt_ids: list[list[int]]) -> list[list[int]]:
+        out = generate(engine, prompt_ids, params, pad_token_id=pad_token_id)
+        masks = out.response_mask.astype(bool)
+        rows = [r[m].tolist() for r, m in zip(out.responses, masks, strict=True)]
+        return [r[:-1] if r and r[-1] in stops else r for r in rows]
+
+    return run
+
+
+def judge_engine_config(block: Any):
+    """The judge engine's `RolloutConfig` from `reward_model.generative` (`prompt_length`,
+    `response_length`, `max_num_seqs`, `gpu_memory_utilization`; page size 16)."""
+    from hybridjax.rollout import RolloutConfig
+
+    return RolloutConfig(
+        max_num_seqs=int(block.get("max_num_seqs", 64)),
+        prompt_length=int(block.get("prompt_length", 1024)),
+        response_length=int(block.get("response_length", 16)),
+        gpu_memory_utilization=float(block.get("gpu_memory_utilization", 0.2)),
+    )
+
+
+def load_judge(path: str, config: JudgeConfig, engine_config: Any, mesh=None, dtype="float32"):
+    """A `Judge` on a paged engine: the HF `*ForCausalLM` checkpoint and tokenizer at `path`,
+    parameters in `dtype`, the engine on `mesh` (None: the default device).
+
+    Raises:
+      FileNotFoundError / ValueError: as `load_pretrained` and `Tokenizer.from_pretrained`.
+    """
+    from hybridjax.models.hf_io import load_pretrained
+    from hybridjax.models.tokenizer import Tokenizer
+    from hybridjax.rollout import Engine
+
+    overrides = {"param_dtype": dtype, "dtype": dtype}
+    model = load_pretrained(path, kind="causal_lm", config_overrides=overrides)
+    tokenizer = Tokenizer.from_pretrained(path)
+    engine = Engine(model, engine_config, mesh=mesh)
+    return Judge(config, tokenizer, engine_generate(engine, config, tokenizer.pad_token_id or 0))

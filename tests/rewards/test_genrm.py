@@ -1,0 +1,161 @@
+"""The generative reward model (`hybridjax.rewards.genrm`): verdict parsers, the template and
+parse path on a stubbed generate, the paged engine on a tiny judge whose verdicts are known, the
+judge server against the local judge, and a GRPO step judged by it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hybridjax.rewards import genrm
+from hybridjax.rewards.manager import RewardFunctionError, check_outcomes
+from hybridjax.rewards.remote import RemoteClient, RemoteConfig
+from hybridjax.rewards.serve import ServedJudge, create_app
+from tests.http_testing import serve
+from tests.rewards import judge_testing as jt
+
+BLOCK = dict(prompt_template=jt.TEMPLATE, max_score=10.0, response_length=4, prompt_length=64,
+             max_num_seqs=4)  # fmt: skip
+PROMPTS = ["2+2", "3+3", "what?", "1+1"]
+RESPONSES = ["four!", "six?", "ok", "two !"]
+
+
+@pytest.mark.parametrize(
+    "name, verdict, score",
+    [
+        ("number", "The answer is fine. Score: 7", 7.0),
+        ("number", "0.5", 0.5),
+        ("yes_no", " Yes, it is correct", 10.0),
+        ("yes_no", "no.", 0.0),
+        ("boxed", "I give it \\boxed{3} (was \\boxed{9}) \\boxed{ 4.5 }", 4.5),
+    ],
+)
+def test_parsers_read_the_score(name, verdict, score):
+    assert genrm.VERDICT_PARSERS[name](verdict, 0.0, 10.0) == score
+
+
+@pytest.mark.parametrize(
+    "name, verdict",
+    [("number", "no idea"), ("number", "11"), ("yes_no", "maybe yes"), ("boxed", "7")],
+)
+def test_parsers_refuse_what_they_cannot_read(name, verdict):
+    with pytest.raises(ValueError):
+        genrm.VERDICT_PARSERS[name](verdict, 0.0, 10.0)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="parser='nope'.*boxed"):
+        genrm.JudgeConfig(parser="nope")
+    with pytest.raises(ValueError, match=r"prompt_template.*\['question'\]"):
+        genrm.JudgeConfig(prompt_template="{question} {response}")
+    with pytest.raises(ValueError, match="register"):
+        genrm.register_parser("number")(lambda v, lo, hi: 0.0)
+
+
+def test_template_and_parse_on_a_stubbed_generate(tmp_path):
+    """The judge sees the filled template (judge tokenizer), its verdict text is parsed; a
+    custom parser by path; an unreadable verdict is an error outcome with its text."""
+    tok = jt.tokenizer()
+    seen = []
+
+    def generate(ids):
+        seen.extend(tok.decode(i) for i in ids)
+        return [tok.encode(v) for v in ("Score: 7", "3.5", "none")]
+
+    template = "Q: {prompt} A: {response} truth={ground_truth}"
+    judge = genrm.Judge(genrm.JudgeConfig(prompt_template=template, max_score=10), tok, generate)
+    out = judge.score(["1+1", "2+2", "x"], ["2", "4", "y"], ["2", None, 5])
+    assert seen == ["Q: 1+1 A: 2 truth=2", "Q: 2+2 A: 4 truth=", "Q: x A: y truth=5"]
+    assert [o.kind for o in out] == ["ok", "ok", "error"]
+    assert [o.score for o in out[:2]] == [7.0, 3.5]
+    assert "unparseable verdict" in out[2].error and "'none'" in out[2].error
+    assert out[0].extras["genrm_verdict_tokens"] == len(tok.encode("Score: 7"))
+    metrics = genrm.judge_metrics(out)
+    assert metrics["reward/genrm_parse_failures"] == 1
+    assert metrics["reward/genrm_score_mean"] == pytest.approx(5.25)
+
+    (tmp_path / "parse.py").write_text("def parse_verdict(v):\n    return len(v) / 10\n")
+    custom = genrm.JudgeConfig(parser_path=str(tmp_path / "parse.py"))
+    out = genrm.Judge(custom, tok, generate).score(["a"] * 3, ["b"] * 3)
+    assert [o.score for o in out] == [0.8, 0.3, 0.4]
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    return jt.save_judge(str(tmp_path_factory.mktemp("judge")))
+
+
+@pytest.fixture(scope="module")
+def local_judge(judge_dir):
+    config = genrm.JudgeConfig.from_dict(BLOCK)
+    return genrm.load_judge(judge_dir, config, genrm.judge_engine_config(BLOCK))
+
+
+def test_engine_judge_scores_equal_the_known_verdicts(local_judge):
+    """Greedy decoding of the tiny judge on the paged engine: `!` → 9, `?` → x (unparseable,
+    an error that `on_error` handles), anything else → 2; one token each."""
+    out = local_judge.score(PROMPTS, RESPONSES)
+    expected = [jt.expected_verdict(r) for r in RESPONSES]
+    assert expected == ["9", "x", "2", "9"]
+    assert [o.kind for o in out] == ["ok", "error", "ok", "ok"]
+    assert [o.score for o in out if o.kind == "ok"] == [9.0, 2.0, 9.0]
+    assert all(o.extras["genrm_verdict_tokens"] == 1 for o in out)
+    metrics = genrm.judge_metrics(out)
+    assert metrics["reward/genrm_score_mean"] == pytest.approx(20 / 3)
+    assert metrics["reward/genrm_parse_failures"] == 1
+    # on_error: zero scores the row 0 (and counts it), raise stops
+    counts = check_outcomes(out, ["gsm8k"] * 4, "zero", first_batch=True)
+    assert counts["reward/num_errors"] == 1
+    with pytest.raises(RewardFunctionError, match="unparseable verdict"):
+        check_outcomes(out, ["gsm8k"] * 4, "raise", first_batch=False)
+
+
+def test_served_judge_equals_the_local_one(judge_dir, local_judge):
+    """`POST /judge` of `hybridjax.rewards.serve` through the trainer's client: the same
+    outcomes and metrics as the local judge."""
+    app = create_app(judge=ServedJudge(judge_dir, BLOCK))
+    for url in serve(app):
+        client = RemoteClient(RemoteConfig(urls=(url,), batch_size=3), "judge")
+        served = client.judge(PROMPTS, RESPONSES)
+        client.close()
+    local = local_judge.score(PROMPTS, RESPONSES)
+    assert [(o.kind, o.score) for o in served] == [(o.kind, o.score) for o in local]
+    assert genrm.judge_metrics(served) == genrm.judge_metrics(local)
+
+
+@pytest.mark.slow
+def test_grpo_step_judged_by_the_generative_reward_model(judge_dir, tmp_path_factory):
+    """One GRPO step on the tiny config with the judge (co-located on the rollout's devices)
+    as the only reward: every row's score is a verdict of the judge (2 or 9, 0 when it wrote
+    `x`) and the judge's metrics are reported."""
+    from hybridjax.rl.trainer import RLTrainer
+    from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
+
+    data = gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=8, test_rows=8)
+    run = tmp_path_factory.mktemp("run")
+    changes = {f"reward_model.generative.{k}": v for k, v in BLOCK.items()}
+    changes |= {
+        "algorithm.adv_estimator": "grpo",
+        "critic.enable": False,
+        "actor_rollout_ref.rollout.n": 2,
+        "trainer.total_training_steps": 1,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": False,
+        "trainer.save_freq": -1,
+        "reward_model.enable": True,
+        "reward_model.model.path": judge_dir,
+        "reward_model.generative.enable": True,
+        "reward_model.generative.prompt_length": 256,
+    }
+    trainer = RLTrainer(tiny_config(data, run, **changes))
+    assert trainer.models.reward_model is None  # no classifier: the judge scores
+    trainer.fit()
+    trainer.close()
+    m = read_metrics(run)[1]
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["reward/genrm_prompt_tokens"] > 0 and m["reward/genrm_verdict_tokens"] == 1
+    assert m["reward/genrm_score_mean"] in (2.0, 9.0) or 2.0 < m["reward/genrm_score_mean"] < 9
+    assert m["reward/num_errors"] == m["reward/genrm_parse_failures"]
+    assert m["critic/score/max"] <= 9 and m["critic/score/min"] >= 0
+    assert m["timing_s/reward"] > 0

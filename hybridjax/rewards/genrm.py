@@ -11,7 +11,7 @@ Per row (`reward_model.generative.*`):
      `error` outcome and follows `reward_model.on_error` like a failing rule function.
 
 The judge generates through a `GenerateFn` (token-id prompts in, token-id verdicts out):
-`engine_generate` runs our paged engine (`hybridjax.rollout`) with continuous batching; the
+`EngineGenerate` runs our paged engine (`hybridjax.rollout`) with continuous batching; the
 trainer builds it on the rollout's devices, `hybridjax.rewards.serve --judge_path` on its own.
 
 Prefix sharing: the engine shares full prompt pages only among the `n` samples of one request.
@@ -169,7 +169,7 @@ class Judge:
     Args:
       config: the template, parser and sampling settings.
       tokenizer: the judge's tokenizer (`encode`, `decode`, `apply_chat_template`).
-      generate: judge prompt ids → verdict ids (`engine_generate`, or a stub in tests).
+      generate: judge prompt ids → verdict ids (`EngineGenerate`, or a stub in tests).
     """
 
     def __init__(self, config: JudgeConfig, tokenizer: Any, generate: GenerateFn):
@@ -229,30 +229,32 @@ def judge_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
     }
 
 
-def engine_generate(engine: Any, config: JudgeConfig, pad_token_id: int = 0) -> GenerateFn:
+class EngineGenerate:
     """A `GenerateFn` on a paged `Engine`: one request per judge prompt (n = 1), continuous
     batching, at most `config.response_length` tokens each, the stop token dropped. Blocks
     (host loop; the engine is not thread-safe, so one judge batch at a time per engine)."""
-    from hybridjax.rollout import SamplingParams
-    from hybridjax.rollout.batching import generate
 
-    params = SamplingParams(
-        n=1,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        max_tokens=config.response_length,
-        seed=config.seed,
-    )
-    stops = set(engine.eos_ids)
+    def __init__(self, engine: Any, config: JudgeConfig, pad_token_id: int = 0):
+        from hybridjax.rollout import SamplingParams
 
-    def run(prompt_ids: list[list[int]]) -> list[list[int]]:
-        out = generate(engine, prompt_ids, params, pad_token_id=pad_token_id)
+        self.engine, self.pad_token_id = engine, pad_token_id
+        self.params = SamplingParams(
+            n=1,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            max_tokens=config.response_length,
+            seed=config.seed,
+        )
+
+    def __call__(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        from hybridjax.rollout.batching import generate
+
+        out = generate(self.engine, prompt_ids, self.params, pad_token_id=self.pad_token_id)
+        stops = set(self.engine.eos_ids)
         masks = out.response_mask.astype(bool)
         rows = [r[m].tolist() for r, m in zip(out.responses, masks, strict=True)]
         return [r[:-1] if r and r[-1] in stops else r for r in rows]
-
-    return run
 
 
 def judge_engine_config(block: Any):
@@ -275,12 +277,15 @@ def load_judge(path: str, config: JudgeConfig, engine_config: Any, mesh=None, dt
     Raises:
       FileNotFoundError / ValueError: as `load_pretrained` and `Tokenizer.from_pretrained`.
     """
+    from hybridjax.models.decoder import CausalLM
     from hybridjax.models.hf_io import load_pretrained
     from hybridjax.models.tokenizer import Tokenizer
     from hybridjax.rollout import Engine
 
     overrides = {"param_dtype": dtype, "dtype": dtype}
     model = load_pretrained(path, kind="causal_lm", config_overrides=overrides)
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"reward_model.model.path {path!r}: a judge is a causal LM")
     tokenizer = Tokenizer.from_pretrained(path)
     engine = Engine(model, engine_config, mesh=mesh)
-    return Judge(config, tokenizer, engine_generate(engine, config, tokenizer.pad_token_id or 0))
+    return Judge(config, tokenizer, EngineGenerate(engine, config, tokenizer.pad_token_id or 0))

@@ -267,10 +267,13 @@ class RewardStage:
         Blocks this thread for the judge's generation (inside the `reward` stage's time)."""
         if self.model_client is not None:
             self.model_client.reset_counters()
+        start = time.perf_counter()
         ids = [p[m] for p, m in zip(np.asarray(prompts), prompt_mask, strict=True)]
         texts = decode_responses(self.tokenizer, host.responses, host.valid_mask)
         outcomes = self.judge(self.tokenizer.batch_decode(ids), texts, list(host.ground_truth))
-        return self._placed(outcomes, host, judge_metrics(outcomes))
+        # the judge's whole time; `timing_s/reward` shows the part no other stage overlapped
+        spent = {"reward/genrm_time_s": time.perf_counter() - start}
+        return self._placed(outcomes, host, judge_metrics(outcomes) | spent)
 
     def _placed(self, outcomes: list[Outcome], host: HostColumns, metrics: dict[str, float]):
         """Outcomes → (B×R float32 scores on each last token, metrics); applies `on_error`."""

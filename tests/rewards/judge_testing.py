@@ -42,7 +42,8 @@ def expected_verdict(response: str) -> str:
 def make_judge() -> CausalLM:
     tok = tokenizer()
     eos = tok.eos_token_id
-    ids = lambda text: tok.token_to_id(text)
+    vocab = tok.backend.get_vocab()
+    ids = lambda text: vocab[text]
     config = ModelConfig(
         vocab_size=tok.vocab_size,
         hidden_size=8,

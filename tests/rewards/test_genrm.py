@@ -125,14 +125,15 @@ def test_served_judge_equals_the_local_one(judge_dir, local_judge):
 
 
 @pytest.mark.slow
-def test_grpo_step_judged_by_the_generative_reward_model(judge_dir, tmp_path_factory):
-    """One GRPO step on the tiny config with the judge (co-located on the rollout's devices)
-    as the only reward: every row's score is a verdict of the judge (2 or 9, 0 when it wrote
-    `x`) and the judge's metrics are reported."""
+@pytest.mark.parametrize("pool", ["rollout", "reward_pool"])
+def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, tmp_path_factory):
+    """One GRPO step on the tiny config with the judge as the only reward, co-located on the
+    rollout's devices or on a pool of its own (`placement.reward_model`): every row's score is
+    a verdict of the judge (2 or 9, 0 when it wrote `x`) and its metrics are reported."""
     from hybridjax.rl.trainer import RLTrainer
     from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
-    data = gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=8, test_rows=8)
+    data = gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=16, test_rows=8)
     run = tmp_path_factory.mktemp("run")
     changes = {f"reward_model.generative.{k}": v for k, v in BLOCK.items()}
     changes |= {
@@ -148,14 +149,26 @@ def test_grpo_step_judged_by_the_generative_reward_model(judge_dir, tmp_path_fac
         "reward_model.generative.enable": True,
         "reward_model.generative.prompt_length": 256,
     }
-    trainer = RLTrainer(tiny_config(data, run, **changes))
+    config = tiny_config(data, run, **changes)
+    if pool == "reward_pool":
+        config.resource_pool = dict(
+            global_pool=dict(n_devices=4),
+            reward_pool=dict(n_devices=2),
+            rollout_pool=dict(n_devices=2),
+        )  # devices in name order: 0-3, 4-5, 6-7
+        config.placement.update(dict(rollout="rollout_pool", reward_model="reward_pool"))
+    trainer = RLTrainer(config)
     assert trainer.models.reward_model is None  # no classifier: the judge scores
+    engine = trainer.reward.judge.__self__.generate.engine
+    judge_devices = {d.id for d in engine.mesh.devices.flat}
+    rollout_devices = {d.id for d in trainer.meshes.generate.devices.flat}
+    assert judge_devices == (rollout_devices if pool == "rollout" else {4, 5})
     trainer.fit()
     trainer.close()
     m = read_metrics(run)[1]
     assert all(math.isfinite(v) for v in m.values())
     assert m["reward/genrm_prompt_tokens"] > 0 and m["reward/genrm_verdict_tokens"] == 1
-    assert m["reward/genrm_score_mean"] in (2.0, 9.0) or 2.0 < m["reward/genrm_score_mean"] < 9
+    assert 2.0 <= m["reward/genrm_score_mean"] <= 9.0
     assert m["reward/num_errors"] == m["reward/genrm_parse_failures"]
     assert m["critic/score/max"] <= 9 and m["critic/score/min"] >= 0
-    assert m["timing_s/reward"] > 0
+    assert m["timing_s/reward"] > 0 and m["reward/genrm_time_s"] > 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +50,11 @@ _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 
 def unknown_fields(template: str) -> list[str]:
     """The `{field}` names of a judge prompt template that are not in `TEMPLATE_FIELDS`."""
-    return sorted(set(re.findall(r"\{(\w*)\}", template)) - set(TEMPLATE_FIELDS))
+    try:  # str.format's own parser: `{{` and `}}` are literal braces
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        return [f"(malformed template: {e})"]
+    return sorted({re.split(r"[.\[]", f)[0] for f in names} - set(TEMPLATE_FIELDS))
 
 
 def register_parser(name: str) -> Callable[[VerdictParser], VerdictParser]:

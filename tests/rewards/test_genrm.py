@@ -87,6 +87,13 @@ def judge_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from tests.rl.tiny_run import gsm8k_subset
+
+    return gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=16, test_rows=8)
+
+
+@pytest.fixture(scope="module")
 def local_judge(judge_dir):
     config = genrm.JudgeConfig.from_dict(BLOCK)
     return genrm.load_judge(judge_dir, config, genrm.judge_engine_config(BLOCK))
@@ -126,14 +133,13 @@ def test_served_judge_equals_the_local_one(judge_dir, local_judge):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["rollout", "reward_pool"])
-def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, tmp_path_factory):
+def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, data, tmp_path_factory):
     """One GRPO step on the tiny config with the judge as the only reward, co-located on the
     rollout's devices or on a pool of its own (`placement.reward_model`): every row's score is
     a verdict of the judge (2 or 9, 0 when it wrote `x`) and its metrics are reported."""
     from hybridjax.rl.trainer import RLTrainer
-    from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
+    from tests.rl.tiny_run import read_metrics, tiny_config
 
-    data = gsm8k_subset(tmp_path_factory.mktemp("gsm8k"), train_rows=16, test_rows=8)
     run = tmp_path_factory.mktemp("run")
     changes = {f"reward_model.generative.{k}": v for k, v in BLOCK.items()}
     changes |= {
@@ -172,3 +178,11 @@ def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, tmp_pa
     assert m["reward/num_errors"] == m["reward/genrm_parse_failures"]
     assert m["critic/score/max"] <= 9 and m["critic/score/min"] >= 0
     assert m["timing_s/reward"] > 0 and m["reward/genrm_time_s"] > 0
+
+
+def test_template_fields():
+    assert genrm.unknown_fields("\\boxed{{score}} {prompt} {response}") == []
+    assert genrm.unknown_fields("{prompt} {answer}") == ["answer"]
+    assert genrm.unknown_fields("{prompt") == [
+        "(malformed template: expected '}' before end of string)"
+    ]

@@ -25,9 +25,13 @@ def _load(name, tmp_path):
     return config
 
 
-@pytest.mark.parametrize("name", ["tiny", "gsm8k_ppo", "gsm8k_grpo", "gsm8k_multiturn"])
+@pytest.mark.parametrize(
+    "name", ["tiny", "gsm8k_ppo", "gsm8k_grpo", "gsm8k_multiturn", "gsm8k_grpo_genrm"]
+)
 def test_shipped_configs_are_valid_on_8_devices(name, tmp_path):
     config = _load(name, tmp_path)
+    if config.reward_model.enable and not config.reward_model.model.path:
+        config.reward_model.model.path = "/models/Qwen2.5-7B-Instruct"  # the judge
     if (
         not config.actor_rollout_ref.model.path
         and not config.actor_rollout_ref.model.override_config

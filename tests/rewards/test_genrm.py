@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from hybridjax.rewards import genrm
@@ -186,3 +187,57 @@ def test_template_fields():
     assert genrm.unknown_fields("{prompt") == [
         "(malformed template: expected '}' before end of string)"
     ]
+
+
+def _host_columns(responses: list[list[int]], width: int = 8):
+    from hybridjax.rl.generation import HostColumns
+
+    ids = np.zeros((len(responses), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, r in enumerate(responses):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    n = len(responses)
+    lengths = mask.sum(1)
+    return HostColumns(["gsm8k"] * n, ["4"] * n, [{}] * n, np.ones(n, bool), lengths * 0 + 3,
+                       lengths, ids, mask)  # fmt: skip
+
+
+def test_reward_stage_scores_the_verdicts_locally_and_served(judge_dir, local_judge):
+    """The reward stage with the judge: the token scores are the parsed verdicts on each last
+    response token, the unparseable one scored 0 by `on_error=zero`; a judge server configured
+    through `reward_model.remote.urls` gives the same scores and `reward/genrm_*` metrics."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hybridjax.config.schema import base_config
+    from hybridjax.rewards import RewardConfig, RewardManager
+    from hybridjax.rl.reward import RewardStage
+
+    tok = jt.tokenizer()
+    prompts = np.array([[0, 0] + tok.encode(p)[-3:] for p in ["2+2", "3+3", "what?", "1+1"]])
+    prompt_mask = np.ones(prompts.shape, bool)
+    prompt_mask[:, :2] = False
+    host = _host_columns([tok.encode(r) for r in RESPONSES])
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec())
+    local = RewardStage(RewardManager(RewardConfig()), tok, None, 1, sharding, 1,
+                        judge=local_judge.score)  # fmt: skip
+    scores, metrics = local._score_judged(prompts, prompt_mask, host)
+    last = host.response_lengths - 1
+    assert scores[np.arange(4), last].tolist() == [9.0, 0.0, 2.0, 9.0]
+    assert scores.sum() == 20.0
+    assert metrics["reward/num_errors"] == 1 and metrics["reward/genrm_parse_failures"] == 1
+    local.close()
+
+    cfg = base_config()
+    cfg.reward_model.enable = True
+    cfg.reward_model.generative.enable = True
+    for url in serve(create_app(judge=ServedJudge(judge_dir, BLOCK))):
+        cfg.reward_model.remote.urls = url
+        served = RewardStage.from_config(cfg, tok, None, sharding, 1)
+        assert served.model_client is not None and served.model_client.kind == "judge"
+        served_scores, served_metrics = served._score_judged(prompts, prompt_mask, host)
+        served.close()
+    np.testing.assert_array_equal(served_scores, scores)
+    for key in [k for k in metrics if k.startswith("reward/genrm_") and k != "reward/genrm_time_s"]:
+        assert served_metrics[key] == metrics[key], key
+    assert served_metrics["reward/remote_latency_ms"] > 0

@@ -243,6 +243,7 @@ class EngineGenerate:
         from hybridjax.rollout import SamplingParams
 
         self.engine, self.pad_token_id = engine, pad_token_id
+        self._requests = 0
         self.params = SamplingParams(
             n=1,
             temperature=config.temperature,
@@ -255,7 +256,11 @@ class EngineGenerate:
     def __call__(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         from hybridjax.rollout.batching import generate
 
-        out = generate(self.engine, prompt_ids, self.params, pad_token_id=self.pad_token_id)
+        # request indices run on across calls: a sampled verdict draws fresh noise each batch
+        first, self._requests = self._requests, self._requests + len(prompt_ids)
+        out = generate(
+            self.engine, prompt_ids, self.params, pad_token_id=self.pad_token_id, first_index=first
+        )
         stops = set(self.engine.eos_ids)
         masks = out.response_mask.astype(bool)
         rows = [r[m].tolist() for r, m in zip(out.responses, masks, strict=True)]

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -233,8 +235,11 @@ def create_app(
             return {"results": [normalize(s).to_json() for s in scores]}
 
     elif judge is not None:
-        health = {"status": "ok", "kind": "judge",
-                  "serves": f"judge {judge.path} ({judge.config.describe()})"}  # fmt: skip
+        # the settings' digest: URLs with other templates or sampling are refused together
+        settings = json.dumps(dataclasses.asdict(judge.config), sort_keys=True)
+        digest = hashlib.sha256(settings.encode()).hexdigest()[:12]
+        serves = f"judge {judge.path} ({judge.config.describe()}, {digest})"
+        health = {"status": "ok", "kind": "judge", "serves": serves}
 
         @app.post("/judge", dependencies=guarded)
         def judge_rows(request: JudgeRequest) -> dict:

@@ -175,10 +175,19 @@ class Judge:
       config: the template, parser and sampling settings.
       tokenizer: the judge's tokenizer (`encode`, `decode`, `apply_chat_template`).
       generate: judge prompt ids → verdict ids (`EngineGenerate`, or a stub in tests).
+      max_prompt_tokens: longer judge prompts are not generated but fail their row (the
+        engine's `reward_model.generative.prompt_length`); None: no limit.
     """
 
-    def __init__(self, config: JudgeConfig, tokenizer: Any, generate: GenerateFn):
+    def __init__(
+        self,
+        config: JudgeConfig,
+        tokenizer: Any,
+        generate: GenerateFn,
+        max_prompt_tokens: int | None = None,
+    ):
         self.config, self.tokenizer, self.generate = config, tokenizer, generate
+        self.max_prompt_tokens = max_prompt_tokens
         self.parse = load_parser(config)
 
     def judge_prompt(self, prompt: str, response: str, ground_truth: Any = None) -> list[int]:
@@ -197,13 +206,22 @@ class Judge:
         ground_truths: Sequence[Any] | None = None,
     ) -> list[Outcome]:
         """One `Outcome` per row: `ok` with the parsed score, or `error` for an unreadable
-        verdict; extras `genrm_prompt_tokens`, `genrm_verdict_tokens` (counts) either way.
+        verdict (extras `genrm_prompt_tokens`, `genrm_verdict_tokens` either way) or a judge
+        prompt over `max_prompt_tokens` (not generated).
         One batched `generate` call for all rows (continuous batching inside it)."""
         truths = [None] * len(prompts) if ground_truths is None else list(ground_truths)
         ids = [self.judge_prompt(*row) for row in zip(prompts, responses, truths, strict=True)]
-        verdicts = self.generate(ids) if ids else []
+        limit = self.max_prompt_tokens
+        fits = [limit is None or len(i) <= limit for i in ids]
+        judged = [i for i, ok in zip(ids, fits, strict=True) if ok]
+        verdicts = iter(self.generate(judged) if judged else [])
         outcomes = []
-        for prompt_ids, verdict_ids in zip(ids, verdicts, strict=True):
+        for prompt_ids, fit in zip(ids, fits, strict=True):
+            if not fit:
+                error = f"judge prompt of {len(prompt_ids)} tokens > prompt_length {limit}"
+                outcomes.append(Outcome(kind="error", error=error))
+                continue
+            verdict_ids = next(verdicts)
             extras = {
                 "genrm_prompt_tokens": len(prompt_ids),
                 "genrm_verdict_tokens": len(verdict_ids),
@@ -298,4 +316,5 @@ def load_judge(path: str, config: JudgeConfig, engine_config: Any, mesh=None, dt
         raise TypeError(f"reward_model.model.path {path!r}: a judge is a causal LM")
     tokenizer = Tokenizer.from_pretrained(path)
     engine = Engine(model, engine_config, mesh=mesh)
-    return Judge(config, tokenizer, EngineGenerate(engine, config, tokenizer.pad_token_id or 0))
+    generate = EngineGenerate(engine, config, tokenizer.pad_token_id or 0)
+    return Judge(config, tokenizer, generate, engine_config.prompt_length)

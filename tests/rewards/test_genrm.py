@@ -76,6 +76,13 @@ def test_template_and_parse_on_a_stubbed_generate(tmp_path):
     assert metrics["reward/genrm_parse_failures"] == 1
     assert metrics["reward/genrm_score_mean"] == pytest.approx(5.25)
 
+    seen.clear()
+    short = genrm.Judge(genrm.JudgeConfig(prompt_template=template, max_score=10), tok, generate,
+                        max_prompt_tokens=len(tok.encode("Q: 1+1 A: 2 truth=2")))  # fmt: skip
+    out = short.score(["1+1", "2+2 is a longer question", "x"], ["2", "4", "y"], ["2", None, 5])
+    assert len(seen) == 2 and [o.kind for o in out] == ["ok", "error", "ok"]
+    assert "> prompt_length" in out[1].error and out[2].score == 3.5
+
     (tmp_path / "parse.py").write_text("def parse_verdict(v):\n    return len(v) / 10\n")
     custom = genrm.JudgeConfig(parser_path=str(tmp_path / "parse.py"))
     out = genrm.Judge(custom, tok, generate).score(["a"] * 3, ["b"] * 3)

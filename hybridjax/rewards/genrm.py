@@ -14,11 +14,11 @@ The judge generates through a `GenerateFn` (token-id prompts in, token-id verdic
 `EngineGenerate` runs our paged engine (`hybridjax.rollout`) with continuous batching; the
 trainer builds it on the rollout's devices, `hybridjax.rewards.serve --judge_path` on its own.
 
-Prefix sharing: the engine shares full prompt pages only among the `n` samples of one request.
-The judge prompts of a prompt's n responses share `template head + prompt` but differ from the
-response on, so each is a request of its own and its prefix is prefilled n times. Sharing it
-would take a prefix cache in `hybridjax.rollout.pages` (full pages keyed by the hash of their
-tokens and of the pages before them, reference-counted, looked up in `admit` before a prefill).
+Prefix sharing: a judge prompt is split at `{response}` into a prefix (template head and
+prompt, the same for a prompt's n responses, whose rows are consecutive) and a continuation,
+each tokenized on its own. `EngineGenerate` sends each run of equal prefixes as one request of
+n samples (`hybridjax.rollout.batching.generate_after_prefixes`): the prefix's full pages are
+computed once and shared, and each sample's slot computes only its own continuation.
 
 Verl has no built-in judge: its reward loop leaves template, generation and parsing to a user
 `custom_reward_function` that calls a served GenRM (docs/rewards.md, "Generative reward model").
@@ -36,7 +36,10 @@ from typing import Any
 from hybridjax.rewards.scoring import Outcome
 from hybridjax.user_code import load_module
 
-GenerateFn = Callable[[list[list[int]]], list[list[int]]]
+# (per row: judge prompt prefix ids, continuation ids) -> per row: verdict ids. Consecutive
+# rows with equal prefixes (one prompt's responses) may share the prefix's computation.
+GenerateFn = Callable[[list[list[int]], list[list[int]]], list[list[int]]]
+_RESPONSE_MARK = "\x00hybridjax-response\x00"
 VerdictParser = Callable[[str, float, float], float]
 
 VERDICT_PARSERS: dict[str, VerdictParser] = {}
@@ -190,14 +193,24 @@ class Judge:
         self.max_prompt_tokens = max_prompt_tokens
         self.parse = load_parser(config)
 
-    def judge_prompt(self, prompt: str, response: str, ground_truth: Any = None) -> list[int]:
-        """The judge's prompt token ids for one row."""
-        fields = dict(prompt=prompt, response=response, ground_truth="" if ground_truth is None
-                      else str(ground_truth))  # fmt: skip
+    def judge_prompt(
+        self, prompt: str, response: str, ground_truth: Any = None
+    ) -> tuple[list[int], list[int]]:
+        """The judge's prompt for one row as (prefix ids, continuation ids): the text before
+        `{response}` (template head, prompt; the same for a prompt's n responses) and the
+        response with the rest, each tokenized on its own so that the prefix is shared."""
+        truth = "" if ground_truth is None else str(ground_truth)
+        fields = dict(prompt=prompt, response=_RESPONSE_MARK, ground_truth=truth)
         text = self.config.prompt_template.format(**fields)
         if self.config.apply_chat_template:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        return self.tokenizer.encode(text)
+            message = [{"role": "user", "content": text}]
+            text = str(self.tokenizer.apply_chat_template(message, tokenize=False))
+        head, mark, tail = text.partition(_RESPONSE_MARK)
+        prefix = self.tokenizer.encode(head)
+        rest = self.tokenizer.encode(response + tail if mark else "")
+        if not prefix:  # the engine wants a prefix of at least one token
+            prefix, rest = rest[:1], rest[1:]
+        return prefix, rest
 
     def score(
         self,
@@ -210,20 +223,20 @@ class Judge:
         prompt over `max_prompt_tokens` (not generated).
         One batched `generate` call for all rows (continuous batching inside it)."""
         truths = [None] * len(prompts) if ground_truths is None else list(ground_truths)
-        ids = [self.judge_prompt(*row) for row in zip(prompts, responses, truths, strict=True)]
+        parts = [self.judge_prompt(*row) for row in zip(prompts, responses, truths, strict=True)]
         limit = self.max_prompt_tokens
-        fits = [limit is None or len(i) <= limit for i in ids]
-        judged = [i for i, ok in zip(ids, fits, strict=True) if ok]
-        verdicts = iter(self.generate(judged) if judged else [])
+        fits = [limit is None or len(p) + len(c) <= limit for p, c in parts]
+        judged = [pc for pc, ok in zip(parts, fits, strict=True) if ok]
+        verdicts = iter(self.generate(*map(list, zip(*judged, strict=True))) if judged else [])
         outcomes = []
-        for prompt_ids, fit in zip(ids, fits, strict=True):
+        for (prefix, rest), fit in zip(parts, fits, strict=True):
             if not fit:
-                error = f"judge prompt of {len(prompt_ids)} tokens > prompt_length {limit}"
+                error = f"judge prompt of {len(prefix) + len(rest)} tokens > prompt_length {limit}"
                 outcomes.append(Outcome(kind="error", error=error))
                 continue
             verdict_ids = next(verdicts)
             extras = {
-                "genrm_prompt_tokens": len(prompt_ids),
+                "genrm_prompt_tokens": len(prefix) + len(rest),
                 "genrm_verdict_tokens": len(verdict_ids),
             }
             text = self.tokenizer.decode(verdict_ids)
@@ -271,17 +284,20 @@ class EngineGenerate:
             seed=config.seed,
         )
 
-    def __call__(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        from hybridjax.rollout.batching import generate
+    def __call__(self, prefixes: list[list[int]], rests: list[list[int]]) -> list[list[int]]:
+        from hybridjax.rollout.batching import generate_after_prefixes
 
+        heads: list[list[int]] = []
+        groups: list[list[list[int]]] = []
+        for prefix, rest in zip(prefixes, rests, strict=True):
+            if not heads or heads[-1] != prefix:  # a new prompt (its rows are consecutive)
+                heads.append(prefix)
+                groups.append([])
+            groups[-1].append(rest)
         # request indices run on across calls: a sampled verdict draws fresh noise each batch
-        first, self._requests = self._requests, self._requests + len(prompt_ids)
-        out = generate(
-            self.engine, prompt_ids, self.params, pad_token_id=self.pad_token_id, first_index=first
-        )
+        first, self._requests = self._requests, self._requests + len(heads)
+        rows = generate_after_prefixes(self.engine, heads, groups, self.params, first)
         stops = set(self.engine.eos_ids)
-        masks = out.response_mask.astype(bool)
-        rows = [r[m].tolist() for r, m in zip(out.responses, masks, strict=True)]
         return [r[:-1] if r and r[-1] in stops else r for r in rows]
 
 
@@ -290,6 +306,7 @@ def judge_engine_config(block: Any):
     `response_length`, `max_num_seqs`, `gpu_memory_utilization`; page size 16)."""
     from hybridjax.rollout import RolloutConfig
 
+    # a slot holds prefix + continuation (≤ prompt_length together, `Judge`) + verdict
     return RolloutConfig(
         max_num_seqs=int(block.get("max_num_seqs", 64)),
         prompt_length=int(block.get("prompt_length", 1024)),

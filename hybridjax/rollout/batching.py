@@ -164,3 +164,83 @@ def pad_rows(tokens, masks, log_probs, width: int, pad_token_id: int):
     for i, (t, m, lp) in enumerate(zip(tokens, masks, log_probs, strict=True)):
         responses[i, : len(t)], mask[i, : len(m)], lps[i, : len(lp)] = t, m, lp
     return responses, mask, lps
+
+
+def generate_after_prefixes(
+    engine: Engine,
+    prefixes: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[Sequence[int]]],
+    params: SamplingParams,
+    first_index: int = 0,
+) -> list[list[int]]:
+    """Samples one completion of each `prefix + continuation`, a prefix's KV pages computed
+    once for all its continuations (a judge's template head and prompt, shared by the
+    prompt's n responses).
+
+    Prefix j is one request with `n = len(continuations[j])` samples: its full pages are
+    prefilled once and shared (as the n samples of a rollout prompt); each sample's slot then
+    `extend`s its own continuation (only those tokens are computed) and samples at most
+    `params.max_tokens` tokens. Continuous batching: a prefix's group is admitted when a replica
+    has the slots and pages, samples are inserted as slots free up.
+
+    Args:
+      engine: an idle `Engine`; its `response_length` must hold the longest continuation plus
+        `params.max_tokens` (its `prompt_length` the longest prefix).
+      prefixes: token ids, each at least one token.
+      continuations: per prefix, the token-id continuations (one output row each; an empty
+        one samples right after the prefix).
+      params: `n` is ignored (one completion per continuation).
+
+    Returns:
+      The sampled ids of each row (stop token included), in the order of `continuations`
+      flattened.
+
+    Raises:
+      ValueError: a prefix is empty, or a group can never be served (as `generate`).
+    """
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("every prefix needs at least one token")
+    longest = [max((len(c) for c in group), default=0) for group in continuations]
+    requests = [
+        Request(
+            tuple(p),
+            dataclasses.replace(params, n=len(g), max_tokens=params.max_tokens + extra),
+            first_index + j,
+        )
+        for j, (p, g, extra) in enumerate(zip(prefixes, continuations, longest, strict=True))
+        if g
+    ]
+    for r in requests:
+        engine.check_request(r)
+    if engine.num_active:
+        raise RuntimeError("generate_after_prefixes() needs an idle engine")
+    first_row = np.cumsum([0] + [len(g) for g in continuations])
+    tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
+    queue = collections.deque(requests)
+    waiting: collections.deque[Prefix] = collections.deque()
+    owner: dict[int, int] = {}
+    rows_of = {r.index: first_row[r.index - first_index] for r in requests}
+    conts = [c for group in continuations for c in group]
+    while queue or waiting or owner:
+        before = set(owner)
+        fill_slots(engine, queue, waiting, owner, rows_of, 0)
+        appends = {}
+        for slot in set(owner) - before:
+            cont = conts[owner[slot]]
+            if cont:  # the slot waits on the prefix's last token: feed the continuation
+                engine.slots.active[slot] = False
+                appends[slot] = (list(cont), params.max_tokens)
+            else:
+                engine.slots.max_tokens[slot] = params.max_tokens
+        engine.extend(appends)
+        if not owner:
+            raise RuntimeError("no request could be admitted; the page pool is too small")
+        pending = len(queue) + sum(p.samples_left for p in waiting)
+        exit_when = min(pending, refill_batch(engine)) if pending else None
+        out = engine.generate(engine.config.decode_steps_per_call, exit_when_done=exit_when)
+        for slot, row in list(owner.items()):
+            tokens[row].extend(out.tokens[slot, out.tokens[slot] >= 0].tolist())
+            if out.finished[slot]:
+                engine.free_resource(slot)
+                del owner[slot]
+    return tokens

@@ -60,8 +60,8 @@ def test_template_and_parse_on_a_stubbed_generate(tmp_path):
     tok = jt.tokenizer()
     seen = []
 
-    def generate(ids):
-        seen.extend(tok.decode(i) for i in ids)
+    def generate(prefixes, rests):
+        seen.extend(tok.decode(p + r) for p, r in zip(prefixes, rests, strict=True))
         return [tok.encode(v) for v in ("Score: 7", "3.5", "none")]
 
     template = "Q: {prompt} A: {response} truth={ground_truth}"

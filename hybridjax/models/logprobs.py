@@ -12,9 +12,21 @@ logits and forms its gradient from them,
 
 (p = softmax(z)), so at most one chunk's B×C×V logits exist at a time, forward or backward.
 The chunks cut the position axis, never the batch axis, so batch-sharded hidden states keep
-their sharding; the logits of a chunk are sharded over the vocabulary like the head, and the
-log-sum-exp is a cross-device max and sum (Megatron's vocab-parallel cross-entropy,
-Shoeybi et al. 2019) wherever the partitioner leaves the vocabulary split.
+their sharding.
+
+Vocab-parallel head (`LogProbConfig.mesh` set, the training mesh): the fused head runs under
+`jax.shard_map` with the vocabulary split over the mesh's `tensor` and `fsdp` axes (the
+training rules' `vocab` axes, as far as they divide V) and the rows over the other axes. Each
+device holds its D × V/n slice of the head, the hidden states of its rows' group (an
+all-gather of B×T×D activations over the vocabulary axes) and the logits of its vocabulary
+slice; the log-sum-exp is a `pmax` and a `psum` over the vocabulary axes, the target's logit
+a masked local pick and a `psum` (Megatron's vocab-parallel cross-entropy, Shoeybi et al.
+2019). The backward forms each device's head gradient from its own slice (summed over the
+row axes only: data parallelism) and `psum`s the hidden states' gradient over the
+vocabulary axes, so no device gathers the head or reduces a full-size head gradient.
+Without a mesh, GSPMD partitions the same jnp chunks as it likes: for the FSDP-sharded head
+(D over fsdp) it all-gathers the D × V/tp head per chunk and all-reduces its full gradient
+(`tests/models/test_vocab_parallel.py` reads both in the HLO).
 
 The unfused path (`use_fused_kernels` False) is the reference: full logits, `log_softmax`,
 and the entropy of `hybridjax.algorithms.entropy` (chunked and/or rematerialised per verl's
@@ -27,10 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from hybridjax.algorithms.entropy import entropy_from_logits
 from hybridjax.models.decoder import default_positions
@@ -39,6 +54,9 @@ from hybridjax.models.decoder import default_positions
 # (8 rows × 256 × 152k = 1.2 GB before vocabulary sharding), computed twice (forward and
 # backward recompute) instead of kept.
 FUSED_CHUNK_SIZE = 256
+# The mesh axes the vocabulary is split over, in the order of the training rules' `vocab`
+# rule (`hybridjax.sharding.rules.ACTOR_TRAIN_RULES`): tensor-major.
+VOCAB_AXES = ("tensor", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +70,15 @@ class LogProbConfig:
     entropy_from_logits_with_chunking: `actor.entropy_from_logits_with_chunking` (unfused
       path): the entropy walks chunks of positions instead of one piece.
     chunk_size: positions per chunk (≥ 1), both paths.
+    mesh: the pass's training mesh: the fused head runs vocab-parallel over its `tensor` and
+      `fsdp` axes (see the module docstring). None: one device, or GSPMD's partitioning.
     """
 
     use_fused_kernels: bool = True
     entropy_checkpointing: bool = True
     entropy_from_logits_with_chunking: bool = True
     chunk_size: int = FUSED_CHUNK_SIZE
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.chunk_size < 1:
@@ -94,7 +115,8 @@ def token_log_probs(
     if config.use_fused_kernels:
         weight, layout = model.head_weight()
         w = weight.astype(hidden_BxTxD.dtype)
-        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy)
+        split = vocab_split(config.mesh, w.shape[0 if layout == "vd" else 1], targets_BxT.shape[0])
+        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy, split)
         log_probs, entropy = _fused(*options, hidden_BxTxD, w, targets_BxT)
         return log_probs, entropy if with_entropy else None
     logits_BxTxV = model.logits(hidden_BxTxD) / jnp.float32(temperature)
@@ -134,55 +156,143 @@ def _from_chunks(x_nxBxC, t: int):
     return jnp.moveaxis(x_nxBxC, 0, 1).reshape(b, n * c, *x_nxBxC.shape[3:])[:, :t]
 
 
-def _chunk_forward(layout, scale, with_entropy, w, h_BxCxD, y_BxC):
-    z = _logits(h_BxCxD, w, layout, scale)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    log_prob = jnp.take_along_axis(z, y_BxC[..., None], axis=-1)[..., 0] - lse
+def vocab_split(mesh: Mesh | None, vocab: int, rows: int) -> Split | None:
+    """(mesh, vocabulary axes, row axes) of the vocab-parallel head, or None (no mesh, or no
+    axis of `VOCAB_AXES` divides `vocab`). Of the mesh's axes of size > 1, the vocabulary
+    takes the longest prefix of `VOCAB_AXES` whose product divides `vocab`, the rows the
+    longest prefix of the other axes whose product divides `rows`; the devices along any
+    remaining axis hold every row (and compute the same)."""
+    if mesh is None:
+        return None
+
+    def prefix(axes, size):
+        kept: list[str] = []
+        for a in axes:
+            if size % math.prod(mesh.shape[b] for b in (*kept, a)):
+                break
+            kept.append(a)
+        return tuple(kept)
+
+    split = [a for a in mesh.axis_names if mesh.shape[a] > 1]  # size-1 axes: no collective
+    vocab_axes = prefix([a for a in VOCAB_AXES if a in split], vocab)
+    if not vocab_axes:
+        return None
+    return mesh, vocab_axes, prefix([a for a in split if a not in vocab_axes], rows)
+
+
+# (mesh, vocabulary axes, row axes) of the vocab-parallel head; see `vocab_split`
+Split = tuple[Mesh, tuple[str, ...], tuple[str, ...]]
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _pmax(x, axes):
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def _first_id(w, layout, axes):
+    """The first vocabulary id of this device's slice of the head (0 without axes)."""
+    if not axes:
+        return 0
+    return jax.lax.axis_index(axes) * w.shape[0 if layout == "vd" else 1]
+
+
+def _chunk_forward(layout, scale, with_entropy, axes, w, h_BxCxD, y_BxC):
+    z = _logits(h_BxCxD, w, layout, scale)  # this device's vocabulary slice
+    m = _pmax(jnp.max(z, axis=-1), axes)
+    lse = m + jnp.log(_psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1), axes))
+    local = y_BxC - _first_id(w, layout, axes)
+    inside = (local >= 0) & (local < z.shape[-1])
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[..., None], axis=-1)
+    log_prob = _psum(jnp.where(inside, picked[..., 0], 0.0), axes) - lse
     if not with_entropy:
         return log_prob, jnp.zeros_like(lse), lse
-    entropy = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+    entropy = lse - _psum(jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1), axes)
     return log_prob, entropy, lse
 
 
-def _fused_forward(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT):
+def _local_forward(layout, scale, chunk, with_entropy, axes, h_BxTxD, w, y_BxT):
     t = y_BxT.shape[1]
     c = min(chunk, t)
-    body = lambda xs: _chunk_forward(layout, scale, with_entropy, w, *xs)
+    body = lambda xs: _chunk_forward(layout, scale, with_entropy, axes, w, *xs)
     outs = jax.lax.map(body, (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c)))
-    log_prob, entropy, lse = (_from_chunks(o, t) for o in outs)
+    return tuple(_from_chunks(o, t) for o in outs)  # log π, H, lse
+
+
+def _specs(layout, split: Split):
+    """shard_map specs of (rows B×T, hidden B×T×D, head weight)."""
+    _, vocab_axes, row_axes = split
+    rows = P(row_axes or None, None)
+    weight = P(vocab_axes, None) if layout == "vd" else P(None, vocab_axes)
+    return rows, P(row_axes or None, None, None), weight
+
+
+def _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
+    fn = functools.partial(_local_forward, layout, scale, chunk, with_entropy)
+    if split is None:
+        log_prob, entropy, lse = fn((), h_BxTxD, w, y_BxT)
+    else:
+        rows, hidden, weight = _specs(layout, split)
+        log_prob, entropy, lse = jax.shard_map(
+            functools.partial(fn, split[1]),
+            mesh=split[0],
+            in_specs=(hidden, weight, rows),
+            out_specs=(rows, rows, rows),
+            check_vma=False,
+        )(h_BxTxD, w, y_BxT)
     return (log_prob, entropy), (h_BxTxD, w, y_BxT, lse, entropy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT):
-    return _fused_forward(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fused(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
+    return _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT)[0]
 
 
-def _fused_backward(layout, scale, chunk, with_entropy, residuals, cotangents):
-    h_BxTxD, w, y_BxT, lse_BxT, entropy_BxT = residuals
-    g_log_prob, g_entropy = cotangents
+def _local_backward(layout, scale, chunk, with_entropy, axes, row_axes, *xs):
+    """(∂h, ∂w) of one device's rows and vocabulary slice: ∂h summed over the vocabulary
+    axes, ∂w over the row axes."""
+    h_BxTxD, w, y_BxT = xs[:3]
     t = y_BxT.shape[1]
     c = min(chunk, t)
-    xs = (h_BxTxD, y_BxT, lse_BxT, entropy_BxT, g_log_prob, g_entropy)
+    first = _first_id(w, layout, axes)
 
     def step(g_w, chunk_xs):
         h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
         z = _logits(h, w, layout, scale)
         p = jnp.exp(z - lse[..., None])
-        onehot = jnp.arange(z.shape[-1]) == y[..., None]
+        onehot = (jnp.arange(z.shape[-1]) + first) == y[..., None]
         g_z = (onehot - p) * g_lp[..., None]
         if with_entropy:
             g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
         g_z = (g_z * scale).astype(h.dtype)
         spec_h = "bcv,vd->bcd" if layout == "vd" else "bcv,dv->bcd"
         spec_w = "bcd,bcv->vd" if layout == "vd" else "bcd,bcv->dv"
-        g_h = jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32)
+        g_h = _psum(jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32), axes)
         g_w = g_w + jnp.einsum(spec_w, h, g_z, preferred_element_type=jnp.float32)
         return g_w, g_h.astype(h.dtype)
 
-    chunks = tuple(_to_chunks(x, c) for x in xs)
+    chunks = tuple(_to_chunks(x, c) for x in (h_BxTxD, *xs[2:]))
     g_w, g_h = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), chunks)
-    return _from_chunks(g_h, t), g_w.astype(w.dtype), None
+    return _from_chunks(g_h, t), _psum(g_w, row_axes).astype(w.dtype)
+
+
+def _fused_backward(layout, scale, chunk, with_entropy, split, residuals, cotangents):
+    fn = functools.partial(_local_backward, layout, scale, chunk, with_entropy)
+    xs = (*residuals, *cotangents)
+    if split is None:
+        g_h, g_w = fn((), (), *xs)
+    else:
+        rows, hidden, weight = _specs(layout, split)
+        g_h, g_w = jax.shard_map(
+            functools.partial(fn, split[1], split[2]),
+            mesh=split[0],
+            in_specs=(hidden, weight, *(rows,) * 5),
+            out_specs=(hidden, weight),
+            check_vma=False,
+        )(*xs)
+    return g_h, g_w, None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

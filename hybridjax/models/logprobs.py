@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjax.algorithms.entropy import entropy_from_logits
@@ -165,7 +165,7 @@ def vocab_split(mesh: Mesh | None, vocab: int, rows: int) -> Split | None:
     if mesh is None:
         return None
 
-    def prefix(axes, size):
+    def prefix(axes: list[str], size: int) -> tuple[str, ...]:
         kept: list[str] = []
         for a in axes:
             if size % math.prod(mesh.shape[b] for b in (*kept, a)):
@@ -213,35 +213,54 @@ def _chunk_forward(layout, scale, with_entropy, axes, w, h_BxCxD, y_BxC):
     return log_prob, entropy, lse
 
 
-def _local_forward(layout, scale, chunk, with_entropy, axes, h_BxTxD, w, y_BxT):
-    t = y_BxT.shape[1]
-    c = min(chunk, t)
-    body = lambda xs: _chunk_forward(layout, scale, with_entropy, axes, w, *xs)
-    outs = jax.lax.map(body, (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c)))
-    return tuple(_from_chunks(o, t) for o in outs)  # log π, H, lse
-
-
-def _specs(layout, split: Split):
-    """shard_map specs of (rows B×T, hidden B×T×D, head weight)."""
+def _specs(layout, split: Split | None):
+    """shard_map specs of (rows B×C, hidden B×C×D, head weight, the head gradient's stack
+    R × head, one block per device along the row axes); all None without a split."""
+    if split is None:
+        return None, None, None, None
     _, vocab_axes, row_axes = split
-    rows = P(row_axes or None, None)
-    weight = P(vocab_axes, None) if layout == "vd" else P(None, vocab_axes)
-    return rows, P(row_axes or None, None, None), weight
+    rows = row_axes or None
+    weight = (vocab_axes, None) if layout == "vd" else (None, vocab_axes)
+    return P(rows, None), P(rows, None, None), P(*weight), P(rows, *weight)
+
+
+def _on_devices(fn, split: Split | None, in_specs, out_specs):
+    """`fn(vocab_axes, row_axes, *blocks)` run by every device on its blocks (`shard_map`
+    over the split's mesh, manual collectives), or `fn((), (), *arrays)` without a split."""
+    if split is None:
+        return functools.partial(fn, (), ())
+    mesh, vocab_axes, row_axes = split
+    return jax.shard_map(
+        functools.partial(fn, vocab_axes, row_axes),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+    )
+
+
+def _relaid(w, weight_spec, split: Split | None):
+    """The head in the split's layout (vocabulary over its axes), relaid once before the
+    chunk loop: an all-to-all of the shards, never a gather."""
+    if split is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, NamedSharding(split[0], weight_spec))
 
 
 def _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
-    fn = functools.partial(_local_forward, layout, scale, chunk, with_entropy)
-    if split is None:
-        log_prob, entropy, lse = fn((), h_BxTxD, w, y_BxT)
-    else:
-        rows, hidden, weight = _specs(layout, split)
-        log_prob, entropy, lse = jax.shard_map(
-            functools.partial(fn, split[1]),
-            mesh=split[0],
-            in_specs=(hidden, weight, rows),
-            out_specs=(rows, rows, rows),
-            check_vma=False,
-        )(h_BxTxD, w, y_BxT)
+    t = y_BxT.shape[1]
+    c = min(chunk, t)
+    rows, hidden, weight, _ = _specs(layout, split)
+    w = _relaid(w, weight, split)
+    body = _on_devices(
+        lambda axes, _, w, h, y: _chunk_forward(layout, scale, with_entropy, axes, w, h, y),
+        split,
+        (weight, hidden, rows),
+        (rows, rows, rows),
+    )
+    chunks = (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c))
+    outs = jax.lax.map(lambda xs: body(w, *xs), chunks)
+    log_prob, entropy, lse = (_from_chunks(o, t) for o in outs)
     return (log_prob, entropy), (h_BxTxD, w, y_BxT, lse, entropy)
 
 
@@ -250,49 +269,47 @@ def _fused(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
     return _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT)[0]
 
 
-def _local_backward(layout, scale, chunk, with_entropy, axes, row_axes, *xs):
-    """(∂h, ∂w) of one device's rows and vocabulary slice: ∂h summed over the vocabulary
-    axes, ∂w over the row axes."""
-    h_BxTxD, w, y_BxT = xs[:3]
-    t = y_BxT.shape[1]
-    c = min(chunk, t)
-    first = _first_id(w, layout, axes)
-
-    def step(g_w, chunk_xs):
-        h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
-        z = _logits(h, w, layout, scale)
-        p = jnp.exp(z - lse[..., None])
-        onehot = (jnp.arange(z.shape[-1]) + first) == y[..., None]
-        g_z = (onehot - p) * g_lp[..., None]
-        if with_entropy:
-            g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
-        g_z = (g_z * scale).astype(h.dtype)
-        spec_h = "bcv,vd->bcd" if layout == "vd" else "bcv,dv->bcd"
-        spec_w = "bcd,bcv->vd" if layout == "vd" else "bcd,bcv->dv"
-        g_h = _psum(jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32), axes)
-        g_w = g_w + jnp.einsum(spec_w, h, g_z, preferred_element_type=jnp.float32)
-        return g_w, g_h.astype(h.dtype)
-
-    chunks = tuple(_to_chunks(x, c) for x in (h_BxTxD, *xs[2:]))
-    g_w, g_h = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), chunks)
-    return _from_chunks(g_h, t), _psum(g_w, row_axes).astype(w.dtype)
+def _chunk_backward(layout, scale, with_entropy, axes, w, g_w_1xW, *chunk_xs):
+    """(this device's head gradient block + the chunk's, ∂h of the chunk summed over the
+    vocabulary axes)."""
+    h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
+    z = _logits(h, w, layout, scale)
+    p = jnp.exp(z - lse[..., None])
+    onehot = (jnp.arange(z.shape[-1]) + _first_id(w, layout, axes)) == y[..., None]
+    g_z = (onehot - p) * g_lp[..., None]
+    if with_entropy:
+        g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
+    g_z = (g_z * scale).astype(h.dtype)
+    spec_h = "bcv,vd->bcd" if layout == "vd" else "bcv,dv->bcd"
+    spec_w = "bcd,bcv->vd" if layout == "vd" else "bcd,bcv->dv"
+    g_h = _psum(jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32), axes)
+    g_w = jnp.einsum(spec_w, h, g_z, preferred_element_type=jnp.float32)
+    return g_w_1xW + g_w[None], g_h.astype(h.dtype)
 
 
 def _fused_backward(layout, scale, chunk, with_entropy, split, residuals, cotangents):
-    fn = functools.partial(_local_backward, layout, scale, chunk, with_entropy)
-    xs = (*residuals, *cotangents)
-    if split is None:
-        g_h, g_w = fn((), (), *xs)
-    else:
-        rows, hidden, weight = _specs(layout, split)
-        g_h, g_w = jax.shard_map(
-            functools.partial(fn, split[1], split[2]),
-            mesh=split[0],
-            in_specs=(hidden, weight, *(rows,) * 5),
-            out_specs=(hidden, weight),
-            check_vma=False,
-        )(*xs)
-    return g_h, g_w, None
+    h_BxTxD, w, y_BxT, lse_BxT, entropy_BxT = residuals
+    t = y_BxT.shape[1]
+    c = min(chunk, t)
+    rows, hidden, weight, stack = _specs(layout, split)
+    body = _on_devices(
+        lambda axes, _, w, g_w, *xs: _chunk_backward(
+            layout, scale, with_entropy, axes, w, g_w, *xs
+        ),
+        split,
+        (weight, stack, hidden, *(rows,) * 5),
+        (stack, hidden),
+    )
+    # the head gradient, one block per device along the row axes (data parallelism), summed
+    # once after the loop: an all-reduce of a vocabulary shard
+    blocks = 1 if split is None else math.prod(split[0].shape[a] for a in split[2])
+    g_w = jnp.zeros((blocks, *w.shape), jnp.float32)
+    if split is not None:
+        g_w = jax.lax.with_sharding_constraint(g_w, NamedSharding(split[0], stack))
+    xs = (h_BxTxD, y_BxT, lse_BxT, entropy_BxT, *cotangents)
+    step = lambda g_w, chunk_xs: body(w, g_w, *chunk_xs)
+    g_w, g_h = jax.lax.scan(step, g_w, tuple(_to_chunks(x, c) for x in xs))
+    return _from_chunks(g_h, t), g_w.sum(axis=0).astype(w.dtype), None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

@@ -17,16 +17,17 @@ their sharding.
 Vocab-parallel head (`LogProbConfig.mesh` set, the training mesh): the fused head runs under
 `jax.shard_map` with the vocabulary split over the mesh's `tensor` and `fsdp` axes (the
 training rules' `vocab` axes, as far as they divide V) and the rows over the other axes. Each
-device holds its D × V/n slice of the head, the hidden states of its rows' group (an
-all-gather of B×T×D activations over the vocabulary axes) and the logits of its vocabulary
-slice; the log-sum-exp is a `pmax` and a `psum` over the vocabulary axes, the target's logit
-a masked local pick and a `psum` (Megatron's vocab-parallel cross-entropy, Shoeybi et al.
-2019). The backward forms each device's head gradient from its own slice (summed over the
-row axes only: data parallelism) and `psum`s the hidden states' gradient over the
-vocabulary axes, so no device gathers the head or reduces a full-size head gradient.
-Without a mesh, GSPMD partitions the same jnp chunks as it likes: for the FSDP-sharded head
-(D over fsdp) it all-gathers the D × V/tp head per chunk and all-reduces its full gradient
-(`tests/models/test_vocab_parallel.py` reads both in the HLO).
+device holds its D × V/n slice of the head, one chunk's hidden states of its rows' group (an
+all-gather of B×C×D activations over the vocabulary axes) and that chunk's logits of its
+vocabulary slice; the log-sum-exp is a `pmax` and a `psum` over the vocabulary axes, the
+target's logit a masked local pick and a `psum` (Megatron's vocab-parallel cross-entropy,
+Shoeybi et al. 2019). The backward forms each device's head gradient from its own slice
+(summed over the row axes once after the chunk loop: data parallelism) and `psum`s the
+hidden states' gradient over the vocabulary axes, so no device gathers the head or reduces
+a full-size head gradient. Without a mesh, GSPMD partitions the same jnp chunks as it
+likes: for the FSDP-stored head (D over fsdp) it all-gathers the D × V/tp head and
+all-reduces its D × V/tp gradient (`tests/models/test_vocab_parallel.py` reads both in the
+HLO).
 
 The unfused path (`use_fused_kernels` False) is the reference: full logits, `log_softmax`,
 and the entropy of `hybridjax.algorithms.entropy` (chunked and/or rematerialised per verl's
@@ -241,7 +242,8 @@ def _on_devices(fn, split: Split | None, in_specs, out_specs):
 
 def _relaid(w, weight_spec, split: Split | None):
     """The head in the split's layout (vocabulary over its axes), relaid once before the
-    chunk loop: an all-to-all of the shards, never a gather."""
+    chunk loop (XLA moves the shards with an all-to-all; `tests/models/test_vocab_parallel.py`
+    checks that no gather of the head is left)."""
     if split is None:
         return w
     return jax.lax.with_sharding_constraint(w, NamedSharding(split[0], weight_spec))

@@ -13,7 +13,8 @@ actor's optimizer state and the whole critic on the host while generating. The c
 from the actor's checkpoint with a fresh value head (verl's PPO); GAE with γ = λ = 1.
 
 Planned per device against the 72 GB budget (0.9 × 80 GB): gen 41.18 GB, values 29.01 GB,
-update_critic 41.05 GB, update_actor 48.61 GB (80.9 GB before), reshard 31.97 GB;
+update_critic 41.05 GB, update_actor 37.19 GB (80.9 GB before, 48.61 GB before the
+vocab-parallel head), reshard 31.97 GB;
 docs/memory.md has the table and what still stands above 40 GB. The plan:
 
     python -m hybridjax.plan --config=configs/gpu_ppo_qwen2_7b_rm.py --devices=8 \\

@@ -98,7 +98,7 @@ def resolve(
         for role in ("ref", "critic", "reward_model")
         if placement.roles[role] != placement.roles["actor"]
     }
-    stage = lambda mesh: stage_config(cfg, steps, data_parallel_size(mesh), actor_model)
+    stage = lambda mesh: stage_config(cfg, steps, data_parallel_size(mesh), actor_model, mesh)
     return RunConfig(
         cfg=cfg,
         actor_model=actor_model,

@@ -9,7 +9,12 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
   parameter dtype, casts them to the compute dtype, and in an update holds their gradient in
   the compute dtype and, unsharded, in float32 until it is reduce-scattered. Only the copies
   that exist are counted (no gather without FSDP, no cast when the dtypes agree); weights stay
-  split over `tensor`.
+  split over `tensor`. With the vocab-parallel head (`vocab_axes`: the fused head on a mesh
+  that splits the vocabulary, `hybridjax.models.logprobs.vocab_split`) the embedding and LM
+  head are never gathered: they count at their shard size (the head's copy relaid over the
+  vocabulary axes, its cast and gradient), and a chunk's hidden states, gathered over the
+  vocabulary axes other than `tensor` (and in an update their gradient), count under
+  "logits".
 * activations: per token a layer holds about 6 hidden-size vectors (residual, norms, attention
   input and output, MLP output) and 3 MLP-size ones (gate, up, their product) in the compute
   dtype (a mixture-of-experts layer instead: its k routed copies of the token and their
@@ -85,18 +90,23 @@ class LoopStep:
         return cls(rows * (prompt + response), rows * response, rows, prompt + response)
 
 
-def _gathered(params: Any, mesh_shape: dict[str, int]) -> tuple[int, int]:
-    """(bytes of one decoder layer's weights, of the embedding and LM head) per device once
-    gathered over FSDP: each weight split only over its `tensor` mesh axis."""
+def _gathered(
+    params: Any, mesh_shape: dict[str, int], vocab_axes: tuple[str, ...] = ()
+) -> tuple[int, int]:
+    """(bytes of all decoder layers' weights, of the embedding, LM head and final norm) per
+    device once gathered over FSDP: each weight split only over its `tensor` mesh axis, the
+    non-layer weights also over `vocab_axes` (the vocab-parallel head: never gathered)."""
     layers, outer = 0, 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
+        in_layers = "layers" in jax.tree_util.keystr(path)
+        kept = {"tensor"} | (set() if in_layers else set(vocab_axes))
         spec = x.sharding.spec if x.sharding is not None else ()
         split = 1
         for axes in spec:
             for axis in (axes,) if isinstance(axes, str) else axes or ():
-                split *= mesh_shape[axis] if axis == "tensor" else 1
+                split *= mesh_shape[axis] if axis in kept else 1
         nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // split
-        if "layers" in jax.tree_util.keystr(path):
+        if in_layers:
             layers += nbytes
         else:
             outer += nbytes
@@ -125,6 +135,7 @@ def stage_bytes(
     with_head: bool = True,
     opt_state_bytes: int = 0,
     head_chunk: int = 0,
+    vocab_axes: tuple[str, ...] = (),
 ) -> dict[str, int]:
     """Scratch per device of one stage, by component (see the module docstring).
 
@@ -140,6 +151,8 @@ def stage_bytes(
       opt_state_bytes: the role's optimizer state per device (updates; AdamW's two moments,
         so the trainable parameters are half of it).
       head_chunk: positions per chunk of the fused LM head (0: full logits, unfused).
+      vocab_axes: the mesh axes the fused head splits the vocabulary over (`vocab_split`;
+        empty: GSPMD's partitioning, the head gathered over FSDP).
     Returns:
       component name → bytes; the keys are "gathered weights", "activations", "logits" and,
       for updates, "gradients" and "optimizer step".
@@ -154,7 +167,8 @@ def stage_bytes(
     tp = mesh_shape.get("tensor", 1)
     sharded = mesh_shape.get("fsdp", 1) > 1
     cast = m.dtype != m.param_dtype
-    layer_w, outer_w = _gathered(params, mesh_shape)
+    vocab_axes = vocab_axes if head_chunk > 0 and with_head else ()
+    layer_w, outer_w = _gathered(params, mesh_shape, vocab_axes)
     per_weight_byte = (sharded + cast * c / p) + update * (cast * c / p + sharded * F32 / p)
     gathered = int((layer_w // m.num_hidden_layers + outer_w) * per_weight_byte)
 
@@ -178,6 +192,9 @@ def stage_bytes(
         rows = max(step.rows, 1)
         head_tokens = rows * min(head_chunk, -(-step.head_tokens // rows))
     logits = head_tokens * (-(-m.vocab_size // tp) if with_head else 1) * F32 * copies
+    row_group = math.prod(mesh_shape[a] for a in vocab_axes if a != "tensor")
+    if row_group > 1:  # a chunk's hidden states gathered over the vocabulary axes (+ gradient)
+        logits += head_tokens * row_group * d * c * (1 + update)
     out = {"gathered weights": gathered, "activations": activations, "logits": logits}
     if update:
         out["gradients"] = opt_state_bytes  # accumulator + one micro-batch's (AdamW: 2 moments)

@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
+from hybridjax.models.logprobs import vocab_split
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -379,8 +380,10 @@ def plan_memory(
         opt = device_bytes(state.opt_state) if kind == "update" else 0
         attention = "fused" if fused else "jnp"
         chunk = sc.head.chunk_size if sc.head.use_fused_kernels else 0
+        split = vocab_split(sc.head.mesh, model_cfg.vocab_size, step.rows)
+        vocab_axes = split[1] if split else ()
         args = (kind, model_cfg, params, mesh_shape, step, attention, head, opt, chunk)
-        return stage_bytes(*args)
+        return stage_bytes(*args, vocab_axes=vocab_axes)
 
     log_micro = sc.log_prob_micro_batch_size
     if sc.recompute_old_log_prob:

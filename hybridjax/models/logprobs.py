@@ -12,9 +12,22 @@ logits and forms its gradient from them,
 
 (p = softmax(z)), so at most one chunk's B×C×V logits exist at a time, forward or backward.
 The chunks cut the position axis, never the batch axis, so batch-sharded hidden states keep
-their sharding; the logits of a chunk are sharded over the vocabulary like the head, and the
-log-sum-exp is a cross-device max and sum (Megatron's vocab-parallel cross-entropy,
-Shoeybi et al. 2019) wherever the partitioner leaves the vocabulary split.
+their sharding.
+
+Vocab-parallel head (`LogProbConfig.mesh` set, the training mesh): the fused head runs under
+`jax.shard_map` with the vocabulary split over the mesh's `tensor` and `fsdp` axes (the
+training rules' `vocab` axes, as far as they divide V) and the rows over the other axes. Each
+device holds its D × V/n slice of the head, one chunk's hidden states of its rows' group (an
+all-gather of B×C×D activations over the vocabulary axes) and that chunk's logits of its
+vocabulary slice; the log-sum-exp is a `pmax` and a `psum` over the vocabulary axes, the
+target's logit a masked local pick and a `psum` (Megatron's vocab-parallel cross-entropy,
+Shoeybi et al. 2019). The backward forms each device's head gradient from its own slice
+(summed over the row axes once after the chunk loop: data parallelism) and `psum`s the
+hidden states' gradient over the vocabulary axes, so no device gathers the head or reduces
+a full-size head gradient. Without a mesh, GSPMD partitions the same jnp chunks as it
+likes: for the FSDP-stored head (D over fsdp) it all-gathers the D × V/tp head and
+all-reduces its D × V/tp gradient (`tests/models/test_vocab_parallel.py` reads both in the
+HLO).
 
 The unfused path (`use_fused_kernels` False) is the reference: full logits, `log_softmax`,
 and the entropy of `hybridjax.algorithms.entropy` (chunked and/or rematerialised per verl's
@@ -27,10 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hybridjax.algorithms.entropy import entropy_from_logits
 from hybridjax.models.decoder import default_positions
@@ -39,6 +55,9 @@ from hybridjax.models.decoder import default_positions
 # (8 rows × 256 × 152k = 1.2 GB before vocabulary sharding), computed twice (forward and
 # backward recompute) instead of kept.
 FUSED_CHUNK_SIZE = 256
+# The mesh axes the vocabulary is split over, in the order of the training rules' `vocab`
+# rule (`hybridjax.sharding.rules.ACTOR_TRAIN_RULES`): tensor-major.
+VOCAB_AXES = ("tensor", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +71,15 @@ class LogProbConfig:
     entropy_from_logits_with_chunking: `actor.entropy_from_logits_with_chunking` (unfused
       path): the entropy walks chunks of positions instead of one piece.
     chunk_size: positions per chunk (≥ 1), both paths.
+    mesh: the pass's training mesh: the fused head runs vocab-parallel over its `tensor` and
+      `fsdp` axes (see the module docstring). None: one device, or GSPMD's partitioning.
     """
 
     use_fused_kernels: bool = True
     entropy_checkpointing: bool = True
     entropy_from_logits_with_chunking: bool = True
     chunk_size: int = FUSED_CHUNK_SIZE
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.chunk_size < 1:
@@ -94,7 +116,8 @@ def token_log_probs(
     if config.use_fused_kernels:
         weight, layout = model.head_weight()
         w = weight.astype(hidden_BxTxD.dtype)
-        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy)
+        split = vocab_split(config.mesh, w.shape[0 if layout == "vd" else 1], targets_BxT.shape[0])
+        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy, split)
         log_probs, entropy = _fused(*options, hidden_BxTxD, w, targets_BxT)
         return log_probs, entropy if with_entropy else None
     logits_BxTxV = model.logits(hidden_BxTxD) / jnp.float32(temperature)
@@ -134,55 +157,161 @@ def _from_chunks(x_nxBxC, t: int):
     return jnp.moveaxis(x_nxBxC, 0, 1).reshape(b, n * c, *x_nxBxC.shape[3:])[:, :t]
 
 
-def _chunk_forward(layout, scale, with_entropy, w, h_BxCxD, y_BxC):
-    z = _logits(h_BxCxD, w, layout, scale)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    log_prob = jnp.take_along_axis(z, y_BxC[..., None], axis=-1)[..., 0] - lse
+def vocab_split(mesh: Mesh | None, vocab: int, rows: int) -> Split | None:
+    """(mesh, vocabulary axes, row axes) of the vocab-parallel head, or None (no mesh, or no
+    axis of `VOCAB_AXES` divides `vocab`). Of the mesh's axes of size > 1, the vocabulary
+    takes the longest prefix of `VOCAB_AXES` whose product divides `vocab`, the rows the
+    longest prefix of the other axes whose product divides `rows`; the devices along any
+    remaining axis hold every row (and compute the same)."""
+    if mesh is None:
+        return None
+
+    def prefix(axes: list[str], size: int) -> tuple[str, ...]:
+        kept: list[str] = []
+        for a in axes:
+            if size % math.prod(mesh.shape[b] for b in (*kept, a)):
+                break
+            kept.append(a)
+        return tuple(kept)
+
+    split = [a for a in mesh.axis_names if mesh.shape[a] > 1]  # size-1 axes: no collective
+    vocab_axes = prefix([a for a in VOCAB_AXES if a in split], vocab)
+    if not vocab_axes:
+        return None
+    return mesh, vocab_axes, prefix([a for a in split if a not in vocab_axes], rows)
+
+
+# (mesh, vocabulary axes, row axes) of the vocab-parallel head; see `vocab_split`
+Split = tuple[Mesh, tuple[str, ...], tuple[str, ...]]
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _pmax(x, axes):
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def _first_id(w, layout, axes):
+    """The first vocabulary id of this device's slice of the head (0 without axes)."""
+    if not axes:
+        return 0
+    return jax.lax.axis_index(axes) * w.shape[0 if layout == "vd" else 1]
+
+
+def _chunk_forward(layout, scale, with_entropy, axes, w, h_BxCxD, y_BxC):
+    z = _logits(h_BxCxD, w, layout, scale)  # this device's vocabulary slice
+    m = _pmax(jnp.max(z, axis=-1), axes)
+    lse = m + jnp.log(_psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1), axes))
+    local = y_BxC - _first_id(w, layout, axes)
+    inside = (local >= 0) & (local < z.shape[-1])
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[..., None], axis=-1)
+    log_prob = _psum(jnp.where(inside, picked[..., 0], 0.0), axes) - lse
     if not with_entropy:
         return log_prob, jnp.zeros_like(lse), lse
-    entropy = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+    entropy = lse - _psum(jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1), axes)
     return log_prob, entropy, lse
 
 
-def _fused_forward(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT):
+def _specs(layout, split: Split | None):
+    """shard_map specs of (rows B×C, hidden B×C×D, head weight, the head gradient's stack
+    R × head, one block per device along the row axes); all None without a split."""
+    if split is None:
+        return None, None, None, None
+    _, vocab_axes, row_axes = split
+    rows = row_axes or None
+    weight = (vocab_axes, None) if layout == "vd" else (None, vocab_axes)
+    return P(rows, None), P(rows, None, None), P(*weight), P(rows, *weight)
+
+
+def _on_devices(fn, split: Split | None, in_specs, out_specs):
+    """`fn(vocab_axes, row_axes, *blocks)` run by every device on its blocks (`shard_map`
+    over the split's mesh, manual collectives), or `fn((), (), *arrays)` without a split."""
+    if split is None:
+        return functools.partial(fn, (), ())
+    mesh, vocab_axes, row_axes = split
+    return jax.shard_map(
+        functools.partial(fn, vocab_axes, row_axes),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+    )
+
+
+def _relaid(w, weight_spec, split: Split | None):
+    """The head in the split's layout (vocabulary over its axes), relaid once before the
+    chunk loop (XLA moves the shards with an all-to-all; `tests/models/test_vocab_parallel.py`
+    checks that no gather of the head is left)."""
+    if split is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, NamedSharding(split[0], weight_spec))
+
+
+def _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
     t = y_BxT.shape[1]
     c = min(chunk, t)
-    body = lambda xs: _chunk_forward(layout, scale, with_entropy, w, *xs)
-    outs = jax.lax.map(body, (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c)))
+    rows, hidden, weight, _ = _specs(layout, split)
+    w = _relaid(w, weight, split)
+    body = _on_devices(
+        lambda axes, _, w, h, y: _chunk_forward(layout, scale, with_entropy, axes, w, h, y),
+        split,
+        (weight, hidden, rows),
+        (rows, rows, rows),
+    )
+    chunks = (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c))
+    outs = jax.lax.map(lambda xs: body(w, *xs), chunks)
     log_prob, entropy, lse = (_from_chunks(o, t) for o in outs)
     return (log_prob, entropy), (h_BxTxD, w, y_BxT, lse, entropy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT):
-    return _fused_forward(layout, scale, chunk, with_entropy, h_BxTxD, w, y_BxT)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fused(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
+    return _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT)[0]
 
 
-def _fused_backward(layout, scale, chunk, with_entropy, residuals, cotangents):
+def _chunk_backward(layout, scale, with_entropy, axes, w, g_w_1xW, *chunk_xs):
+    """(this device's head gradient block + the chunk's, ∂h of the chunk summed over the
+    vocabulary axes)."""
+    h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
+    z = _logits(h, w, layout, scale)
+    p = jnp.exp(z - lse[..., None])
+    onehot = (jnp.arange(z.shape[-1]) + _first_id(w, layout, axes)) == y[..., None]
+    g_z = (onehot - p) * g_lp[..., None]
+    if with_entropy:
+        g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
+    g_z = (g_z * scale).astype(h.dtype)
+    spec_h = "bcv,vd->bcd" if layout == "vd" else "bcv,dv->bcd"
+    spec_w = "bcd,bcv->vd" if layout == "vd" else "bcd,bcv->dv"
+    g_h = _psum(jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32), axes)
+    g_w = jnp.einsum(spec_w, h, g_z, preferred_element_type=jnp.float32)
+    return g_w_1xW + g_w[None], g_h.astype(h.dtype)
+
+
+def _fused_backward(layout, scale, chunk, with_entropy, split, residuals, cotangents):
     h_BxTxD, w, y_BxT, lse_BxT, entropy_BxT = residuals
-    g_log_prob, g_entropy = cotangents
     t = y_BxT.shape[1]
     c = min(chunk, t)
-    xs = (h_BxTxD, y_BxT, lse_BxT, entropy_BxT, g_log_prob, g_entropy)
-
-    def step(g_w, chunk_xs):
-        h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
-        z = _logits(h, w, layout, scale)
-        p = jnp.exp(z - lse[..., None])
-        onehot = jnp.arange(z.shape[-1]) == y[..., None]
-        g_z = (onehot - p) * g_lp[..., None]
-        if with_entropy:
-            g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
-        g_z = (g_z * scale).astype(h.dtype)
-        spec_h = "bcv,vd->bcd" if layout == "vd" else "bcv,dv->bcd"
-        spec_w = "bcd,bcv->vd" if layout == "vd" else "bcd,bcv->dv"
-        g_h = jnp.einsum(spec_h, g_z, w, preferred_element_type=jnp.float32)
-        g_w = g_w + jnp.einsum(spec_w, h, g_z, preferred_element_type=jnp.float32)
-        return g_w, g_h.astype(h.dtype)
-
-    chunks = tuple(_to_chunks(x, c) for x in xs)
-    g_w, g_h = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), chunks)
-    return _from_chunks(g_h, t), g_w.astype(w.dtype), None
+    rows, hidden, weight, stack = _specs(layout, split)
+    body = _on_devices(
+        lambda axes, _, w, g_w, *xs: _chunk_backward(
+            layout, scale, with_entropy, axes, w, g_w, *xs
+        ),
+        split,
+        (weight, stack, hidden, *(rows,) * 5),
+        (stack, hidden),
+    )
+    # the head gradient, one block per device along the row axes (data parallelism), summed
+    # once after the loop: an all-reduce of a vocabulary shard
+    blocks = 1 if split is None else math.prod(split[0].shape[a] for a in split[2])
+    g_w = jnp.zeros((blocks, *w.shape), jnp.float32)
+    if split is not None:
+        g_w = jax.lax.with_sharding_constraint(g_w, NamedSharding(split[0], stack))
+    xs = (h_BxTxD, y_BxT, lse_BxT, entropy_BxT, *cotangents)
+    step = lambda g_w, chunk_xs: body(w, g_w, *chunk_xs)
+    g_w, g_h = jax.lax.scan(step, g_w, tuple(_to_chunks(x, c) for x in xs))
+    return _from_chunks(g_h, t), g_w.sum(axis=0).astype(w.dtype), None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

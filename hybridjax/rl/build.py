@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.config import (
@@ -266,11 +266,17 @@ def recompute_old_log_prob(cfg: ConfigDict) -> bool:
 
 
 def stage_config(
-    cfg: ConfigDict, total_steps: int, data_parallel: int, actor: ModelConfig | None = None
+    cfg: ConfigDict,
+    total_steps: int,
+    data_parallel: int,
+    actor: ModelConfig | None = None,
+    mesh: Mesh | None = None,
 ) -> StageConfig:
     """The frozen config of the jitted stages (see `StageConfig`). `actor` sizes the packed
     buffer rows of every training-side pass (`trainer.packing.attention_pair_cost`; the
-    critic is taken to be of the actor's shape); None: a whole group per row."""
+    critic is taken to be of the actor's shape); None: a whole group per row. `mesh`: the
+    pool's training mesh, over which the fused LM head runs vocab-parallel
+    (`LogProbConfig.mesh`); None: GSPMD partitions it."""
     a = cfg.actor_rollout_ref
     sizes = batch_sizes(cfg, data_parallel)
     pair_cost = attention_pair_cost(actor) if actor is not None else 0.0
@@ -315,6 +321,7 @@ def stage_config(
             use_fused_kernels=a.model.use_fused_kernels,
             entropy_checkpointing=a.actor.entropy_checkpointing,
             entropy_from_logits_with_chunking=a.actor.entropy_from_logits_with_chunking,
+            mesh=mesh,
         ),
     )
 

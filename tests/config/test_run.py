@@ -54,6 +54,7 @@ def test_resolve_on_one_pool():
     assert run.batch_sharding.mesh.shape["fsdp"] == 4
     assert run.role_meshes == {} and run.pool_batch_shardings == {} and run.role_stage_cfgs == {}
     assert run.stage_config_of("critic") is run.stage_cfg
+    assert run.stage_cfg.head.mesh is run.meshes.train  # the LM head runs vocab-parallel on it
     n = c.actor_rollout_ref.rollout.n
     assert (
         run.stage_cfg.actor_update.mini_batch_size
@@ -74,6 +75,7 @@ def test_resolve_gives_a_critic_on_its_own_pool_its_own_stage_config():
     assert run.data_parallel == 4 and run.role_meshes["critic"].size == 2
     critic = run.stage_config_of("critic")
     assert critic is not run.stage_cfg
+    assert critic.head.mesh is run.role_meshes["critic"]
     assert critic.critic_update.micro_batch_size * 2 == run.stage_cfg.critic_update.micro_batch_size
 
 

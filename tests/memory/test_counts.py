@@ -79,6 +79,30 @@ def test_fsdp_and_bfloat16_gather_cast_and_hold_the_full_gradient_of_one_layer()
     assert device_bytes(params) < full
 
 
+def test_vocab_parallel_head_is_never_gathered():
+    """fsdp = 2, the fused head vocab-parallel over it: the tied embedding counts at its shard
+    (V/2 × D; the final norm is replicated), and a chunk's 2 × 4 positions' hidden states
+    gathered over fsdp (2×) count with the logits, their gradient too in an update."""
+    model = dataclasses.replace(MODEL, dtype="bfloat16")
+    params, shape = _params(model, 1, 2)
+    full = model.num_params() * F32
+    outer = (V * D + D) * F32
+    one_layer = (full - outer) // L
+    step = LoopStep.of(None, micro_rows=2, prompt=16, response=8)
+    args = ("fused", True, 0, 4)
+    forward = stage_bytes("forward", model, params, shape, step, *args, vocab_axes=("fsdp",))
+    gspmd = stage_bytes("forward", model, params, shape, step, *args)
+    shard = (V * D // 2 + D) * F32
+    assert forward["gathered weights"] == (one_layer + shard) * (F32 + BF16) // F32
+    hidden = 2 * 4 * 2 * D * BF16
+    assert forward["logits"] == gspmd["logits"] + hidden
+    update = stage_bytes("update", model, params, shape, step, *args, vocab_axes=("fsdp",))
+    assert update["gathered weights"] == (one_layer + shard) * (F32 + 2 * BF16 + F32) // F32
+    assert update["logits"] == 2 * 4 * V * F32 * 3 + 2 * hidden
+    unfused = stage_bytes("forward", model, params, shape, step, "fused", vocab_axes=("fsdp",))
+    assert unfused["gathered weights"] == gspmd["gathered weights"]  # only the fused head
+
+
 def test_unknown_kind_is_refused():
     params, shape = _params(MODEL, 2, 1)
     with pytest.raises(ValueError, match="forward|update"):

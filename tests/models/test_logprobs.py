@@ -110,9 +110,10 @@ def test_stages_and_updates_equal_unfused(models, packed):  # noqa: F811
         np.testing.assert_allclose(fused[3][key], value, **TOL, err_msg=key)
 
 
-def test_sharded_fused_gradients_equal_single_device_unfused():
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_sharded_fused_gradients_equal_single_device_unfused(vocab_parallel):
     """data × fsdp × tensor = 2 × 2 × 2: fused log-probs, entropy and their gradient equal
-    the full-logit ones on one device."""
+    the full-logit ones on one device, partitioned by GSPMD or vocab-parallel on the mesh."""
     meshes = make_meshes(MeshConfig(train=(2, 2, 2), generate=(-1, 2)))
     graphdef, params = nnx.split(
         init_sharded(CausalLM, CONFIG, meshes.train, ACTOR_TRAIN_RULES, seed=0)
@@ -126,7 +127,8 @@ def test_sharded_fused_gradients_equal_single_device_unfused():
         return jnp.sum((lp + 0.3 * ent) * mask) / jnp.sum(mask), (lp * mask, ent * mask)
 
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
-    (_, got), got_grads = grad(params, jax.device_put(_fields(batch), rows), LogProbConfig(2))
+    head = LogProbConfig(chunk_size=2, mesh=meshes.train if vocab_parallel else None)
+    (_, got), got_grads = grad(params, jax.device_put(_fields(batch), rows), head)
     local = jax.device_put(params, jax.devices()[0])
     one = jax.device_put(_fields(batch), jax.devices()[0])
     (_, want), want_grads = grad(local, one, UNFUSED)

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
+from hybridjax.algorithms.distillation import DistillationConfig
 from hybridjax.algorithms.config import (
     ActorLossConfig,
     AlgorithmConfig,
@@ -166,6 +167,36 @@ def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
     )
 
 
+def build_teacher(cfg: ConfigDict, actor: ModelConfig, mesh) -> tuple[nnx.GraphDef, Any]:
+    """The distillation teacher, forward only, in the reference layout of `mesh`:
+    `distillation.teacher_model.path` (an HF `*ForCausalLM` of any family we load, with
+    `teacher_model.override_config`), else a random model of the actor's shape with
+    `override_config`'s fields from `trainer.seed` (the student's own initial weights when
+    nothing is overridden). Returns (graphdef, params).
+
+    Raises:
+      ValueError: the teacher's vocabulary is smaller than the student's (it could not score
+        every sampled token).
+    """
+    spec = cfg.actor_rollout_ref.distillation.teacher_model
+    overrides = dict(spec.override_config)
+    if spec.path:
+        teacher = load_pretrained(
+            spec.path,
+            shardings=sharding_fn(mesh, REFERENCE_RULES),
+            config_overrides={"dtype": actor.dtype} | overrides,
+        )
+    else:
+        config = dataclasses.replace(actor, **overrides)
+        teacher = init_sharded(CausalLM, config, mesh, REFERENCE_RULES, cfg.trainer.seed)
+    if teacher.config.vocab_size < actor.vocab_size:
+        raise ValueError(
+            f"actor_rollout_ref.distillation.teacher_model: vocab_size {teacher.config.vocab_size} "
+            f"< the student's {actor.vocab_size}; the teacher must share the student's tokenizer"
+        )
+    return nnx.split(teacher)
+
+
 def forward_micro_batch(requested: int, rows: int, data_parallel: int) -> int:
     """Rows per micro-batch of a forward-only pass: the largest multiple of `data_parallel` that
     divides `rows` and is at most `requested` per device × `data_parallel` (at least one per
@@ -230,6 +261,12 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
         )
     if algo.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    distill = cfg.actor_rollout_ref.distillation
+    if distill.enabled and distill.loss_mode == "reward":
+        reasons.append(
+            "actor_rollout_ref.distillation.loss_mode='reward' reads π_old in the adv stage, "
+            "before the update"
+        )
     mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
     if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
         reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
@@ -296,6 +333,7 @@ def stage_config(
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],
+        distillation=DistillationConfig.from_dict(a.distillation),
         head=LogProbConfig(
             use_fused_kernels=a.model.use_fused_kernels,
             entropy_checkpointing=a.actor.entropy_checkpointing,
@@ -315,6 +353,7 @@ class Models:
     critic_state: TrainState | None
     reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
     ref_is_base: bool = False  # LoRA: the reference is the actor with adapters off
+    teacher: tuple[nnx.GraphDef, Any] | None = None  # (graphdef, params): distillation teacher
 
     def reference(self) -> Any | None:
         """Parameters of the reference policy (None: no reference): the frozen copy, or with
@@ -355,7 +394,7 @@ def build_models(
     critic_stage: StageConfig | None = None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout on `mesh`,
+    `reward_model.enable`, distillation teacher when `distillation.enabled`) with fresh optimizer states, each in its training layout on `mesh`,
     or on `role_meshes[role]` (the training mesh of its own pool, `placement.<role>`) for
     `ref`, `critic` and `reward_model`. A reference on its own pool is a copy of the initial
     weights sent there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
@@ -371,6 +410,9 @@ def build_models(
         critic_state = init_sharded_train_state(critic_params, (critic_stage or stage).critic_optim)
     if cfg.reward_model.enable and cfg.reward_model.model.path:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
+    teacher = None
+    if cfg.actor_rollout_ref.distillation.enabled:  # on the reference's pool
+        teacher = build_teacher(cfg, actor_config, role_meshes.get("ref", mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     ref_params, ref_is_base = None, use_ref and lora
     if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)
@@ -387,4 +429,5 @@ def build_models(
         critic_state=critic_state,
         reward_model=reward_model,
         ref_is_base=ref_is_base,
+        teacher=teacher,
     )

@@ -14,13 +14,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.distillation import DistillationConfig
 from hybridjax.algorithms.config import (
     ActorLossConfig,
     AlgorithmConfig,
     CriticLossConfig,
     OverlongBufferConfig,
 )
+from hybridjax.algorithms.distillation import DistillationConfig
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
@@ -394,10 +394,11 @@ def build_models(
     critic_stage: StageConfig | None = None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`, distillation teacher when `distillation.enabled`) with fresh optimizer states, each in its training layout on `mesh`,
-    or on `role_meshes[role]` (the training mesh of its own pool, `placement.<role>`) for
-    `ref`, `critic` and `reward_model`. A reference on its own pool is a copy of the initial
-    weights sent there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
+    `reward_model.enable`, distillation teacher when `distillation.enabled`) with fresh
+    optimizer states, each in its training layout on `mesh`, or on `role_meshes[role]` (the
+    training mesh of its own pool, `placement.<role>`) for `ref` (and the teacher), `critic`
+    and `reward_model`. A reference on its own pool is a copy of the initial weights sent
+    there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
     the critic pool's `StageConfig` (default `stage`)."""
     seed, role_meshes = cfg.trainer.seed, dict(role_meshes or {})
     actor = build_actor(cfg, actor_config, mesh, seed)

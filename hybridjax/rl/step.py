@@ -11,8 +11,9 @@ coefficient it may replace) and returns the batch. The stages a run has are its 
 `reward` runs right after it, and a replaced stage runs in place of the default. Stages that
 a config does not need are left out when the pipeline is built (their point runs nothing):
 `old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
-without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.distillation`), `values` and `update_critic` without a critic, `offload`/`onload` around
-`gen` with no offload key set, `filter_groups` (DAPO's dynamic sampling) unless
+without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.distillation`),
+`values` and `update_critic` without a critic, `offload`/`onload` around `gen` with no
+offload key set, `filter_groups` (DAPO's dynamic sampling) unless
 `algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
 after the rollout, `hybridjax.rl.residency`) unless `rollout.free_cache_engine`. With an
 estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and

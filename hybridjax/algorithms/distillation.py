@@ -71,8 +71,11 @@ class DistillationConfig:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> DistillationConfig:
-        """From the `actor_rollout_ref.distillation` section (the teacher's model keys are the
-        builder's, not read here)."""
+        """From the `actor_rollout_ref.distillation` section:
+        `actor_rollout_ref.distillation.enabled`, `actor_rollout_ref.distillation.loss_mode`,
+        `actor_rollout_ref.distillation.distillation_loss_coef`,
+        `actor_rollout_ref.distillation.use_policy_loss` (the teacher's model keys are
+        `hybridjax.rl.build.build_teacher`'s)."""
         return cls(
             enabled=bool(section["enabled"]),
             loss_mode=str(section["loss_mode"]),

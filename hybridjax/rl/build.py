@@ -169,10 +169,10 @@ def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
 
 def build_teacher(cfg: ConfigDict, actor: ModelConfig, mesh) -> tuple[nnx.GraphDef, Any]:
     """The distillation teacher, forward only, in the reference layout of `mesh`:
-    `distillation.teacher_model.path` (an HF `*ForCausalLM` of any family we load, with
-    `teacher_model.override_config`), else a random model of the actor's shape with
-    `override_config`'s fields from `trainer.seed` (the student's own initial weights when
-    nothing is overridden). Returns (graphdef, params).
+    `actor_rollout_ref.distillation.teacher_model.path` (an HF `*ForCausalLM` of any family we
+    load, with `actor_rollout_ref.distillation.teacher_model.override_config`), else a random
+    model of the actor's shape with `override_config`'s fields from `trainer.seed` (the
+    student's own initial weights when nothing is overridden). Returns (graphdef, params).
 
     Raises:
       ValueError: the teacher's vocabulary is smaller than the student's (it could not score

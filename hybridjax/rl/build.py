@@ -178,11 +178,11 @@ def build_teacher(cfg: ConfigDict, actor: ModelConfig, mesh) -> tuple[nnx.GraphD
       ValueError: the teacher's vocabulary is smaller than the student's (it could not score
         every sampled token).
     """
-    spec = cfg.actor_rollout_ref.distillation.teacher_model
-    overrides = dict(spec.override_config)
-    if spec.path:
+    path = cfg.actor_rollout_ref.distillation.teacher_model.path
+    overrides = dict(cfg.actor_rollout_ref.distillation.teacher_model.override_config)
+    if path:
         teacher = load_pretrained(
-            spec.path,
+            path,
             shardings=sharding_fn(mesh, REFERENCE_RULES),
             config_overrides={"dtype": actor.dtype} | overrides,
         )

@@ -15,6 +15,11 @@ usual PPO-clip loss on these advantages; π_old comes from the `old_log_prob` pa
 stage reads it). The metric to watch is `distill/reverse_kl` (nats per token), beside the
 rule reward `critic/score/mean`, which is still computed and logged.
 Student: 2 layers, width 128, the teacher's tokenizer (vocabulary 1,000), random init.
+
+Measured (1 CPU device, 2-core machine shared with other jobs; 12 steps, 81 s wall with the
+compiles): `distill/reverse_kl` 5.45 → 5.17 nats per token, the student's entropy 6.88 → 6.85
+(near uniform, log 1000 = 6.91). A random student moves slowly at this lr; the accuracy
+before/after against GRPO from the same start has not been measured yet.
 """
 
 import importlib.util

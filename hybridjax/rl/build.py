@@ -167,33 +167,41 @@ def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
     )
 
 
+def teacher_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
+    """The distillation teacher's shape: `config.json` of
+    `actor_rollout_ref.distillation.teacher_model.path` (in the actor's compute dtype), else the
+    actor's; then `actor_rollout_ref.distillation.teacher_model.override_config`."""
+    path = cfg.actor_rollout_ref.distillation.teacher_model.path
+    overrides = dict(cfg.actor_rollout_ref.distillation.teacher_model.override_config)
+    if path:
+        return model_config_from_checkpoint(path, **({"dtype": actor.dtype} | overrides))
+    return dataclasses.replace(actor, **overrides)
+
+
 def build_teacher(cfg: ConfigDict, actor: ModelConfig, mesh) -> tuple[nnx.GraphDef, Any]:
-    """The distillation teacher, forward only, in the reference layout of `mesh`:
-    `actor_rollout_ref.distillation.teacher_model.path` (an HF `*ForCausalLM` of any family we
-    load, with `actor_rollout_ref.distillation.teacher_model.override_config`), else a random
-    model of the actor's shape with `override_config`'s fields from `trainer.seed` (the
+    """The distillation teacher, forward only, in the reference layout of `mesh`, of the shape
+    `teacher_model_config`: the checkpoint at `distillation.teacher_model.path` (an HF
+    `*ForCausalLM` of any family we load), else a random model from `trainer.seed` (the
     student's own initial weights when nothing is overridden). Returns (graphdef, params).
 
     Raises:
       ValueError: the teacher's vocabulary is smaller than the student's (it could not score
         every sampled token).
     """
-    path = cfg.actor_rollout_ref.distillation.teacher_model.path
-    overrides = dict(cfg.actor_rollout_ref.distillation.teacher_model.override_config)
-    if path:
-        teacher = load_pretrained(
-            path,
-            shardings=sharding_fn(mesh, REFERENCE_RULES),
-            config_overrides={"dtype": actor.dtype} | overrides,
-        )
-    else:
-        config = dataclasses.replace(actor, **overrides)
-        teacher = init_sharded(CausalLM, config, mesh, REFERENCE_RULES, cfg.trainer.seed)
-    if teacher.config.vocab_size < actor.vocab_size:
+    config = teacher_model_config(cfg, actor)
+    if config.vocab_size < actor.vocab_size:
         raise ValueError(
-            f"actor_rollout_ref.distillation.teacher_model: vocab_size {teacher.config.vocab_size} "
+            f"actor_rollout_ref.distillation.teacher_model: vocab_size {config.vocab_size} "
             f"< the student's {actor.vocab_size}; the teacher must share the student's tokenizer"
         )
+    path = cfg.actor_rollout_ref.distillation.teacher_model.path
+    if path:
+        overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        teacher = load_pretrained(
+            path, shardings=sharding_fn(mesh, REFERENCE_RULES), config_overrides=overrides
+        )
+    else:
+        teacher = init_sharded(CausalLM, config, mesh, REFERENCE_RULES, cfg.trainer.seed)
     return nnx.split(teacher)
 
 

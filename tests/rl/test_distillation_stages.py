@@ -11,12 +11,15 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from hybridjax.models.decoder import CausalLM
 from hybridjax.rl import build, passes, step
 from hybridjax.rl.pipeline import StepContext
+from hybridjax.sharding.mesh import TRAIN_AXES
 from tests.rl.test_trainer_on_policy import FIXED_REWARD, GRPO, MODEL, MASK_BxR, _batch, _config
+from tests.rl.tiny_run import load_config_file
 
 PURE = {"actor_rollout_ref.distillation.enabled": True}  # loss_mode reward, no task advantage
 
@@ -89,3 +92,15 @@ def test_stage_config_and_pipeline_follow_the_config():
     assert "teacher" not in step.default_pipeline(_config(**GRPO)).names
     loss = dataclasses.replace(build.stage_config(cfg, 1, 1).distillation, loss_mode="k3")
     assert loss.as_loss and not loss.as_reward
+
+
+def test_teacher_from_a_checkpoint_and_its_vocabulary_check():
+    cfg = load_config_file("quickstart_distill")  # teacher: the quick start's SFT checkpoint
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), TRAIN_AXES)
+    student = build.actor_model_config(cfg, build.load_tokenizer(cfg))
+    graphdef, params = build.build_teacher(cfg, student, mesh)
+    teacher = nnx.merge(graphdef, params)
+    assert teacher.config.num_hidden_layers == 4 and teacher.config.hidden_size == 256
+    assert student.num_hidden_layers == 2  # the student is the smaller model
+    with pytest.raises(ValueError, match="distillation.teacher_model: vocab_size 1000 < .* 2000"):
+        build.build_teacher(cfg, dataclasses.replace(student, vocab_size=2000), mesh)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridjax.algorithms.config import ActorLossConfig
+from hybridjax.algorithms.distillation import DistillationConfig, distillation_loss_per_token
 from hybridjax.algorithms.kl import kl_penalty
 from hybridjax.algorithms.loss_agg import LossCounts, agg_loss, token_mean
 from hybridjax.algorithms.masked import masked_count, masked_sum, safe_divide
@@ -159,8 +160,12 @@ def compute_actor_loss(
     entropy_BxT: jax.Array | None = None,
     ref_log_prob_BxT: jax.Array | None = None,
     rollout_is_weights_BxT: jax.Array | None = None,
+    teacher_log_prob_BxT: jax.Array | None = None,
+    distillation: DistillationConfig | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The actor's loss: policy loss − entropy_coeff·entropy + kl_loss_coef·KL(π‖π_ref).
+    """The actor's loss: policy loss − entropy_coeff·entropy + kl_loss_coef·KL(π‖π_ref)
+    (+ distillation_loss_coef·KL(π‖π_teacher) with a direct distillation loss, `distillation`
+    with `loss_mode` k1/k3 and `teacher_log_prob_BxT`; `hybridjax.algorithms.distillation`).
 
     The policy loss is `config.loss_mode` from the registry; entropy and the KL loss (estimator
     `config.kl_loss_type`) are aggregated with `config.loss_agg_mode`. Needs `entropy_BxT`
@@ -200,6 +205,17 @@ def compute_actor_loss(
         kl_loss = aggregate(kl_BxT)
         metrics["actor/kl_loss"] = kl_loss
         loss = loss + config.kl_loss_coef * kl_loss
+    if distillation is not None and distillation.as_loss:
+        if teacher_log_prob_BxT is None:
+            raise ValueError("a distillation loss needs teacher_log_prob_BxT")
+        log_prob32_BxT, teacher32_BxT = _float32(log_prob_BxT, teacher_log_prob_BxT)
+        per_token = distillation_loss_per_token(
+            log_prob32_BxT, teacher32_BxT, distillation.loss_mode
+        )
+        distill_loss = aggregate(per_token)
+        metrics["actor/distillation_loss"] = distill_loss
+        metrics["distill/reverse_kl"] = aggregate(log_prob32_BxT - teacher32_BxT)
+        loss = loss + distillation.distillation_loss_coef * distill_loss
     metrics = {name: jax.lax.stop_gradient(value) for name, value in metrics.items()}
     return loss, metrics
 

@@ -22,11 +22,14 @@ class Roles:
       critic: a value model (`critic.enable`).
       reward_model: a reward model on the devices (`reward_model.enable` with a
         `reward_model.model.path`; with an empty path it is served, `reward_model.remote`).
+      teacher: an on-policy distillation teacher (`actor_rollout_ref.distillation.enabled`),
+        on the reference's pool (`placement.ref`).
     """
 
     reference: bool
     critic: bool
     reward_model: bool
+    teacher: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> Roles:
@@ -38,6 +41,7 @@ class Roles:
             ),
             critic=bool(cfg.critic.enable),
             reward_model=bool(rm.enable and rm.model.path),
+            teacher=bool(cfg.actor_rollout_ref.distillation.enabled),
         )
 
 

@@ -26,6 +26,7 @@ from hybridjax.algorithms.config import (
     ROLLOUT_IS_MODES,
     KLControlConfig,
 )
+from hybridjax.algorithms.distillation import DISTILLATION_LOSS_MODES
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
@@ -181,6 +182,22 @@ def declared_config() -> ConfigDict:
             # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; not with LoRA,
             # whose reference is the actor's base weights)
             fsdp_config=dict(param_offload=False, model_dtype=one_of("float32", DTYPE_NAMES)),
+        ),
+        # on-policy distillation (verl's keys; hybridjax.algorithms.distillation): a frozen
+        # teacher scores the student's sampled tokens in a `teacher` stage beside `ref` (on the
+        # ref's pool, with its packing and micro-batches) and the student minimises the
+        # per-token reverse KL: loss_mode "reward" adds −coef·(log π − log π_teacher) to each
+        # token's advantage (Thinking Machines' recipe), "k1" / "k3" add coef·KL to the actor
+        # loss; use_policy_loss keeps the task reward's advantage beside it (False: pure
+        # distillation)
+        distillation=dict(
+            enabled=False,
+            loss_mode=one_of("reward", DISTILLATION_LOSS_MODES),
+            distillation_loss_coef=at_least(1.0, 0),
+            use_policy_loss=False,
+            # HF checkpoint dir; "" = a random model of the actor's shape from trainer.seed
+            # (with override_config's fields replaced: the same seed and shape = the student)
+            teacher_model=dict(path="", override_config=ConfigDict()),
         ),
         rollout=dict(
             name=one_of("hybridjax", ROLLOUT_NAMES, "the built-in paged engine"),

@@ -271,6 +271,7 @@ def plan_memory(
         ACTOR_GENERATE_RULES,
         ACTOR_TRAIN_RULES,
         CRITIC_RULES,
+        REFERENCE_RULES,
         REWARD_MODEL_RULES,
     )
 
@@ -308,6 +309,10 @@ def plan_memory(
         critic_state = abstract_train_state(critic_params, sc.critic_optim)
         resident["critic params"] = device_bytes(critic_state.params)
         resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
+    if roles.teacher:  # `build.build_teacher`, on the reference's pool
+        teacher_cfg = build.teacher_model_config(cfg, actor_config)
+        _, teacher = abstract_model(CausalLM, teacher_cfg, train, REFERENCE_RULES)
+        resident["teacher params"] = device_bytes(teacher)
     if roles.reward_model:  # (a served one holds no device memory)
         rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
         rm_dtype = jnp.dtype(cfg.reward_model.model.dtype)
@@ -330,6 +335,7 @@ def plan_memory(
     fields = ["advantages", "returns", "token_level_scores", "token_level_rewards"]
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
     fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
+    fields += ["teacher_log_prob"] * sc.distillation.as_loss
     update_batch = abstract_batch(rows, prompt, response, sharding, fields)
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))

@@ -27,6 +27,7 @@ FILLED_BY = {
     "token_level_rewards": "reward / adv (KL in reward)",
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref",
+    "teacher_log_prob": "teacher",
     "values": "values",
     "advantages": "adv",
     "returns": "adv",
@@ -51,6 +52,7 @@ class RLBatch:
     token_level_rewards: jax.Array | None = None
     old_log_probs: jax.Array | None = None
     ref_log_prob: jax.Array | None = None
+    teacher_log_prob: jax.Array | None = None  # B×R, the distillation teacher's log-probs
     values: jax.Array | None = None
     advantages: jax.Array | None = None
     returns: jax.Array | None = None

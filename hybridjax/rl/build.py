@@ -20,6 +20,7 @@ from hybridjax.algorithms.config import (
     CriticLossConfig,
     OverlongBufferConfig,
 )
+from hybridjax.algorithms.distillation import DistillationConfig
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
@@ -181,6 +182,44 @@ def build_judge(cfg: ConfigDict, mesh, seed: int = 0):
     return genrm.load_judge(rm.model.path, config, engine_config, mesh, rm.model.dtype).score
 
 
+def teacher_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
+    """The distillation teacher's shape: `config.json` of
+    `actor_rollout_ref.distillation.teacher_model.path` (in the actor's compute dtype), else the
+    actor's; then `actor_rollout_ref.distillation.teacher_model.override_config`."""
+    path = cfg.actor_rollout_ref.distillation.teacher_model.path
+    overrides = dict(cfg.actor_rollout_ref.distillation.teacher_model.override_config)
+    if path:
+        return model_config_from_checkpoint(path, **({"dtype": actor.dtype} | overrides))
+    return dataclasses.replace(actor, **overrides)
+
+
+def build_teacher(cfg: ConfigDict, actor: ModelConfig, mesh) -> tuple[nnx.GraphDef, Any]:
+    """The distillation teacher, forward only, in the reference layout of `mesh`, of the shape
+    `teacher_model_config`: the checkpoint at `distillation.teacher_model.path` (an HF
+    `*ForCausalLM` of any family we load), else a random model from `trainer.seed` (the
+    student's own initial weights when nothing is overridden). Returns (graphdef, params).
+
+    Raises:
+      ValueError: the teacher's vocabulary is smaller than the student's (it could not score
+        every sampled token).
+    """
+    config = teacher_model_config(cfg, actor)
+    if config.vocab_size < actor.vocab_size:
+        raise ValueError(
+            f"actor_rollout_ref.distillation.teacher_model: vocab_size {config.vocab_size} "
+            f"< the student's {actor.vocab_size}; the teacher must share the student's tokenizer"
+        )
+    path = cfg.actor_rollout_ref.distillation.teacher_model.path
+    if path:
+        overrides = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        teacher = load_pretrained(
+            path, shardings=sharding_fn(mesh, REFERENCE_RULES), config_overrides=overrides
+        )
+    else:
+        teacher = init_sharded(CausalLM, config, mesh, REFERENCE_RULES, cfg.trainer.seed)
+    return nnx.split(teacher)
+
+
 def forward_micro_batch(requested: int, rows: int, data_parallel: int) -> int:
     """Rows per micro-batch of a forward-only pass: the largest multiple of `data_parallel` that
     divides `rows` and is at most `requested` per device × `data_parallel` (at least one per
@@ -245,6 +284,12 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
         )
     if algo.use_kl_in_reward:
         reasons.append("algorithm.use_kl_in_reward reads π_old in the adv stage, before the update")
+    distill = cfg.actor_rollout_ref.distillation
+    if distill.enabled and distill.loss_mode == "reward":
+        reasons.append(
+            "actor_rollout_ref.distillation.loss_mode='reward' reads π_old in the adv stage, "
+            "before the update"
+        )
     mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
     if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
         reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
@@ -317,6 +362,7 @@ def stage_config(
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],
+        distillation=DistillationConfig.from_dict(a.distillation),
         head=LogProbConfig(
             use_fused_kernels=a.model.use_fused_kernels,
             entropy_checkpointing=a.actor.entropy_checkpointing,
@@ -337,6 +383,7 @@ class Models:
     critic_state: TrainState | None
     reward_model: tuple[nnx.GraphDef, Any] | None  # (graphdef, params), forward only
     ref_is_base: bool = False  # LoRA: the reference is the actor with adapters off
+    teacher: tuple[nnx.GraphDef, Any] | None = None  # (graphdef, params): distillation teacher
 
     def reference(self) -> Any | None:
         """Parameters of the reference policy (None: no reference): the frozen copy, or with
@@ -377,10 +424,11 @@ def build_models(
     critic_stage: StageConfig | None = None,
 ) -> Models:
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
-    `reward_model.enable`) with fresh optimizer states, each in its training layout on `mesh`,
-    or on `role_meshes[role]` (the training mesh of its own pool, `placement.<role>`) for
-    `ref`, `critic` and `reward_model`. A reference on its own pool is a copy of the initial
-    weights sent there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
+    `reward_model.enable`, distillation teacher when `distillation.enabled`) with fresh
+    optimizer states, each in its training layout on `mesh`, or on `role_meshes[role]` (the
+    training mesh of its own pool, `placement.<role>`) for `ref` (and the teacher), `critic`
+    and `reward_model`. A reference on its own pool is a copy of the initial weights sent
+    there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
     the critic pool's `StageConfig` (default `stage`)."""
     seed, role_meshes = cfg.trainer.seed, dict(role_meshes or {})
     actor = build_actor(cfg, actor_config, mesh, seed)
@@ -394,6 +442,9 @@ def build_models(
     rm = cfg.reward_model  # a judge (`generative`) is built with the engines (`build_judge`)
     if rm.enable and rm.model.path and not rm.generative.enable:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
+    teacher = None
+    if cfg.actor_rollout_ref.distillation.enabled:  # on the reference's pool
+        teacher = build_teacher(cfg, actor_config, role_meshes.get("ref", mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     ref_params, ref_is_base = None, use_ref and lora
     if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)
@@ -410,4 +461,5 @@ def build_models(
         critic_state=critic_state,
         reward_model=reward_model,
         ref_is_base=ref_is_base,
+        teacher=teacher,
     )

@@ -1,7 +1,7 @@
 """The device stages of one RL step, each a pure function from batch to batch (+ metrics).
 
-    compute_old_log_prob → compute_ref_log_prob → compute_values → compute_advantage
-        → update_critic → update_actor
+    compute_old_log_prob → compute_ref_log_prob → compute_teacher_log_prob → compute_values
+        → compute_advantage → update_critic → update_actor
 
 (generation and reward live in `trainer.rollout` and `hybridjax.rewards`: they touch the host.)
 `compute_old_log_prob` is skipped when the actor update is on-policy
@@ -31,6 +31,7 @@ from hybridjax.algorithms.config import (
     CriticLossConfig,
     OverlongBufferConfig,
 )
+from hybridjax.algorithms.distillation import DistillationConfig, distillation_advantages
 from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
 from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
 from hybridjax.algorithms.overlong import apply_overlong_penalty
@@ -74,6 +75,7 @@ class StageConfig:
     ref_packing: PackingConfig | None = None
     values_packing: PackingConfig | None = None
     head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
+    distillation: DistillationConfig = DistillationConfig()  # actor_rollout_ref.distillation
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -138,16 +140,30 @@ def compute_old_log_prob(
     return batch, metrics
 
 
+def _frozen_log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig) -> jax.Array:
+    """B×R log-probs of a frozen model (reference or teacher) on the batch, masked: the
+    reference pass's packing and micro-batches."""
+    log_probs = _log_probs(
+        graphdef, params, batch, cfg, cfg.ref_packing, cfg.ref_log_prob_micro_batch_size
+    )
+    return log_probs * batch.response_mask
+
+
 def compute_ref_log_prob(
     graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
 ) -> RLBatch:
     """Fills `ref_log_prob` (B×R) with the frozen reference policy."""
-    return batch.replace(
-        ref_log_prob=_log_probs(
-            graphdef, params, batch, cfg, cfg.ref_packing, cfg.ref_log_prob_micro_batch_size
-        )
-        * batch.response_mask
-    )
+    return batch.replace(ref_log_prob=_frozen_log_probs(graphdef, params, batch, cfg))
+
+
+def compute_teacher_log_prob(
+    graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
+) -> RLBatch:
+    """Fills `teacher_log_prob` (B×R float32, 0 outside `response_mask`) with the distillation
+    teacher (`actor_rollout_ref.distillation.teacher_model`): log π_teacher(y_t | prefix) of the
+    student's sampled tokens, at the rollout temperature, through the same packed, shared-prompt
+    forward as the reference pass. The teacher's vocabulary must cover the student's tokens."""
+    return batch.replace(teacher_log_prob=_frozen_log_probs(graphdef, params, batch, cfg))
 
 
 def compute_values(
@@ -195,8 +211,9 @@ def compute_advantage(
     batch: RLBatch, kl_coef: jax.Array, cfg: StageConfig
 ) -> tuple[RLBatch, jax.Array, dict[str, jax.Array]]:
     """Token-level rewards (`token_level_rewards`), then the registered estimator's advantages
-    and returns (with `values` and `reward_baselines` when those stages ran). Returns (batch,
-    next KL coefficient, metrics)."""
+    and returns (with `values` and `reward_baselines` when those stages ran); with
+    distillation, the advantages of `distillation_advantages` (π_old against
+    `teacher_log_prob`; `distill/reverse_kl`). Returns (batch, next KL coefficient, metrics)."""
     rewards, kl_coef, metrics = token_level_rewards(batch, kl_coef, cfg)
     advantages, returns = estimate_advantage(
         rewards,
@@ -206,6 +223,14 @@ def compute_advantage(
         values_BxT=batch.values,
         reward_baselines_B=batch.reward_baselines,
     )
+    if cfg.distillation.as_reward:
+        old, teacher = batch.require("old_log_probs", "teacher_log_prob")
+        advantages, distill = distillation_advantages(
+            advantages, old, teacher, batch.response_mask, cfg.distillation
+        )
+        metrics |= distill
+    elif cfg.distillation.as_loss and not cfg.distillation.use_policy_loss:
+        advantages = jnp.zeros_like(advantages)  # pure distillation: the loss term alone
     batch = batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns)
     return batch, kl_coef, metrics
 
@@ -231,6 +256,8 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         entropy_BxT=entropy,
         ref_log_prob_BxT=micro.get("ref_log_prob"),
         rollout_is_weights_BxT=micro.get("rollout_is_weights"),
+        teacher_log_prob_BxT=micro.get("teacher_log_prob"),
+        distillation=cfg.distillation,
     )
     return loss, (metrics, rows)
 
@@ -293,6 +320,7 @@ def update_actor(
     names += ("ref_log_prob",) if use_kl_loss else ()
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     names += ("rollout_log_probs",) if with_rollout else ()
+    names += ("teacher_log_prob",) if cfg.distillation.as_loss else ()
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan, rows = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng

@@ -1,6 +1,7 @@
 """One RL step, `train_step(state, prompts, deps) -> (state, metrics)`, stage after stage:
 
-    gen → reward → old_log_prob → ref → values → adv → update_critic → update_actor → reshard
+    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
+        → reshard
 
 `train_step` reads as that line; each stage is a function below, in the same order, that takes
 the batch and the step's `StepContext` (its typed, read-only `StepDeps` and the models and KL
@@ -10,8 +11,9 @@ coefficient it may replace) and returns the batch. The stages a run has are its 
 `reward` runs right after it, and a replaced stage runs in place of the default. Stages that
 a config does not need are left out when the pipeline is built (their point runs nothing):
 `old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
-without a KL term, `values` and `update_critic` without a critic, `offload`/`onload` around
-`gen` with no offload key set, `filter_groups` (DAPO's dynamic sampling) unless
+without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.distillation`),
+`values` and `update_critic` without a critic, `offload`/`onload` around `gen` with no
+offload key set, `filter_groups` (DAPO's dynamic sampling) unless
 `algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
 after the rollout, `hybridjax.rl.residency`) unless `rollout.free_cache_engine`. With an
 estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
@@ -66,6 +68,7 @@ from hybridjax.sharding.pools import move_rows
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
 _ref_log_prob = jax.jit(passes.compute_ref_log_prob, static_argnums=(0, 3))
+_teacher_log_prob = jax.jit(passes.compute_teacher_log_prob, static_argnums=(0, 3))
 _values = jax.jit(passes.compute_values, static_argnums=(0, 3))
 _advantage = jax.jit(passes.compute_advantage, static_argnums=2)
 _update_actor = jax.jit(passes.update_actor, static_argnums=(0, 4), donate_argnums=1)
@@ -92,6 +95,7 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
         SLEEP if sleep and algo.filter_groups.enable else None,  # it generates more batches
         OLD_LOG_PROB if recompute_old_log_prob(cfg) else None,
         REF if roles.reference else None,
+        TEACHER if roles.teacher else None,
         VALUES if critic else None,
         ADV,
         UPDATE_CRITIC if critic else None,
@@ -216,6 +220,7 @@ def train_step(
         batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary
         batch = at(OLD_LOG_PROB, batch)  # π_old (off-policy updates only)
         batch = at(REF, batch)  # π_ref (a KL term)
+        batch = at(TEACHER, batch)  # π_teacher (on-policy distillation)
         batch = at(VALUES, batch)  # V(s) (a critic)
         batch = at(ADV, batch)  # token rewards (KL penalty), advantages, returns
         batch = at(UPDATE_CRITIC, batch)
@@ -378,6 +383,16 @@ def _ref_stage(batch, ctx: StepContext):
     return _back("ref", batch, ctx, ref_log_prob=out.ref_log_prob)
 
 
+def _teacher_stage(batch, ctx: StepContext):
+    """The distillation teacher's log-probs of the sampled tokens, on the reference's pool."""
+    if ctx.models.teacher is None:
+        raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
+    graphdef, params = ctx.models.teacher
+    rows, sc = _rows_for("ref", batch, ctx)
+    out = _teacher_log_prob(graphdef, params, rows, sc)
+    return _back("ref", batch, ctx, teacher_log_prob=out.teacher_log_prob)
+
+
 def _values_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx)
@@ -443,6 +458,7 @@ OLD_LOG_PROB = Stage(
     writes=("old_log_probs", "rollout_is_weights", "response_mask"),
 )
 REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",))
+TEACHER = Stage("teacher", _teacher_stage, reads=ROLLOUT, writes=("teacher_log_prob",))
 VALUES = Stage("values", _values_stage, reads=ROLLOUT, writes=("values",))
 ADV = Stage(
     "adv",

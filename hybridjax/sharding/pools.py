@@ -156,7 +156,8 @@ def pool_sizes(cfg: Any, n_devices: int) -> tuple[dict[str, int], list[str]]:
 
 
 _UNUSED = {
-    "ref": "no KL term: actor.use_kl_loss and algorithm.use_kl_in_reward are off",
+    "ref": "no KL term (actor.use_kl_loss, algorithm.use_kl_in_reward) and no distillation "
+    "teacher (actor_rollout_ref.distillation.enabled)",
     "critic": "critic.enable is off",
     "reward_model": "no reward model on devices: reward_model.enable off or model.path empty",
 }
@@ -164,10 +165,11 @@ _UNUSED = {
 
 def used_roles(cfg: Any) -> set[str]:
     """The roles that run on devices with this config: actor and rollout always, `ref` with a
-    KL term, `critic` with `critic.enable`, `reward_model` with a loaded (not served) model."""
+    KL term or a distillation teacher, `critic` with `critic.enable`, `reward_model` with a
+    loaded (not served) model."""
     roles = Roles.from_config(cfg)
     used = {"actor", "rollout"}
-    used |= {"ref"} if roles.reference else set()
+    used |= {"ref"} if roles.reference or roles.teacher else set()  # the teacher: ref's pool
     used |= {"critic"} if roles.critic else set()
     return used | ({"reward_model"} if roles.reward_model else set())
 

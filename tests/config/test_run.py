@@ -39,6 +39,7 @@ def _tiny(**changes):
         ({"algorithm.use_kl_in_reward": True}, Roles(True, True, False)),
         ({"reward_model.enable": True}, Roles(False, True, False)),  # served: no model path
         ({"reward_model.enable": True, "reward_model.model.path": "rm"}, Roles(False, True, True)),
+        ({"actor_rollout_ref.distillation.enabled": True}, Roles(False, True, False, teacher=True)),
     ],
 )  # fmt: skip
 def test_roles_follow_the_keys_that_make_them(changes, roles):

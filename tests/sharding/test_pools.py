@@ -93,6 +93,9 @@ def test_a_pool_of_unused_roles_is_refused():
     )
     c.actor_rollout_ref.actor.use_kl_loss = True
     assert not placement_problems(c, 8)
+    c.actor_rollout_ref.actor.use_kl_loss = False
+    c.actor_rollout_ref.distillation.enabled = True  # the teacher runs on the ref's pool
+    assert not placement_problems(c, 8)
 
 
 def test_critic_pool_batch_checks_name_the_pool_and_role():

@@ -1,0 +1,106 @@
+"""The `teacher` stage and the distillation advantage in the step's device stages, on a tiny
+model (the on-policy tests' batch and config): a teacher equal to the student gives zero
+reverse KL and zero advantage; another teacher gives −(π_old − π_teacher) per token."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybridjax.models.decoder import CausalLM
+from hybridjax.rl import build, passes, step
+from hybridjax.rl.pipeline import StepContext
+from hybridjax.sharding.mesh import TRAIN_AXES
+from tests.rl.test_trainer_on_policy import FIXED_REWARD, GRPO, MODEL, MASK_BxR, _batch, _config
+from tests.rl.tiny_run import load_config_file
+
+PURE = {"actor_rollout_ref.distillation.enabled": True}  # loss_mode reward, no task advantage
+
+
+@functools.cache
+def _run(teacher_seed: int):
+    """The stages up to `adv` (old_log_prob → teacher → adv) of pure distillation with a teacher
+    of the actor's shape from `teacher_seed` (the actor's is 0); returns (batch, metrics)."""
+    cfg = _config(**GRPO, **PURE)
+    sc = build.stage_config(cfg, total_steps=1, data_parallel=1)
+    graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
+    teacher = nnx.split(CausalLM(MODEL, nnx.Rngs(teacher_seed)))
+    models = build.Models(
+        graphdef, build.init_train_state(params, sc.actor_optim), None, None, None, None,
+        teacher=teacher,
+    )  # fmt: skip
+    run = types.SimpleNamespace(pool_batch_shardings={}, stage_config_of=lambda role: sc)
+    deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=run)
+    ctx = StepContext(step=1, deps=deps, models=models, kl_coef=jnp.float32(0.0))
+    pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
+    pipeline = pipeline.remove("sleep").remove("reshard").remove("update_actor")
+    assert pipeline.names.index("teacher") == pipeline.names.index("old_log_prob") + 1
+    batch = pipeline.run(ctx, _batch(1))
+    return batch, {k: float(v) for k, v in ctx.metrics.items()}
+
+
+def test_teacher_equal_to_student_gives_zero_distillation_reward():
+    batch, metrics = _run(teacher_seed=0)
+    np.testing.assert_array_equal(batch.teacher_log_prob, batch.old_log_probs)
+    assert np.all(np.asarray(batch.advantages) == 0.0)
+    assert metrics["distill/reverse_kl"] == 0.0
+
+
+def test_other_teacher_gives_minus_the_reverse_kl_per_token():
+    batch, metrics = _run(teacher_seed=3)
+    old, teacher = np.asarray(batch.old_log_probs), np.asarray(batch.teacher_log_prob)
+    k1 = (old - teacher) * MASK_BxR
+    assert np.abs(k1).max() > 1e-3  # the teacher differs
+    np.testing.assert_allclose(batch.advantages, -k1, atol=1e-6)
+    assert metrics["distill/reverse_kl"] == np.float32(k1.sum() / MASK_BxR.sum())
+    # the teacher's log-probs are an independent forward of the teacher (padded, unpacked)
+    model = CausalLM(MODEL, nnx.Rngs(3))
+    logits = model(batch.input_ids, batch.attention_mask, batch.position_ids)
+    log_softmax = np.asarray(jax.nn.log_softmax(logits, axis=-1))[:, 3 - 1 : -1]
+    want = np.take_along_axis(log_softmax, np.asarray(batch.responses)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(teacher, want * MASK_BxR, atol=1e-5)
+
+
+def test_mixing_keeps_the_task_advantage():
+    batch, _ = _run(teacher_seed=3)
+    sc = build.stage_config(_config(**GRPO, **PURE), total_steps=1, data_parallel=1)
+    mixed = dataclasses.replace(sc.distillation, use_policy_loss=True, distillation_loss_coef=0.5)
+    with_task, _, _ = passes.compute_advantage(
+        batch, jnp.float32(0), dataclasses.replace(sc, distillation=mixed)
+    )
+    task, _, _ = passes.compute_advantage(  # GRPO's advantages, no distillation
+        batch, jnp.float32(0), dataclasses.replace(sc, distillation=build.DistillationConfig())
+    )
+    k1 = (np.asarray(batch.old_log_probs) - np.asarray(batch.teacher_log_prob)) * MASK_BxR
+    assert np.abs(np.asarray(task.advantages)).max() > 0.1
+    np.testing.assert_allclose(
+        with_task.advantages, np.asarray(task.advantages) - 0.5 * k1, atol=1e-6
+    )
+
+
+def test_stage_config_and_pipeline_follow_the_config():
+    cfg = _config(**GRPO, **PURE)
+    assert build.recompute_old_log_prob(cfg)  # the adv stage reads π_old
+    assert "teacher" in step.default_pipeline(cfg).names
+    assert "teacher" not in step.default_pipeline(_config(**GRPO)).names
+    loss = dataclasses.replace(build.stage_config(cfg, 1, 1).distillation, loss_mode="k3")
+    assert loss.as_loss and not loss.as_reward
+
+
+def test_teacher_from_a_checkpoint_and_its_vocabulary_check():
+    cfg = load_config_file("quickstart_distill")  # teacher: the quick start's SFT checkpoint
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), TRAIN_AXES)
+    student = build.actor_model_config(cfg, build.load_tokenizer(cfg))
+    graphdef, params = build.build_teacher(cfg, student, mesh)
+    teacher = nnx.merge(graphdef, params)
+    assert teacher.config.num_hidden_layers == 4 and teacher.config.hidden_size == 256
+    assert student.num_hidden_layers == 2  # the student is the smaller model
+    with pytest.raises(ValueError, match="distillation.teacher_model: vocab_size 1000 < .* 2000"):
+        build.build_teacher(cfg, dataclasses.replace(student, vocab_size=2000), mesh)

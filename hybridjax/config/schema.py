@@ -168,6 +168,10 @@ def declared_config() -> ConfigDict:
             use_kl_loss=False,
             kl_loss_coef=at_least(0.001, 0),
             kl_loss_type=one_of("low_var_kl", KL_TYPES),
+            # MoE models: weight of the router's load-balancing (Switch) loss added to the
+            # actor's loss (Megatron's name, verl's megatron.override_transformer_config key);
+            # 0 = off. HF's config.json router_aux_loss_coef is not read for training
+            moe_aux_loss_coeff=at_least(0.0, 0, "0: off"),
             optim=_optim(1e-6),
             # host memory while the rollout runs (verl's keys)
             fsdp_config=dict(param_offload=False, optimizer_offload=False),

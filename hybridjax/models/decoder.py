@@ -242,12 +242,17 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             if self.config.remat and cache is None:
                 # jax.checkpoint over the layer's split state: nnx.remat on the module fails
-                # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error
+                # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error.
+                # What the copy sows (MoE router statistics) is handed back to the layer.
                 graphdef, state = nnx.split(layer)
-                run = lambda st, x: nnx.merge(graphdef, st)(
-                    x, positions_BxT, token_mask_BxT, rope, mask
-                )[0]
-                h = jax.checkpoint(run)(state, h)
+
+                def run(st, x, graphdef=graphdef):
+                    copy = nnx.merge(graphdef, st)
+                    y = copy(x, positions_BxT, token_mask_BxT, rope, mask)[0]
+                    return y, nnx.state(copy, nnx.Intermediate)
+
+                h, sown = jax.checkpoint(run)(state, h)
+                nnx.update(layer, sown)
             else:
                 h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i)
         return self.norm(h), cache

@@ -293,6 +293,7 @@ def stage_config(
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
         recompute_old_log_prob=recompute_old_log_prob(cfg),
+        moe_aux_loss_coeff=float(a.actor.moe_aux_loss_coeff),
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],

@@ -34,10 +34,25 @@ def response_log_probs(
     with_entropy: bool = False,
     head: LogProbConfig = FUSED,
 ) -> tuple[jax.Array, jax.Array | None]:
+    """log π(response_t | prefix) and (optionally) the entropy at each response position:
+    `model_log_probs` of the merged `CausalLM` (`nnx.split`'s graphdef and params)."""
+    return model_log_probs(
+        nnx.merge(graphdef, params), fields, temperature, with_entropy=with_entropy, head=head
+    )
+
+
+def model_log_probs(
+    model: nnx.Module,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    with_entropy: bool = False,
+    head: LogProbConfig = FUSED,
+) -> tuple[jax.Array, jax.Array | None]:
     """log π(response_t | prefix) and (optionally) the entropy at each response position.
 
     Args:
-      graphdef, params: a `CausalLM` split with `nnx.split`.
+      model: a `CausalLM` (or its LoRA wrapper). Takes the model rather than its split state so
+        that `moe.with_router_stats` can record the routing of this very module.
       fields: `input_ids`, `attention_mask`, `position_ids` (B×(P+R)) and `responses` (B×R).
       temperature: the rollout temperature (a Python float; 0 is treated as 1 (greedy)).
       head: how the LM head, log-softmax and entropy run (`hybridjax.models.logprobs`; fused
@@ -46,7 +61,6 @@ def response_log_probs(
       (log_probs B×R float32, entropy B×R float32 or None). Values at padding are garbage;
       callers mask with `response_mask`.
     """
-    model = nnx.merge(graphdef, params)
     responses = fields["responses"]
     temperature = temperature if temperature > 0 else 1.0
     if "pack_plan" in fields:

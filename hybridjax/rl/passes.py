@@ -32,6 +32,7 @@ from hybridjax.algorithms.config import (
     OverlongBufferConfig,
 )
 from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
+from hybridjax.algorithms.loss_agg import LossCounts
 from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
 from hybridjax.algorithms.overlong import apply_overlong_penalty
 from hybridjax.algorithms.rollout_correction import (
@@ -39,10 +40,12 @@ from hybridjax.algorithms.rollout_correction import (
     rollout_probs_diff_metrics,
 )
 from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
 from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.forward import (
     map_micro_batches,
+    model_log_probs,
     packed_map,
     response_log_probs,
     response_values,
@@ -74,6 +77,8 @@ class StageConfig:
     ref_packing: PackingConfig | None = None
     values_packing: PackingConfig | None = None
     head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
+    # actor.moe_aux_loss_coeff: weight of the MoE router's load-balancing loss in the update
+    moe_aux_loss_coeff: float = 0.0
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -211,7 +216,10 @@ def compute_advantage(
 
 
 def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
-    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True, cfg.head)
+    forward = functools.partial(
+        model_log_probs, temperature=cfg.temperature, with_entropy=True, head=cfg.head
+    )
+    (log_prob, entropy), router = with_router_stats(forward)(nnx.merge(graphdef, params), micro)
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
     rows = {}
@@ -232,7 +240,24 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         ref_log_prob_BxT=micro.get("ref_log_prob"),
         rollout_is_weights_BxT=micro.get("rollout_is_weights"),
     )
+    if router is not None:
+        loss, router_metrics = _with_aux_loss(loss, router, micro, counts, cfg)
+        metrics |= router_metrics
     return loss, (metrics, rows)
+
+
+def _with_aux_loss(loss, router: RouterStats, micro, counts: LossCounts, cfg: StageConfig):
+    """loss + `moe_aux_loss_coeff` · this micro-batch's share of the router's load-balancing
+    loss, and the `actor/moe_*` metrics as shares. The aux loss of a micro-batch is HF's over
+    all its valid tokens (prompt and response); its share is its fraction of the mini-batch's
+    response tokens, so the update's loss is the token-weighted mean of the micro-batches'
+    aux losses (Megatron's per-micro-batch aux loss, averaged), and HF's exactly when the
+    mini-batch is one micro-batch."""
+    share = jnp.sum(micro["response_mask"]) / jnp.maximum(counts.num_tokens, 1.0)
+    metrics = {f"actor/{k}": share * v for k, v in router.metrics().items()}
+    if cfg.moe_aux_loss_coeff:
+        loss = loss + cfg.moe_aux_loss_coeff * share * router.aux_loss()
+    return loss, metrics
 
 
 def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):

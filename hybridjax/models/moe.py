@@ -156,9 +156,11 @@ class Experts(nnx.Module):
 class MoEMLP(nnx.Module):
     """Qwen3-MoE sparse block: router `gate` (E, D) in HF's order, then `experts`; B×T×D → B×T×D.
 
-    `replay_ids_BxTxK` (int32 expert ids, e.g. recorded by the rollout) replaces the router's
-    top-k choice; the weights are still the router's probabilities of those experts
-    (renormalised with `norm_topk_prob`), so gradients reach the router as usual.
+    `replay_ids_BxTxK` (int32 expert ids, e.g. recorded by an earlier pass) replaces the
+    router's top-k choice of each token whose k ids are all ≥ 0 (a token with a negative id
+    keeps the router's choice: padding, or a token no pass recorded); the weights are still the
+    router's probabilities of those experts (renormalised with `norm_topk_prob`), so gradients
+    reach the router as usual.
     """
 
     def __init__(self, config, rngs: nnx.Rngs, std: float = 0.02):
@@ -177,7 +179,8 @@ class MoEMLP(nnx.Module):
         logits = jnp.einsum("nd,ed->ne", x, self.gate[...].astype(dt))
         weights, ids, probs = route(logits, self.top_k, self.norm_topk_prob)
         if replay_ids_BxTxK is not None:
-            ids = replay_ids_BxTxK.reshape(b * t, self.top_k).astype(jnp.int32)
+            replay = replay_ids_BxTxK.reshape(b * t, self.top_k).astype(jnp.int32)
+            ids = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, ids)
             top = jnp.take_along_axis(probs, ids, axis=-1)
             if self.norm_topk_prob:
                 top = top / jnp.sum(top, axis=-1, keepdims=True)

@@ -40,6 +40,7 @@ from hybridjax.algorithms.rollout_correction import (
     rollout_probs_diff_metrics,
 )
 from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.lora import merged_model
 from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
 from hybridjax.rl.batch import RLBatch
@@ -79,6 +80,9 @@ class StageConfig:
     head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
     # actor.moe_aux_loss_coeff: weight of the MoE router's load-balancing loss in the update
     moe_aux_loss_coeff: float = 0.0
+    # actor.router_replay.mode: "R2" records each token's experts in the old_log_prob pass
+    # (`routed_experts`) and the update replays them; "disabled" routes every pass afresh
+    router_replay: str = "disabled"
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -118,6 +122,27 @@ def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micr
     return _forward(fn, batch, cfg, packing, micro)
 
 
+def _model(graphdef: nnx.GraphDef, params: Any) -> nnx.Module:
+    """The merged model whose MoE layers `with_router_stats` records (a LoRA model's adapters
+    merged into its base first: its `model` property builds a new module per call)."""
+    return merged_model(nnx.merge(graphdef, params))
+
+
+def _log_probs_and_experts(
+    graphdef, params, batch: RLBatch, cfg: StageConfig
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs B×R and the experts every token used, B×(P+R)×L×k int32 (None for a dense
+    model), in padded micro-batches of `log_prob_micro_batch_size` rows."""
+
+    def fn(fields):
+        forward = functools.partial(model_log_probs, temperature=cfg.temperature, head=cfg.head)
+        (log_probs, _), router = with_router_stats(forward)(_model(graphdef, params), fields)
+        ids = None if router is None else jnp.moveaxis(router.expert_ids, 0, 2)
+        return log_probs, ids
+
+    return _forward(fn, batch, cfg, None)
+
+
 def compute_old_log_prob(
     graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
 ) -> tuple[RLBatch, dict[str, jax.Array]]:
@@ -126,9 +151,17 @@ def compute_old_log_prob(
     and with `algorithm.rollout_is_threshold` set, the truncated importance weights
     π_old / π_rollout and their `mismatch/*` metrics. With `algorithm.rollout_is` the weights
     are kept as `rollout_is_weights` for the policy loss, and `mask` mode / the veto replace
-    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage)."""
+    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage).
+    With `actor.router_replay.mode` "R2" the pass runs unpacked and also fills
+    `routed_experts` with the experts every token used (a MoE actor), which the update then
+    reuses."""
     mask = batch.response_mask
-    old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing) * mask
+    if cfg.router_replay == "R2":  # record the experts for the update to replay
+        old, routed = _log_probs_and_experts(graphdef, params, batch, cfg)
+        batch = batch.replace(routed_experts=routed)
+    else:
+        old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing)
+    old = old * mask
     batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
     if batch.rollout_log_probs is None:
         return batch, metrics
@@ -219,7 +252,7 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
     forward = functools.partial(
         model_log_probs, temperature=cfg.temperature, with_entropy=True, head=cfg.head
     )
-    (log_prob, entropy), router = with_router_stats(forward)(nnx.merge(graphdef, params), micro)
+    (log_prob, entropy), router = with_router_stats(forward)(_model(graphdef, params), micro)
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
     rows = {}
@@ -318,6 +351,8 @@ def update_actor(
     names += ("ref_log_prob",) if use_kl_loss else ()
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     names += ("rollout_log_probs",) if with_rollout else ()
+    replay = cfg.router_replay != "disabled" and batch.routed_experts is not None
+    names += ("routed_experts",) if replay else ()  # None: a dense model recorded nothing
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan, rows = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng

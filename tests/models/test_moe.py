@@ -138,3 +138,13 @@ def test_router_stats_with_gradient_checkpointing():
     np.testing.assert_allclose(stats[1].expert_load, stats[0].expert_load)
     np.testing.assert_allclose(float(stats[1].aux_loss()), float(stats[0].aux_loss()), rtol=1e-6)
     assert float(stats[1].rows[0]) == 8.0
+
+
+def test_negative_replay_ids_keep_the_router_choice():
+    layer, x = _layer_and_input()
+    ids = route(x.reshape(-1, 16) @ layer.gate[...].T, 2, True)[1].reshape(4, 6, 2)
+    other = (ids + 1) % 8
+    replayed = layer(x, replay_ids_BxTxK=other)
+    mixed = layer(x, replay_ids_BxTxK=other.at[0].set(-1))  # row 0 not recorded
+    np.testing.assert_allclose(np.asarray(mixed[0]), np.asarray(layer(x)[0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mixed[1:]), np.asarray(replayed[1:]), atol=1e-6)

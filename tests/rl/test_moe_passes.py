@@ -121,3 +121,40 @@ def test_dense_models_report_no_router_metrics():
     _, metrics, _ = passes.update_actor(graphdef, state, batch, jax.random.key(0), cfg)
     assert "actor/pg_loss" in metrics
     assert not any(k.startswith("actor/moe") for k in metrics)
+
+
+def test_router_replay_r2_records_and_replays_the_experts(moe):
+    """R2: the old_log_prob pass records the experts HF's router picks for every valid token;
+    the update replays them (ratio 1: `actor/ppo_kl` 0). Other experts in `routed_experts`
+    move the update's log-probs, unless replay is disabled."""
+    hf, graphdef, state = moe
+    r2 = _stage_config(2, **{"actor_rollout_ref.actor.router_replay.mode": "R2"})
+    assert r2.recompute_old_log_prob and r2.router_replay == "R2"
+    batch, _ = passes.compute_old_log_prob(graphdef, state.params, _batch(1.0), r2)
+    routed = np.asarray(batch.routed_experts)
+    assert routed.shape == (4, 7, 2, 2) and routed.dtype == np.int32
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.tensor(np.asarray(batch.input_ids)),
+            attention_mask=torch.tensor(np.asarray(batch.attention_mask)),
+            position_ids=torch.tensor(np.asarray(batch.position_ids)),
+            output_router_logits=True,
+        )
+    valid = np.asarray(batch.attention_mask).astype(bool)
+    hf_logits = [g for g in out.router_logits if g is not None]
+    for layer, logits in enumerate(hf_logits):
+        hf_ids = torch.topk(logits, 2, dim=-1).indices.numpy().reshape(4, 7, 2)
+        np.testing.assert_array_equal(
+            np.sort(routed[:, :, layer], -1)[valid], np.sort(hf_ids, -1)[valid]
+        )
+
+    def ppo_kl(routed_experts, cfg):
+        b = batch.replace(routed_experts=routed_experts)
+        _, metrics, nan = passes.update_actor(graphdef, state, b, jax.random.key(0), cfg)
+        assert int(nan) == 0
+        return abs(float(metrics["actor/ppo_kl"]))
+
+    other = (batch.routed_experts + 1) % 8
+    assert ppo_kl(batch.routed_experts, r2) < 1e-6
+    assert ppo_kl(other, r2) > 1e-3
+    assert ppo_kl(other, _stage_config(2)) < 1e-6  # disabled: the batch's experts are unread

@@ -179,6 +179,17 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"algorithm.adv_estimator {algo.adv_estimator!r} generates one greedy response per "
         f"prompt: data.train_batch_size ({bsz}) must be divisible by the data-parallel size ({dp})",
     )
+    replay = a.actor.router_replay.mode
+    need(
+        replay == "disabled" or not a.model.use_remove_padding,
+        f"actor_rollout_ref.actor.router_replay.mode={replay!r} replays experts in unpacked "
+        "passes only: set actor_rollout_ref.model.use_remove_padding=False",
+    )
+    need(
+        replay != "R2" or a.actor.recompute_old_log_prob != "false",
+        "actor_rollout_ref.actor.router_replay.mode='R2' records the experts in the "
+        "old_log_prob pass: actor_rollout_ref.actor.recompute_old_log_prob must not be 'false'",
+    )
     if a.actor.recompute_old_log_prob == "false":
         reasons = off_policy_reasons(c)
         need(

@@ -53,6 +53,7 @@ ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang 
 WARMUP_STYLES = ("constant", "cosine")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
+ROUTER_REPLAY_MODES = ("disabled", "R2")  # actor.router_replay.mode
 
 
 def _optim(lr: float) -> dict[str, Any]:
@@ -170,6 +171,14 @@ def declared_config() -> ConfigDict:
             use_kl_loss=False,
             kl_loss_coef=at_least(0.001, 0),
             kl_loss_type=one_of("low_var_kl", KL_TYPES),
+            # MoE models: weight of the router's load-balancing (Switch) loss added to the
+            # actor's loss (Megatron's name, verl's megatron.override_transformer_config key);
+            # 0 = off. HF's config.json router_aux_loss_coef is not read for training
+            moe_aux_loss_coeff=at_least(0.0, 0, "0: off"),
+            # MoE routing replay (verl's key): "R2" records each token's experts in the
+            # old_log_prob pass and the update reuses them; verl's "R3" (recorded by the
+            # rollout engine) is not implemented. Needs model.use_remove_padding=False
+            router_replay=dict(mode=one_of("disabled", ROUTER_REPLAY_MODES)),
             optim=_optim(1e-6),
             # host memory while the rollout runs (verl's keys)
             fsdp_config=dict(param_offload=False, optimizer_offload=False),

@@ -124,7 +124,8 @@ class ModelConfig:
     `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size` when
     i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0 (HF's rule); other
     layers keep the dense MLP of width `intermediate_size`. `router_aux_loss_coef` is carried
-    for the HF round trip only: training reads its coefficient from `actor.router_aux_loss_coef`.
+    for the HF round trip only: training reads its coefficient from
+    `actor_rollout_ref.actor.moe_aux_loss_coeff` (Megatron's name; 0, off, by default).
 
     `param_dtype` is the dtype parameters are stored in; `dtype` the dtype matmuls run in.
     Attention softmax, RMSNorm statistics and RoPE tables are always computed in float32.

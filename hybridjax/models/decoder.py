@@ -200,13 +200,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
         self.mlp = MoEMLP(config, rngs) if config.is_moe_layer(layer) else MLP(config, rngs)
 
-    def __call__(self, h, positions, token_mask, rope, mask, cache=None, layer=0):
+    def __call__(self, h, positions, token_mask, rope, mask, cache=None, layer=0, replay=None):
+        """`replay`: B×T×k expert ids for a MoE layer (`MoEMLP`'s `replay_ids_BxTxK`)."""
         a, cache = self.self_attn(
             self.input_layernorm(h), positions, token_mask, rope, mask, cache, layer
         )
         h = h + a
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, token_mask) if isinstance(self.mlp, MoEMLP) else self.mlp(x)), cache
+        if isinstance(self.mlp, MoEMLP):
+            return h + self.mlp(x, token_mask, replay), cache
+        return h + self.mlp(x), cache
 
 
 class Transformer(nnx.Module):
@@ -223,8 +226,20 @@ class Transformer(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
-    def __call__(self, input_ids_BxT, positions_BxT, token_mask_BxT, cache=None, segments=None):
+    def __call__(
+        self,
+        input_ids_BxT,
+        positions_BxT,
+        token_mask_BxT,
+        cache=None,
+        segments=None,
+        routed_experts_BxTxLxK=None,
+    ):
         """Hidden states B×T×D in the compute dtype, and the updated cache (or None).
+
+        `routed_experts_BxTxLxK` (int32, L = MoE layers in order, k = experts per token): the
+        experts each token uses in each MoE layer instead of the router's choice (routing
+        replay; negative ids: the router's own choice, see `MoEMLP`).
 
         Without a cache, positions must increase along each row over valid tokens (see the
         module docstring); outputs at padding positions are garbage. `segments` (int32
@@ -239,17 +254,27 @@ class Transformer(nnx.Module):
         if cache is None:
             window = self.config.sliding_window
             mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window)
+        moe_index = 0
         for i, layer in enumerate(self.layers):
+            replay = None
+            if routed_experts_BxTxLxK is not None and isinstance(layer.mlp, MoEMLP):
+                replay = routed_experts_BxTxLxK[:, :, moe_index]
+                moe_index += 1
             if self.config.remat and cache is None:
                 # jax.checkpoint over the layer's split state: nnx.remat on the module fails
-                # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error
+                # inside lax.map / lax.scan bodies (micro-batched passes) with a trace error.
+                # What the copy sows (MoE router statistics) is handed back to the layer.
                 graphdef, state = nnx.split(layer)
-                run = lambda st, x: nnx.merge(graphdef, st)(
-                    x, positions_BxT, token_mask_BxT, rope, mask
-                )[0]
-                h = jax.checkpoint(run)(state, h)
+
+                def run(st, x, replay, graphdef=graphdef):
+                    copy = nnx.merge(graphdef, st)
+                    y = copy(x, positions_BxT, token_mask_BxT, rope, mask, replay=replay)[0]
+                    return y, nnx.state(copy, nnx.Intermediate)
+
+                h, sown = jax.checkpoint(run)(state, h, replay)
+                nnx.update(layer, sown)
             else:
-                h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i)
+                h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i, replay)
         return self.norm(h), cache
 
 

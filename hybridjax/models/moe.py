@@ -156,9 +156,11 @@ class Experts(nnx.Module):
 class MoEMLP(nnx.Module):
     """Qwen3-MoE sparse block: router `gate` (E, D) in HF's order, then `experts`; B×T×D → B×T×D.
 
-    `replay_ids_BxTxK` (int32 expert ids, e.g. recorded by the rollout) replaces the router's
-    top-k choice; the weights are still the router's probabilities of those experts
-    (renormalised with `norm_topk_prob`), so gradients reach the router as usual.
+    `replay_ids_BxTxK` (int32 expert ids, e.g. recorded by an earlier pass) replaces the
+    router's top-k choice of each token whose k ids are all ≥ 0 (a token with a negative id
+    keeps the router's choice: padding, or a token no pass recorded); the weights are still the
+    router's probabilities of those experts (renormalised with `norm_topk_prob`), so gradients
+    reach the router as usual.
     """
 
     def __init__(self, config, rngs: nnx.Rngs, std: float = 0.02):
@@ -177,7 +179,8 @@ class MoEMLP(nnx.Module):
         logits = jnp.einsum("nd,ed->ne", x, self.gate[...].astype(dt))
         weights, ids, probs = route(logits, self.top_k, self.norm_topk_prob)
         if replay_ids_BxTxK is not None:
-            ids = replay_ids_BxTxK.reshape(b * t, self.top_k).astype(jnp.int32)
+            replay = replay_ids_BxTxK.reshape(b * t, self.top_k).astype(jnp.int32)
+            ids = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, ids)
             top = jnp.take_along_axis(probs, ids, axis=-1)
             if self.norm_topk_prob:
                 top = top / jnp.sum(top, axis=-1, keepdims=True)
@@ -226,7 +229,7 @@ class RouterStats:
         tokens, as HF `load_balancing_loss_func`: E · Σₑ fₑ · Pₑ, with fₑ the routed pairs per
         token and Pₑ the mean router probability of expert e. float32 scalar (k when balanced
         uniformly, its minimum for a uniform router)."""
-        total = jnp.sum(self.rows)
+        total = jnp.maximum(jnp.sum(self.rows), 1.0)  # no valid token: 0, not NaN
         f = jnp.sum(self.expert_load, axis=0) / total
         p = jnp.sum(self.expert_prob, axis=0) / total
         return self.expert_load.shape[-1] * jnp.sum(f * p)
@@ -235,6 +238,20 @@ class RouterStats:
         """E float32: each expert's share of the routed pairs (sums to 1; 1/E when balanced)."""
         load = jnp.sum(self.expert_load, axis=0)
         return load / jnp.maximum(jnp.sum(load), 1.0)
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """float32 scalars: `moe_aux_loss` (`aux_loss`) and the largest and smallest share of
+        one layer's routed pairs that one expert took, over layers and experts
+        (`moe_expert_load_max` / `_min`; 1/E each when balanced). The layer is dropless, so no
+        token is ever dropped and there is no dropped-token count."""
+        per_layer = self.expert_load / jnp.maximum(
+            jnp.sum(self.expert_load, axis=-1, keepdims=True), 1.0
+        )
+        return {
+            "moe_aux_loss": self.aux_loss(),
+            "moe_expert_load_max": jnp.max(per_layer),
+            "moe_expert_load_min": jnp.min(per_layer),
+        }
 
 
 def moe_layers(model: nnx.Module) -> list[MoEMLP]:

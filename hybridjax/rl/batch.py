@@ -31,6 +31,7 @@ FILLED_BY = {
     "values": "values",
     "advantages": "adv",
     "returns": "adv",
+    "routed_experts": "old_log_prob (actor.router_replay.mode R2)",
 }
 
 
@@ -56,6 +57,8 @@ class RLBatch:
     values: jax.Array | None = None
     advantages: jax.Array | None = None
     returns: jax.Array | None = None
+    # B×(P+R)×L×k int32: the experts each token used in each MoE layer (routing replay)
+    routed_experts: jax.Array | None = None
 
     @property
     def input_ids(self) -> jax.Array:

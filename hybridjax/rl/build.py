@@ -303,10 +303,13 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
 
 def recompute_old_log_prob(cfg: ConfigDict) -> bool:
     """Whether the `old_log_prob` stage runs: `actor.recompute_old_log_prob` "true" always,
-    "false" never (validated to be on-policy), "auto" unless `off_policy_reasons` is empty."""
-    mode = cfg.actor_rollout_ref.actor.recompute_old_log_prob
+    "false" never (validated to be on-policy, without routing replay), "auto" unless
+    `off_policy_reasons` is empty and `actor.router_replay.mode` is not "R2" (which records
+    the experts in that stage)."""
+    a = cfg.actor_rollout_ref.actor
+    mode = a.recompute_old_log_prob
     if mode == "auto":
-        return bool(off_policy_reasons(cfg))
+        return bool(off_policy_reasons(cfg)) or a.router_replay.mode == "R2"
     return mode == "true"
 
 
@@ -359,6 +362,8 @@ def stage_config(
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
         recompute_old_log_prob=recompute_old_log_prob(cfg),
+        moe_aux_loss_coeff=float(a.actor.moe_aux_loss_coeff),
+        router_replay=a.actor.router_replay.mode,
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],

@@ -34,27 +34,47 @@ def response_log_probs(
     with_entropy: bool = False,
     head: LogProbConfig = FUSED,
 ) -> tuple[jax.Array, jax.Array | None]:
+    """log π(response_t | prefix) and (optionally) the entropy at each response position:
+    `model_log_probs` of the merged `CausalLM` (`nnx.split`'s graphdef and params)."""
+    return model_log_probs(
+        nnx.merge(graphdef, params), fields, temperature, with_entropy=with_entropy, head=head
+    )
+
+
+def model_log_probs(
+    model: nnx.Module,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    with_entropy: bool = False,
+    head: LogProbConfig = FUSED,
+) -> tuple[jax.Array, jax.Array | None]:
     """log π(response_t | prefix) and (optionally) the entropy at each response position.
 
     Args:
-      graphdef, params: a `CausalLM` split with `nnx.split`.
-      fields: `input_ids`, `attention_mask`, `position_ids` (B×(P+R)) and `responses` (B×R).
+      model: a `CausalLM` (or its LoRA wrapper). Takes the model rather than its split state so
+        that `moe.with_router_stats` can record the routing of this very module.
+      fields: `input_ids`, `attention_mask`, `position_ids` (B×(P+R)) and `responses` (B×R);
+        optionally `routed_experts` (B×(P+R)×L×k int32: routing replay, see `Transformer`).
       temperature: the rollout temperature (a Python float; 0 is treated as 1 (greedy)).
       head: how the LM head, log-softmax and entropy run (`hybridjax.models.logprobs`; fused
         by default: no B×R×V array).
     Returns:
       (log_probs B×R float32, entropy B×R float32 or None). Values at padding are garbage;
       callers mask with `response_mask`.
+    Raises:
+      ValueError: `routed_experts` in a packed pass (replay needs the B×(P+R) layout).
     """
-    model = nnx.merge(graphdef, params)
     responses = fields["responses"]
     temperature = temperature if temperature > 0 else 1.0
+    replay = fields.get("routed_experts")
     if "pack_plan" in fields:
+        if replay is not None:
+            raise ValueError("routing replay needs unpacked passes (model.use_remove_padding)")
         return _packed_log_probs(model, fields, temperature, with_entropy, head)
     # The LM head runs on the R response positions only, not all P+R: B·R·D·V multiply-adds
     # instead of B·(P+R)·D·V, forward and backward (the hidden states are sliced first).
     ids, mask, positions = fields["input_ids"], fields["attention_mask"], fields["position_ids"]
-    hidden_BxTxD, _ = model.model(ids, positions, mask)
+    hidden_BxTxD, _ = model.model(ids, positions, mask, routed_experts_BxTxLxK=replay)
     hidden_BxRxD = hidden_BxTxD[:, -responses.shape[1] - 1 : -1]
     return token_log_probs(model, hidden_BxRxD, responses, temperature, head, with_entropy)
 

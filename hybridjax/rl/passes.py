@@ -33,6 +33,7 @@ from hybridjax.algorithms.config import (
 )
 from hybridjax.algorithms.distillation import DistillationConfig, distillation_advantages
 from hybridjax.algorithms.kl import apply_kl_penalty, update_kl_coef
+from hybridjax.algorithms.loss_agg import LossCounts
 from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
 from hybridjax.algorithms.overlong import apply_overlong_penalty
 from hybridjax.algorithms.rollout_correction import (
@@ -40,10 +41,13 @@ from hybridjax.algorithms.rollout_correction import (
     rollout_probs_diff_metrics,
 )
 from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.lora import merged_model
+from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
 from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.forward import (
     map_micro_batches,
+    model_log_probs,
     packed_map,
     response_log_probs,
     response_values,
@@ -76,6 +80,11 @@ class StageConfig:
     values_packing: PackingConfig | None = None
     head: LogProbConfig = LogProbConfig()  # LM head + log-softmax (fused by default)
     distillation: DistillationConfig = DistillationConfig()  # actor_rollout_ref.distillation
+    # actor.moe_aux_loss_coeff: weight of the MoE router's load-balancing loss in the update
+    moe_aux_loss_coeff: float = 0.0
+    # actor.router_replay.mode: "R2" records each token's experts in the old_log_prob pass
+    # (`routed_experts`) and the update replays them; "disabled" routes every pass afresh
+    router_replay: str = "disabled"
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -115,6 +124,27 @@ def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micr
     return _forward(fn, batch, cfg, packing, micro)
 
 
+def _model(graphdef: nnx.GraphDef, params: Any) -> nnx.Module:
+    """The merged model whose MoE layers `with_router_stats` records (a LoRA model's adapters
+    merged into its base first: its `model` property builds a new module per call)."""
+    return merged_model(nnx.merge(graphdef, params))
+
+
+def _log_probs_and_experts(
+    graphdef, params, batch: RLBatch, cfg: StageConfig
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs B×R and the experts every token used, B×(P+R)×L×k int32 (None for a dense
+    model), in padded micro-batches of `log_prob_micro_batch_size` rows."""
+
+    def fn(fields):
+        forward = functools.partial(model_log_probs, temperature=cfg.temperature, head=cfg.head)
+        (log_probs, _), router = with_router_stats(forward)(_model(graphdef, params), fields)
+        ids = None if router is None else jnp.moveaxis(router.expert_ids, 0, 2)
+        return log_probs, ids
+
+    return _forward(fn, batch, cfg, None)
+
+
 def compute_old_log_prob(
     graphdef: nnx.GraphDef, params: Any, batch: RLBatch, cfg: StageConfig
 ) -> tuple[RLBatch, dict[str, jax.Array]]:
@@ -123,9 +153,17 @@ def compute_old_log_prob(
     and with `algorithm.rollout_is_threshold` set, the truncated importance weights
     π_old / π_rollout and their `mismatch/*` metrics. With `algorithm.rollout_is` the weights
     are kept as `rollout_is_weights` for the policy loss, and `mask` mode / the veto replace
-    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage)."""
+    `response_mask` (verl's rejection sampling: dropped tokens leave every later stage).
+    With `actor.router_replay.mode` "R2" the pass runs unpacked and also fills
+    `routed_experts` with the experts every token used (a MoE actor), which the update then
+    reuses."""
     mask = batch.response_mask
-    old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing) * mask
+    if cfg.router_replay == "R2":  # record the experts for the update to replay
+        old, routed = _log_probs_and_experts(graphdef, params, batch, cfg)
+        batch = batch.replace(routed_experts=routed)
+    else:
+        old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing)
+    old = old * mask
     batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
     if batch.rollout_log_probs is None:
         return batch, metrics
@@ -236,7 +274,10 @@ def compute_advantage(
 
 
 def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
-    log_prob, entropy = response_log_probs(graphdef, params, micro, cfg.temperature, True, cfg.head)
+    forward = functools.partial(
+        model_log_probs, temperature=cfg.temperature, with_entropy=True, head=cfg.head
+    )
+    (log_prob, entropy), router = with_router_stats(forward)(_model(graphdef, params), micro)
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
     rows = {}
@@ -259,7 +300,24 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         teacher_log_prob_BxT=micro.get("teacher_log_prob"),
         distillation=cfg.distillation,
     )
+    if router is not None:
+        loss, router_metrics = _with_aux_loss(loss, router, micro, counts, cfg)
+        metrics |= router_metrics
     return loss, (metrics, rows)
+
+
+def _with_aux_loss(loss, router: RouterStats, micro, counts: LossCounts, cfg: StageConfig):
+    """loss + `moe_aux_loss_coeff` · this micro-batch's share of the router's load-balancing
+    loss, and the `actor/moe_*` metrics as shares. The aux loss of a micro-batch is HF's over
+    all its valid tokens (prompt and response); its share is its fraction of the mini-batch's
+    response tokens, so the update's loss is the token-weighted mean of the micro-batches'
+    aux losses (Megatron's per-micro-batch aux loss, averaged), and HF's exactly when the
+    mini-batch is one micro-batch."""
+    share = jnp.sum(micro["response_mask"]) / jnp.maximum(counts.num_tokens, 1.0)
+    metrics = {f"actor/{k}": share * v for k, v in router.metrics().items()}
+    if cfg.moe_aux_loss_coeff:
+        loss = loss + cfg.moe_aux_loss_coeff * share * router.aux_loss()
+    return loss, metrics
 
 
 def _critic_loss(graphdef, cfg: StageConfig, params, micro, counts):
@@ -321,6 +379,8 @@ def update_actor(
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     names += ("rollout_log_probs",) if with_rollout else ()
     names += ("teacher_log_prob",) if cfg.distillation.as_loss else ()
+    replay = cfg.router_replay != "disabled" and batch.routed_experts is not None
+    names += ("routed_experts",) if replay else ()  # None: a dense model recorded nothing
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan, rows = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng

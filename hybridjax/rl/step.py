@@ -455,7 +455,7 @@ OLD_LOG_PROB = Stage(
     "old_log_prob",
     _old_log_prob_stage,
     reads=ROLLOUT,
-    writes=("old_log_probs", "rollout_is_weights", "response_mask"),
+    writes=("old_log_probs", "rollout_is_weights", "response_mask", "routed_experts"),
 )
 REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",))
 TEACHER = Stage("teacher", _teacher_stage, reads=ROLLOUT, writes=("teacher_log_prob",))

@@ -1,6 +1,8 @@
 """The routed MoE layer: grouped matmul against a dense loop over experts, expert parallelism on
 8 simulated devices against one device (forward and gradients), routing replay."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjax.models.config import ModelConfig
-from hybridjax.models.moe import MoEMLP, route
+from hybridjax.models.decoder import CausalLM
+from hybridjax.models.moe import MoEMLP, route, with_router_stats
 
 CONFIG = ModelConfig(
     family="qwen3_moe",
@@ -117,3 +120,31 @@ def test_replayed_experts_are_used():
         for j in range(2)
     )
     np.testing.assert_allclose(np.asarray(got).reshape(-1, 16), np.asarray(want), atol=1e-5)
+
+
+def test_router_stats_with_gradient_checkpointing():
+    """`remat` runs each layer as a copy inside `jax.checkpoint`: its router statistics still
+    reach `with_router_stats`, the same as without."""
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 5)), jnp.int32)
+    mask = jnp.ones((2, 5), jnp.int32).at[1, :2].set(0)
+    forward = nnx.jit(with_router_stats(lambda model, i, m: model(i, m)))
+    stats = []
+    for remat in (False, True):
+        config = dataclasses.replace(
+            CONFIG, vocab_size=64, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, remat=remat,
+        )  # fmt: skip
+        stats.append(forward(CausalLM(config, nnx.Rngs(0)), ids, mask)[1])
+    np.testing.assert_allclose(stats[1].expert_load, stats[0].expert_load)
+    np.testing.assert_allclose(float(stats[1].aux_loss()), float(stats[0].aux_loss()), rtol=1e-6)
+    assert float(stats[1].rows[0]) == 8.0
+
+
+def test_negative_replay_ids_keep_the_router_choice():
+    layer, x = _layer_and_input()
+    ids = route(x.reshape(-1, 16) @ layer.gate[...].T, 2, True)[1].reshape(4, 6, 2)
+    other = (ids + 1) % 8
+    replayed = layer(x, replay_ids_BxTxK=other)
+    mixed = layer(x, replay_ids_BxTxK=other.at[0].set(-1))  # row 0 not recorded
+    np.testing.assert_allclose(np.asarray(mixed[0]), np.asarray(layer(x)[0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mixed[1:]), np.asarray(replayed[1:]), atol=1e-6)

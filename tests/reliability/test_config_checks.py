@@ -44,6 +44,8 @@ def test_the_tiny_config_passes():
         ("trainer.resume_mode", "latest", ["trainer.resume_mode", "'auto', 'disable'"]),
         ("data.special_tokens_in_content", "drop", ["'keep', 'escape', 'error'"]),
         ("actor_rollout_ref.actor.clip_ratio", 1.5, ["actor.clip_ratio: must be in (0, 1)"]),
+        ("actor_rollout_ref.actor.router_replay.mode", "R3", ["'disabled', 'R2'"]),
+        ("actor_rollout_ref.actor.moe_aux_loss_coeff", -0.1, ["actor.moe_aux_loss_coeff"]),
     ],
 )
 def test_bad_choice_names_key_and_choices(key, value, needles):
@@ -194,3 +196,12 @@ def test_multi_turn_incompatible_or_ignored_settings():
     assert line.startswith(f"{MT}.enable needs actor_rollout_ref.rollout.ignore_eos=False")
     line = _one_problem(**{f"{MT}.tool_config_path": CALCULATOR})
     assert line.startswith(f"{MT}.tool_config_path is set") and "enable is False" in line
+
+
+def test_router_replay_needs_unpacked_passes_and_the_old_log_prob_pass():
+    r2 = {"actor_rollout_ref.actor.router_replay.mode": "R2"}
+    assert "use_remove_padding=False" in _problems(**r2)
+    unpacked = r2 | {"actor_rollout_ref.model.use_remove_padding": False}
+    validate(_config(**unpacked), 8)
+    message = _problems(**unpacked, **{"actor_rollout_ref.actor.recompute_old_log_prob": "false"})
+    assert "records the experts in the old_log_prob pass" in message

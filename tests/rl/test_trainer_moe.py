@@ -1,6 +1,7 @@
 """Two GRPO steps on a tiny random Qwen3-MoE (4 experts, top-2; layer 1 dense), LoRA off and on,
 on 8 CPU devices: every metric finite, gradients non-zero, the rollout engine's log-probs equal
-the trainer's."""
+the trainer's, router metrics reported. The LoRA run also turns on the load-balancing loss and
+routing replay R2 (unpacked passes)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ LORA = {
     "actor_rollout_ref.model.lora_rank": 4,
     "actor_rollout_ref.model.lora_alpha": 8.0,
     "actor_rollout_ref.model.target_modules": "all-linear",
+    "actor_rollout_ref.actor.moe_aux_loss_coeff": 0.01,
+    "actor_rollout_ref.actor.router_replay.mode": "R2",
+    "actor_rollout_ref.model.use_remove_padding": False,
 }
 REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -64,6 +68,8 @@ def test_two_grpo_steps_on_qwen3_moe(lora, data, tmp_path):
     for step in (1, 2):
         assert all(math.isfinite(v) for v in metrics[step].values()), metrics[step]
         assert metrics[step]["actor/grad_norm"] > 0.0
+        assert metrics[step]["actor/moe_aux_loss"] > 0.0
+        assert 0.25 <= metrics[step]["actor/moe_expert_load_max"] <= 1.0
     assert metrics[1]["training/rollout_probs_diff_max"] < 1e-4  # engine = trainer log-probs
     actor = nnx.merge(trainer.actor_graphdef, trainer.actor_state.params)
     actor = actor.base if lora else actor

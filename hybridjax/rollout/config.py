@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 ATTENTION_IMPLS = ("auto", "jnp", "pallas")
+PAGE_ALLOCATIONS = ("on_demand", "reserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,10 @@ class RolloutConfig:
       trip; the loop also stops early once enough slots finished to refill from the queue.
     min_prefill_bucket: smallest padded prompt length; prompt lengths and prefill batch sizes
       are padded to the next 2^k or 3·2^(k-1) from there (one compile per bucket).
+    page_allocation: "on_demand" (vLLM's block manager: a sequence takes a page when it grows
+      into one; when a replica's pool runs out, its youngest sequences are preempted and
+      recomputed later, `hybridjax.rollout.preemption`) or "reserve" (every sample's worst
+      case, prompt + max_tokens, is reserved at admission: no preemption, fewer sequences).
     """
 
     page_size: int = 16
@@ -101,8 +106,14 @@ class RolloutConfig:
     attention_impl: str = "auto"
     decode_steps_per_call: int = 32
     min_prefill_bucket: int = 16
+    page_allocation: str = "on_demand"
 
     def __post_init__(self):
+        if self.page_allocation not in PAGE_ALLOCATIONS:
+            raise ValueError(
+                f"unknown page_allocation {self.page_allocation!r}; expected one of "
+                f"{PAGE_ALLOCATIONS}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
@@ -144,4 +155,5 @@ class RolloutConfig:
             attention_impl=str(rollout.get("attention_impl", "auto")),
             decode_steps_per_call=int(rollout.get("decode_steps_per_call", 32)),
             min_prefill_bucket=int(rollout.get("min_prefill_bucket", 16)),
+            page_allocation=str(rollout.get("page_allocation", "on_demand")),
         )

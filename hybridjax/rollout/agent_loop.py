@@ -134,7 +134,7 @@ def generate_multi_turn(
     with concurrent.futures.ThreadPoolExecutor(tool_threads, "tools") as pool:
         while queue or waiting or owner or engine.preempted:
             fill_slots(engine, queue, waiting, owner, first_row, first_index)
-            if not owner:
+            if not owner and not any(p.to_prefill for p in waiting):
                 raise RuntimeError("no request could be admitted; the page pool is too small")
             appends = {}
             for slot in [s for s, f in running.items() if f.done()]:

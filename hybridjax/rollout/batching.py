@@ -92,7 +92,7 @@ def generate(
     while queue or waiting or owner or engine.preempted:
         if continuous or not owner:
             fill_slots(engine, queue, waiting, owner, first_row, first_index)
-        if not owner:
+        if not owner and not any(p.to_prefill for p in waiting):
             raise RuntimeError("no request could be admitted; the page pool is too small")
         pending = len(queue) + sum(p.samples_left for p in waiting) + len(engine.preempted)
         exit_when = min(pending, refill_batch(engine)) if (continuous and pending) else None
@@ -142,15 +142,21 @@ def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> No
     none waits, admits queued requests in order while a replica has a free slot and pages for
     the group (`Engine.place`), prefills them in one call, and inserts waiting samples into
     free slots of their prompt's replica; `owner` maps each filled slot to its output row
-    (`first_row[request] + sample`)."""
+    (`first_row[request] + sample`).
+
+    Prefill spends `rollout.max_num_batched_tokens` per call, prompts in admission order
+    (`Engine.run_prefill`): a prompt is admitted only while the budget is not spent, and one
+    that is not fully prefilled gets no slot until a later call finishes it."""
     for slot, seq in engine.resume():
         owner[slot] = first_row[seq.request_index - first_index] + seq.sample
-    admitted = []
-    while queue and not engine.preempted and engine.can_prefill(queue[0]):
-        admitted.append(engine.admit(queue.popleft()))
-    engine.run_prefill(admitted)
-    waiting.extend(admitted)
-    for prefix in list(waiting):
+    budget = engine.config.max_num_batched_tokens
+    due = sum(p.to_prefill for p in waiting)
+    while queue and not engine.preempted and due < budget and engine.can_prefill(queue[0]):
+        prefix = engine.admit(queue.popleft())
+        waiting.append(prefix)
+        due += prefix.to_prefill
+    engine.run_prefill([p for p in waiting if p.to_prefill], budget)
+    for prefix in [p for p in waiting if not p.to_prefill]:
         for slot in engine.free_slots_of(prefix.replica)[: prefix.samples_left]:
             owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
             engine.insert(prefix, slot)

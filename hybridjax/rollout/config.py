@@ -95,6 +95,10 @@ class RolloutConfig:
       into one; when a replica's pool runs out, its youngest sequences are preempted and
       recomputed later, `hybridjax.rollout.preemption`) or "reserve" (every sample's worst
       case, prompt + max_tokens, is reserved at admission: no preemption, fewer sequences).
+    max_num_batched_tokens: prompt tokens prefilled per engine step (between two decode calls;
+      vLLM's key, which also counts the step's decode tokens); enable_chunked_prefill: a prompt
+      longer than what is left of it is prefilled in chunks over several steps, the running
+      sequences decoding in between (else it waits whole for a step of its own).
     """
 
     page_size: int = 16
@@ -107,6 +111,8 @@ class RolloutConfig:
     decode_steps_per_call: int = 32
     min_prefill_bucket: int = 16
     page_allocation: str = "on_demand"
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         if self.page_allocation not in PAGE_ALLOCATIONS:
@@ -117,6 +123,10 @@ class RolloutConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if self.page_size < 1 or self.max_num_seqs < 1 or self.decode_steps_per_call < 1:
             raise ValueError(f"page_size, max_num_seqs, decode_steps_per_call must be >= 1: {self}")
@@ -156,4 +166,6 @@ class RolloutConfig:
             decode_steps_per_call=int(rollout.get("decode_steps_per_call", 32)),
             min_prefill_bucket=int(rollout.get("min_prefill_bucket", 16)),
             page_allocation=str(rollout.get("page_allocation", "on_demand")),
+            max_num_batched_tokens=int(rollout.get("max_num_batched_tokens", 8192)),
+            enable_chunked_prefill=bool(rollout.get("enable_chunked_prefill", True)),
         )

@@ -374,12 +374,41 @@ class Engine:
         self.run_prefill(prefixes)
         return prefixes
 
-    def run_prefill(self, prefixes: list[Prefix]) -> None:
+    def run_prefill(self, prefixes: list[Prefix], budget: int | None = None) -> int:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
-        call (each replica a block of rows, `replicas.per_replica`). Host sync: none."""
+        call (each replica a block of rows, `replicas.per_replica`), and returns the tokens
+        computed. Host sync: none.
+
+        `budget` (None: unbounded) caps the tokens of this call (`rollout.
+        max_num_batched_tokens`): prefixes are taken in order; with `enable_chunked_prefill`
+        the one that would pass the budget is computed up to it and continues from there at
+        the next call (`Prefix.prefilled`; a later chunk attends to the cached earlier ones,
+        `steps.extend`), else it waits whole for the next call (the first one always runs
+        whole). Prefixes already prefilled are skipped."""
         self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
-        self._prefill_rows([(p.replica, p.request.prompt[:-1], p.pages) for p in prefixes])
+        left = budget if budget is not None else sum(p.to_prefill for p in prefixes)
+        first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
+        for p in prefixes:
+            take = p.to_prefill
+            if take == 0:
+                continue
+            if take > left:
+                if not self.config.enable_chunked_prefill and (first or rest):
+                    break
+                take = left if self.config.enable_chunked_prefill else take
+            if take <= 0:
+                break
+            tokens = p.request.prompt[p.prefilled : p.prefilled + take]
+            if p.prefilled == 0:
+                first.append((p.replica, tokens, p.pages))
+            else:
+                rest.append((p.replica, p.prefilled, tokens, p.pages))
+            p.prefilled += take
+            left -= take
+        self._prefill_rows(first)
+        self._extend_rows(rest)
+        return sum(len(x[1]) for x in first) + sum(len(x[2]) for x in rest)
 
     def _prefill_rows(self, rows: list[tuple[int, Sequence[int], list[int]]]) -> None:
         """Writes the keys/values of (replica, token ids at positions 0.., pages) rows in one
@@ -419,6 +448,8 @@ class Engine:
                 f"slot {slot} is on replica {self.replica_of(slot)}, the prefix's pages on "
                 f"replica {prefix.replica}"
             )
+        if prefix.to_prefill:
+            raise ValueError(f"request {prefix.request.index}: prompt not fully prefilled yet")
         r, p = prefix.request, prefix.request.params
         sample = prefix.next_sample
         pages = self.pages.sample_pages(prefix)
@@ -572,24 +603,35 @@ class Engine:
             if not self._ensure_pages(slot, last // ps + 1 - len(self._slot_pages[slot])):
                 raise RuntimeError(f"slot {slot}: no KV page free for its appended tokens")
         s = self.slots
-        groups = [[x for x in appends if self.replica_of(x) == r] for r in range(self.replicas)]
+        rows = []
+        for slot, (tokens, max_new) in appends.items():
+            fed = [int(s.token[slot])] + list(tokens[:-1])
+            rows.append((self.replica_of(slot), int(s.position[slot]), fed, self._slot_pages[slot]))
+            s.token[slot] = tokens[-1]
+            s.position[slot] += len(tokens)
+            self._slot_history[slot] += tokens
+            s.max_tokens[slot] = s.num_generated[slot] + max_new
+            s.active[slot] = True
+        self._extend_rows(rows)
+
+    def _extend_rows(self, rows: list[tuple[int, int, Sequence[int], list[int]]]) -> None:
+        """Writes the keys/values of (replica, start, token ids at positions start.., pages)
+        rows on top of their cached positions 0 .. start-1, in one call padded to a (batch,
+        length) bucket (`steps.extend`). Host sync: none."""
+        if not rows:
+            return
+        groups = [[x for x in rows if x[0] == r] for r in range(self.replicas)]
         n = prefill_bucket(max(len(g) for g in groups))
-        t = prefill_bucket(max(len(v[0]) for v in appends.values()), self.config.min_prefill_bucket)
+        t = prefill_bucket(max(len(x[2]) for x in rows), self.config.min_prefill_bucket)
         shape = (self.replicas, n)
         ids, mask = np.zeros((*shape, t), np.int32), np.zeros((*shape, t), bool)
         start = np.zeros(shape, np.int32)
         table = np.zeros((*shape, self.config.pages_per_seq), np.int32)
         for r, group in enumerate(groups):
-            for row, slot in enumerate(group):
-                tokens, max_new = appends[slot]
-                fed = [int(s.token[slot])] + list(tokens[:-1])
-                ids[r, row, : len(fed)], mask[r, row, : len(fed)] = fed, True
-                start[r, row], table[r, row] = s.position[slot], s.page_table[slot]
-                s.token[slot] = tokens[-1]
-                s.position[slot] += len(tokens)
-                self._slot_history[slot] += tokens
-                s.max_tokens[slot] = s.num_generated[slot] + max_new
-                s.active[slot] = True
+            for row, (_, first, tokens, pages) in enumerate(group):
+                ids[r, row, : len(tokens)], mask[r, row, : len(tokens)] = tokens, True
+                start[r, row] = first
+                table[r, row, : len(pages)] = pages
         self.num_prefill_tokens += int(mask.sum())
         flat = [x.reshape(-1, *x.shape[2:]) for x in (ids, start, mask, table)]
         self.k_pools, self.v_pools = self._extend_jit(

@@ -47,6 +47,12 @@ class Prefix:
     partial_page: int | None  # the partly filled last prompt page, if any
     next_sample: int = 0
     replica: int = 0  # the data-parallel replica whose pool holds the pages
+    prefilled: int = 0  # positions 0 .. prefilled-1 computed (chunked prefill)
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt positions (0 .. L-2) not computed yet; samples are inserted at 0."""
+        return len(self.request.prompt) - 1 - self.prefilled
 
     @property
     def samples_left(self) -> int:

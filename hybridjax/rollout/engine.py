@@ -130,6 +130,8 @@ class Engine:
         self._slot_history: list[list[int]] = [[] for _ in range(num_slots)]
         self.preempted: list[Preempted] = []  # waiting to be recomputed, oldest first
         self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
+        # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
+        self._preempted_slots = np.zeros(num_slots, bool)
         pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), pool),
@@ -469,6 +471,7 @@ class Engine:
         self.slots.assign(slot, row)
         self._slot_pages[slot] = pages
         self._slot_history[slot] = list(r.prompt)
+        self._preempted_slots[slot] = False
 
     def free_resource(self, slot: int) -> None:
         """Returns a finished (or abandoned) slot's pages and frees the slot."""
@@ -505,13 +508,16 @@ class Engine:
         bisect.insort(self.preempted, seq, key=lambda x: x.priority)
         self.free_resource(slot)
         self.num_preemptions += 1
+        self._preempted_slots[slot] = True
 
     def _grow_for_decode(self, num_steps: int) -> np.ndarray:
         """Before a decode call: every active slot, oldest first, takes the pages the call may
         write into; a slot no page can be found for is preempted (`_ensure_pages`). Returns
-        the slots preempted (bool, one per slot)."""
-        before = self.slots.active.copy()
-        order = sorted(np.flatnonzero(before), key=lambda s: preemption.priority_of(self.slots, s))
+        the slots preempted since the last call and not refilled since (by this call or by an
+        `extend`; bool, one per slot)."""
+        order = sorted(
+            np.flatnonzero(self.slots.active), key=lambda s: preemption.priority_of(self.slots, s)
+        )
         ps = self.config.page_size
         for slot in order:
             if not self.slots.active[slot]:
@@ -520,7 +526,11 @@ class Engine:
             need = preemption.pages_to_grow(self.slots, slot, num_steps, held, ps)
             if not self._ensure_pages(slot, need):
                 self._preempt(slot)
-        return before & ~self.slots.active
+        preempted, self._preempted_slots = (
+            self._preempted_slots,
+            np.zeros_like(self._preempted_slots),
+        )
+        return preempted
 
     def resume(self) -> list[tuple[int, Preempted]]:
         """Readmits preempted sequences, oldest first, while a replica has a free slot (not
@@ -546,6 +556,7 @@ class Engine:
             self._slot_pages[slot] = pages
             self._slot_tokens[slot] = seq.expected_tokens
             self._slot_history[slot] = list(seq.tokens)
+            self._preempted_slots[slot] = False
             rows.append((replica, seq.tokens[:-1], pages))
             done.append((slot, seq))
         self._prefill_rows(rows)

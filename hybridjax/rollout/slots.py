@@ -67,7 +67,8 @@ class StepOutput:
     log_probs: B×K float32 (0 there),
     finished: B bool (slots that finished in this call), stopped: B bool (finished on a stop
     token rather than on max_tokens), preempted: B bool (slots whose sequence was preempted
-    before the call: free now, the sequence queued in `Engine.preempted`).
+    since the last call, by this one or by an `Engine.extend`, and not refilled: free now, the
+    sequence queued in `Engine.preempted`).
     """
 
     tokens: np.ndarray

@@ -208,8 +208,8 @@ def declared_config() -> ConfigDict:
             # KV pages as sequences grow, preempting the youngest when a pool runs out (vLLM),
             # or each sample's worst case reserved at admission (hybridjax.rollout.preemption)
             page_allocation=one_of("on_demand", PAGE_ALLOCATIONS),
-            # prompt tokens prefilled per engine step, longer prompts in chunks between decode
-            # calls (verl/vLLM's keys; hybridjax.rollout.batching)
+            # prompt tokens a replica prefills per engine step, longer prompts in chunks between
+            # decode calls (verl/vLLM's keys; hybridjax.rollout.batching)
             max_num_batched_tokens=positive(8192),
             enable_chunked_prefill=True,
             val_kwargs=dict(n=positive(1), temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),

@@ -144,14 +144,16 @@ def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> No
     free slots of their prompt's replica; `owner` maps each filled slot to its output row
     (`first_row[request] + sample`).
 
-    Prefill spends `rollout.max_num_batched_tokens` per call, prompts in admission order
-    (`Engine.run_prefill`): a prompt is admitted only while the budget is not spent, and one
+    Prefill spends `rollout.max_num_batched_tokens` per replica and call, prompts in admission
+    order (`Engine.run_prefill`): a prompt is admitted only while the replicas' budgets are not
+    spent, and one
     that is not fully prefilled gets no slot until a later call finishes it."""
     for slot, seq in engine.resume():
         owner[slot] = first_row[seq.request_index - first_index] + seq.sample
-    budget = engine.config.max_num_batched_tokens
+    budget = engine.config.max_num_batched_tokens  # per replica
     due = sum(p.to_prefill for p in waiting)
-    while queue and not engine.preempted and due < budget and engine.can_prefill(queue[0]):
+    room = budget * engine.replicas
+    while queue and not engine.preempted and due < room and engine.can_prefill(queue[0]):
         prefix = engine.admit(queue.popleft())
         waiting.append(prefix)
         due += prefix.to_prefill

@@ -95,10 +95,11 @@ class RolloutConfig:
       into one; when a replica's pool runs out, its youngest sequences are preempted and
       recomputed later, `hybridjax.rollout.preemption`) or "reserve" (every sample's worst
       case, prompt + max_tokens, is reserved at admission: no preemption, fewer sequences).
-    max_num_batched_tokens: prompt tokens prefilled per engine step (between two decode calls;
-      vLLM's key, which also counts the step's decode tokens); enable_chunked_prefill: a prompt
-      longer than what is left of it is prefilled in chunks over several steps, the running
-      sequences decoding in between (else it waits whole for a step of its own).
+    max_num_batched_tokens: prompt tokens a data-parallel replica prefills per engine step
+      (between two decode calls; vLLM's key, which also counts the step's decode tokens);
+      enable_chunked_prefill: a prompt longer than what is left of it is prefilled in chunks
+      over several steps, the running sequences decoding in between (else it waits whole for
+      a step of its own).
     """
 
     page_size: int = 16

@@ -51,7 +51,7 @@ from hybridjax.rollout import preemption, steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
-from hybridjax.rollout.pages import Prefix, Request, num_pages
+from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
 from hybridjax.rollout.preemption import Preempted
 from hybridjax.rollout.replicas import POOL_SPEC, ROWS_SPEC, ReplicaBooks, per_replica
 from hybridjax.rollout.slots import (
@@ -381,36 +381,36 @@ class Engine:
         call (each replica a block of rows, `replicas.per_replica`), and returns the tokens
         computed. Host sync: none.
 
-        `budget` (None: unbounded) caps the tokens of this call (`rollout.
-        max_num_batched_tokens`): prefixes are taken in order; with `enable_chunked_prefill`
-        the one that would pass the budget is computed up to it and continues from there at
-        the next call (`Prefix.prefilled`; a later chunk attends to the cached earlier ones,
-        `steps.extend`), else it waits whole for the next call (the first one always runs
-        whole). Prefixes already prefilled are skipped."""
+        `budget` (None: unbounded) caps each replica's tokens of this call (`rollout.
+        max_num_batched_tokens`): prefixes are taken in order (`pages.chunk_sizes`); with
+        `enable_chunked_prefill` the one that would pass the budget is computed up to it and
+        continues from there at the next call (`Prefix.prefilled`; a later chunk attends to
+        the cached earlier ones, `steps.extend`), else it waits whole for the next call (the
+        first one always runs whole). Prefixes already prefilled are skipped."""
         self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
-        left = budget if budget is not None else sum(p.to_prefill for p in prefixes)
+        remaining = [p.to_prefill for p in prefixes]
+        sizes = [0] * len(prefixes)
+        for r in range(self.replicas):  # each replica its own budget, as a vLLM engine
+            mine = [i for i, p in enumerate(prefixes) if p.replica == r]
+            need = [remaining[i] for i in mine]
+            total = budget if budget is not None else sum(need)
+            chunked = self.config.enable_chunked_prefill
+            for i, take in zip(mine, chunk_sizes(need, total, chunked), strict=True):
+                sizes[i] = take
         first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
-        for p in prefixes:
-            take = p.to_prefill
-            if take == 0:
+        for p, take in zip(prefixes, sizes, strict=True):
+            if not take:
                 continue
-            if take > left:
-                if not self.config.enable_chunked_prefill and (first or rest):
-                    break
-                take = left if self.config.enable_chunked_prefill else take
-            if take <= 0:
-                break
             tokens = p.request.prompt[p.prefilled : p.prefilled + take]
             if p.prefilled == 0:
                 first.append((p.replica, tokens, p.pages))
             else:
                 rest.append((p.replica, p.prefilled, tokens, p.pages))
             p.prefilled += take
-            left -= take
         self._prefill_rows(first)
         self._extend_rows(rest)
-        return sum(len(x[1]) for x in first) + sum(len(x[2]) for x in rest)
+        return sum(sizes)
 
     def _prefill_rows(self, rows: list[tuple[int, Sequence[int], list[int]]]) -> None:
         """Writes the keys/values of (replica, token ids at positions 0.., pages) rows in one

@@ -28,6 +28,23 @@ def num_pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
+def chunk_sizes(remaining: list[int], budget: int, chunked: bool) -> list[int]:
+    """Prompt tokens to prefill this engine step for prompts that still need `remaining`
+    tokens each, in order, under a `budget` of tokens (`rollout.max_num_batched_tokens`).
+    `chunked` (`enable_chunked_prefill`): each takes what is left of the budget, the last one
+    a part; else whole prompts while they fit, the first always (vLLM's scheduler, FCFS: it
+    stops at the first that does not fit)."""
+    sizes, left = [0] * len(remaining), budget
+    for i, need in enumerate(remaining):
+        if need == 0:
+            continue
+        take = min(need, left) if chunked else (need if need <= left or left == budget else 0)
+        if take <= 0:
+            break
+        sizes[i], left = take, left - take
+    return sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One prompt to sample: token ids, sampling parameters and its index (folded into the

@@ -10,9 +10,18 @@ from conftest import ENGINE_CONFIG
 from rollout_testing import make_prompts
 
 from hybridjax.rollout import Engine, SamplingParams, generate
-from hybridjax.rollout.pages import Request
+from hybridjax.rollout.pages import Request, chunk_sizes
 
 PROMPTS = make_prompts()  # lengths 5, 9, 1, 4, 12, 7: 4, 8, 0, 3, 11, 6 prefilled positions
+
+
+def test_chunk_sizes_by_hand():
+    assert chunk_sizes([11, 4, 6], 5, chunked=True) == [5, 0, 0]
+    assert chunk_sizes([1, 4, 6], 8, chunked=True) == [1, 4, 3]
+    assert chunk_sizes([0, 3, 6], 8, chunked=True) == [0, 3, 5]  # a finished one is skipped
+    assert chunk_sizes([11, 4], 5, chunked=False) == [11, 0]  # the first runs whole
+    assert chunk_sizes([3, 6, 1], 8, chunked=False) == [3, 0, 0]  # FCFS: 6 waits, so does 1
+    assert chunk_sizes([3, 4, 1], 8, chunked=False) == [3, 4, 1]
 
 
 @pytest.fixture(scope="module")

@@ -95,3 +95,26 @@ def test_the_youngest_active_sequence_is_the_victim():
 def test_unknown_page_allocation_is_rejected():
     with pytest.raises(ValueError, match="page_allocation 'lazy'.*on_demand"):
         RolloutConfig(page_allocation="lazy")
+
+
+def test_config_keys_reach_the_engine_config_and_bad_values_are_named():
+    from tests.reliability.test_config_checks import _config, _problems
+
+    keys = {
+        "actor_rollout_ref.rollout.page_allocation": "reserve",
+        "actor_rollout_ref.rollout.max_num_batched_tokens": 64,
+        "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+    }
+    r = RolloutConfig.from_config(_config(**keys).actor_rollout_ref.rollout)
+    assert (r.page_allocation, r.max_num_batched_tokens, r.enable_chunked_prefill) == (
+        "reserve",
+        64,
+        False,
+    )
+    default = RolloutConfig.from_config(_config().actor_rollout_ref.rollout)
+    assert (default.page_allocation, default.max_num_batched_tokens) == ("on_demand", 8192)
+    bad = _problems(**{"actor_rollout_ref.rollout.page_allocation": "lazy"})
+    assert "actor_rollout_ref.rollout.page_allocation: one of ('on_demand', 'reserve')" in bad
+    assert "max_num_batched_tokens" in _problems(
+        **{"actor_rollout_ref.rollout.max_num_batched_tokens": 0}
+    )

@@ -534,17 +534,22 @@ class Engine:
 
     def resume(self) -> list[tuple[int, Preempted]]:
         """Readmits preempted sequences, oldest first, while a replica has a free slot (not
-        promised to a waiting sample) and pages for its tokens: each gets fresh pages, its
-        decode state back and its tokens but the last recomputed, every replica's in one
-        prefill call. Returns (slot, sequence) of each readmitted one. Host sync: none."""
+        promised to a waiting sample) and pages for its tokens and the next decode call's
+        positions: each gets fresh pages, its decode state back and its tokens but the last
+        recomputed, every replica's in one prefill call. Returns (slot, sequence) of each
+        readmitted one. Host sync: none."""
         if not self.preempted:
             return []
         self._require_weights("resume")
         self.wake_up()
         done, rows = [], []
+        ps, steps_per_call = self.config.page_size, self.config.decode_steps_per_call
         while self.preempted:
             seq = self.preempted[0]
-            count = num_pages(len(seq.tokens) - 1, self.config.page_size)
+            # its tokens and the next decode call's positions, so that call cannot preempt it
+            # again at once (vLLM's lookahead slots)
+            ahead = min(steps_per_call, seq.row.max_tokens - seq.row.num_generated)
+            count = num_pages(len(seq.tokens) - 1 + ahead, ps)
             free = [len(self.free_slots_of(r)) for r in range(self.replicas)]
             replica = self.pages.place_pages(count, free)
             if replica is None:
@@ -557,7 +562,7 @@ class Engine:
             self._slot_tokens[slot] = seq.expected_tokens
             self._slot_history[slot] = list(seq.tokens)
             self._preempted_slots[slot] = False
-            rows.append((replica, seq.tokens[:-1], pages))
+            rows.append((replica, seq.tokens[:-1], pages[: num_pages(len(seq.tokens) - 1, ps)]))
             done.append((slot, seq))
         self._prefill_rows(rows)
         return done

@@ -46,7 +46,7 @@ from hybridjax.metrics.tracking import LOGGERS
 from hybridjax.models.config import DTYPE_NAMES
 from hybridjax.rewards.genrm import DEFAULT_TEMPLATE, VERDICT_PARSERS
 from hybridjax.rewards.manager import COMBINE, ON_ERROR_POLICIES, REWARD_MANAGERS
-from hybridjax.rollout.config import ATTENTION_IMPLS
+from hybridjax.rollout.config import ATTENTION_IMPLS, PAGE_ALLOCATIONS
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang are not used
@@ -224,7 +224,7 @@ def declared_config() -> ConfigDict:
             free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
             page_size=positive(16),
-            max_num_seqs=positive(256),  # sequences decoded at once
+            max_num_seqs=positive(256),  # running sequences per data-parallel replica (vLLM)
             log_prob_micro_batch_size_per_gpu=positive(16),
             log_prob_use_dynamic_bsz=False,  # the old-log-prob pass by token count
             log_prob_max_token_len_per_gpu=16384,
@@ -232,6 +232,13 @@ def declared_config() -> ConfigDict:
             attention_impl=one_of("auto", ATTENTION_IMPLS),
             decode_steps_per_call=32,
             min_prefill_bucket=16,
+            # KV pages as sequences grow, preempting the youngest when a pool runs out (vLLM),
+            # or each sample's worst case reserved at admission (hybridjax.rollout.preemption)
+            page_allocation=one_of("on_demand", PAGE_ALLOCATIONS),
+            # prompt tokens a replica prefills per engine step, longer prompts in chunks between
+            # decode calls (verl/vLLM's keys; hybridjax.rollout.batching)
+            max_num_batched_tokens=positive(8192),
+            enable_chunked_prefill=True,
             val_kwargs=dict(n=positive(1), temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
             # multi-turn rollouts with tools (hybridjax.rollout.agent_loop; verl's keys, plus
             # tool_timeout_s / tool_workers); response_length bounds model + tool tokens

@@ -75,7 +75,9 @@ class MemoryPlan:
     stages: tuple[StagePlan, ...]
     kv_pages: int
     kv_page_bytes: int  # one page over all layers, k and v, per device
-    full_sequences: int  # full-length sequences the pool holds (max_num_seqs asks for more?)
+    # full-length sequences the pool holds: all it runs with page_allocation "reserve"; with
+    # "on_demand" (pages as sequences grow) a floor, shorter ones run beyond it
+    full_sequences: int
     advice: tuple[str, ...]
     # stage → XLA's CPU memory analysis: scratch of the program compiled here (reference only:
     # the CPU compiler keeps buffers a GPU fusion does not; `hybridjax.memory.counts`)
@@ -445,9 +447,18 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
     a, r = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
     out: dict[str, str] = {}
     if plan.full_sequences < r.max_num_seqs:
+        # "reserve" books each sequence's full length at admission, so slots past the pool's
+        # full-length count stay empty; "on_demand" runs them while short and preempts
+        # (recomputes) the youngest when they grow, so the count is a bound on the waste only
+        on_demand = r.get("page_allocation", "on_demand") == "on_demand"
+        effect = (
+            "sequences past that many are preempted and recomputed as they grow"
+            if on_demand
+            else "slots wait for pages"
+        )
         out["rollout.max_num_seqs"] = (
             f"the KV pool holds {plan.full_sequences} full-length sequences but "
-            f"rollout.max_num_seqs is {r.max_num_seqs}: slots wait for pages; raise "
+            f"rollout.max_num_seqs is {r.max_num_seqs}: {effect}; raise "
             "rollout.gpu_memory_utilization or mesh.generate.tensor, or lower max_num_seqs"
         )
     fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]

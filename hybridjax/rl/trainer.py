@@ -274,6 +274,7 @@ class RLTrainer:
         # with a rollout ahead, the gen stage takes the prompts from the thread
         prompts = next(self.train_loader) if self.rollout_ahead is None else None
         state = step.StepState(self.models, self.kl_coef)
+        preemptions = self.engine.num_preemptions
         state, metrics, ctx = step.train_step(state, prompts, self.deps, n)
         self.models, self.kl_coef, self.policy_versions = (
             state.models,
@@ -287,6 +288,8 @@ class RLTrainer:
             "training/epoch": float(epoch),
             "training/nan_skipped_updates_total": float(self.nan_guard.total),
             "rollout/num_compiles": float(self.engine.num_compiles),
+            # sequences preempted (KV pages on demand) while the step ran, vLLM's counter
+            "rollout/num_preemptions": float(self.engine.num_preemptions - preemptions),
         }
         self.global_step = n
         return metrics

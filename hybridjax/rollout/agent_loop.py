@@ -29,6 +29,7 @@ import numpy as np
 
 from hybridjax.rollout.batching import (
     RolloutOutput,
+    drop_preempted,
     fill_slots,
     make_requests,
     pad_rows,
@@ -131,9 +132,9 @@ def generate_multi_turn(
         engine.free_resource(slot)
 
     with concurrent.futures.ThreadPoolExecutor(tool_threads, "tools") as pool:
-        while queue or waiting or owner:
+        while queue or waiting or owner or engine.preempted:
             fill_slots(engine, queue, waiting, owner, first_row, first_index)
-            if not owner:
+            if not owner and not any(p.to_prefill for p in waiting):
                 raise RuntimeError("no request could be admitted; the page pool is too small")
             appends = {}
             for slot in [s for s, f in running.items() if f.done()]:
@@ -156,6 +157,7 @@ def generate_multi_turn(
                     concurrent.futures.wait(running.values(), return_when="FIRST_COMPLETED")
                 continue
             out = engine.generate(steps, exit_when_done=refill_batch(engine))
+            drop_preempted(out, owner)
             for slot, row in list(owner.items()):
                 valid = out.tokens[slot] >= 0
                 traj = rows[row]

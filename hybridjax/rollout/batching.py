@@ -89,14 +89,15 @@ def generate(
     owner: dict[int, int] = {}  # slot -> output row
     steps = engine.config.decode_steps_per_call
 
-    while queue or waiting or owner:
+    while queue or waiting or owner or engine.preempted:
         if continuous or not owner:
             fill_slots(engine, queue, waiting, owner, first_row, first_index)
-        if not owner:
+        if not owner and not any(p.to_prefill for p in waiting):
             raise RuntimeError("no request could be admitted; the page pool is too small")
-        pending = len(queue) + sum(p.samples_left for p in waiting)
+        pending = len(queue) + sum(p.samples_left for p in waiting) + len(engine.preempted)
         exit_when = min(pending, refill_batch(engine)) if (continuous and pending) else None
         out = engine.generate(steps, exit_when_done=exit_when)
+        drop_preempted(out, owner)
         for slot, row in list(owner.items()):
             valid = out.tokens[slot] >= 0
             tokens[row].extend(out.tokens[slot, valid].tolist())
@@ -137,21 +138,40 @@ def refill_batch(engine: Engine) -> int:
 
 
 def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> None:
-    """Admits queued requests in order while a replica has a free slot and pages for the
-    group (`Engine.place`), prefills them in one call, then inserts waiting samples into free
-    slots of their prompt's replica; `owner` maps each filled slot to its output row
-    (`first_row[request] + sample`)."""
-    admitted = []
-    while queue and engine.can_prefill(queue[0]):
-        admitted.append(engine.admit(queue.popleft()))
-    engine.run_prefill(admitted)
-    waiting.extend(admitted)
-    for prefix in list(waiting):
+    """Readmits preempted sequences first (`Engine.resume`, oldest first, as vLLM), then, once
+    none waits, admits queued requests in order while a replica has a free slot and pages for
+    the group (`Engine.place`), prefills them in one call, and inserts waiting samples into
+    free slots of their prompt's replica; `owner` maps each filled slot to its output row
+    (`first_row[request] + sample`).
+
+    Prefill spends `rollout.max_num_batched_tokens` per replica and call, prompts in admission
+    order (`Engine.run_prefill`): a prompt is admitted only while the replicas' budgets are not
+    spent, and one
+    that is not fully prefilled gets no slot until a later call finishes it."""
+    for slot, seq in engine.resume():
+        owner[slot] = first_row[seq.request_index - first_index] + seq.sample
+    budget = engine.config.max_num_batched_tokens  # per replica
+    due = sum(p.to_prefill for p in waiting)
+    room = budget * engine.replicas
+    while queue and not engine.preempted and due < room and engine.can_prefill(queue[0]):
+        prefix = engine.admit(queue.popleft())
+        waiting.append(prefix)
+        due += prefix.to_prefill
+    engine.run_prefill([p for p in waiting if p.to_prefill], budget)
+    for prefix in [p for p in waiting if not p.to_prefill]:
         for slot in engine.free_slots_of(prefix.replica)[: prefix.samples_left]:
             owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
             engine.insert(prefix, slot)
         if prefix.samples_left == 0:
             waiting.remove(prefix)
+
+
+def drop_preempted(out, owner: dict[int, int]) -> None:
+    """Forgets the slots preempted by the last `Engine.generate` call (`StepOutput.preempted`):
+    their sequences come back, in other slots, through `fill_slots`; their output rows keep
+    the tokens they have."""
+    for slot in np.flatnonzero(out.preempted):
+        del owner[int(slot)]
 
 
 def pad_rows(tokens, masks, log_probs, width: int, pad_token_id: int):

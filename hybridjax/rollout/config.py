@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 ATTENTION_IMPLS = ("auto", "jnp", "pallas")
+PAGE_ALLOCATIONS = ("on_demand", "reserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,15 @@ class RolloutConfig:
       trip; the loop also stops early once enough slots finished to refill from the queue.
     min_prefill_bucket: smallest padded prompt length; prompt lengths and prefill batch sizes
       are padded to the next 2^k or 3·2^(k-1) from there (one compile per bucket).
+    page_allocation: "on_demand" (vLLM's block manager: a sequence takes a page when it grows
+      into one; when a replica's pool runs out, its youngest sequences are preempted and
+      recomputed later, `hybridjax.rollout.preemption`) or "reserve" (every sample's worst
+      case, prompt + max_tokens, is reserved at admission: no preemption, fewer sequences).
+    max_num_batched_tokens: prompt tokens a data-parallel replica prefills per engine step
+      (between two decode calls; vLLM's key, which also counts the step's decode tokens);
+      enable_chunked_prefill: a prompt longer than what is left of it is prefilled in chunks
+      over several steps, the running sequences decoding in between (else it waits whole for
+      a step of its own).
     """
 
     page_size: int = 16
@@ -101,11 +111,23 @@ class RolloutConfig:
     attention_impl: str = "auto"
     decode_steps_per_call: int = 32
     min_prefill_bucket: int = 16
+    page_allocation: str = "on_demand"
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
+        if self.page_allocation not in PAGE_ALLOCATIONS:
+            raise ValueError(
+                f"unknown page_allocation {self.page_allocation!r}; expected one of "
+                f"{PAGE_ALLOCATIONS}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if self.page_size < 1 or self.max_num_seqs < 1 or self.decode_steps_per_call < 1:
             raise ValueError(f"page_size, max_num_seqs, decode_steps_per_call must be >= 1: {self}")
@@ -144,4 +166,7 @@ class RolloutConfig:
             attention_impl=str(rollout.get("attention_impl", "auto")),
             decode_steps_per_call=int(rollout.get("decode_steps_per_call", 32)),
             min_prefill_bucket=int(rollout.get("min_prefill_bucket", 16)),
+            page_allocation=str(rollout.get("page_allocation", "on_demand")),
+            max_num_batched_tokens=int(rollout.get("max_num_batched_tokens", 8192)),
+            enable_chunked_prefill=bool(rollout.get("enable_chunked_prefill", True)),
         )

@@ -5,8 +5,8 @@ Life of a prompt of length L with n samples:
   1. `prefill` (`admit`, then `run_prefill`): the group is placed on one data-parallel replica
      (`hybridjax.rollout.replicas`); positions 0 .. L-2 are run once and written to fresh pages
      of that replica (several prompts per call, padded to a (batch, length) bucket). Full
-     pages are shared by all n samples; the pages of the whole group are reserved
-     (`hybridjax.rollout.pages`).
+     pages are shared by all n samples; the pages the group takes until its samples are
+     inserted are reserved (`hybridjax.rollout.pages`).
   2. `insert` (once per sample): a free slot of that replica gets the sample's page table and
      sampling state
      (`hybridjax.rollout.slots`). Its first input is the prompt's last token at position L-1,
@@ -16,6 +16,9 @@ Life of a prompt of length L with n samples:
      into its block of the decode batch, of a power-of-two size (`slots.replica_rows`), so an
      engine with
      `max_num_seqs` = 256 slots costs what one with as many slots as sequences does.
+     Before each call a sequence takes the pages the call may write into ("on_demand"); when
+     a replica has none free, its youngest sequences are preempted and later readmitted by
+     `resume`, recomputed from their tokens (`hybridjax.rollout.preemption`).
   4. `free_resource`: the slot's pages go back to the free list.
 
 Multi-turn (`hybridjax.rollout.agent_loop`): a slot that stopped keeps its pages; `extend` appends
@@ -29,9 +32,12 @@ KB.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -41,11 +47,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rollout import steps
+from hybridjax.rollout import preemption, steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
-from hybridjax.rollout.pages import Prefix, Request, num_pages
+from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
+from hybridjax.rollout.preemption import Preempted
 from hybridjax.rollout.replicas import POOL_SPEC, ROWS_SPEC, ReplicaBooks, per_replica
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
@@ -118,6 +125,13 @@ class Engine:
         self.slots = Slots.empty(num_slots, config.pages_per_seq, MAX_STOP_IDS)
         self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._slot_tokens = [0] * num_slots  # expected tokens of each slot's sample
+        # prompt + tokens fed or sampled after it; empty: the slot is free (on demand, a slot
+        # may hold no page yet)
+        self._slot_history: list[list[int]] = [[] for _ in range(num_slots)]
+        self.preempted: list[Preempted] = []  # waiting to be recomputed, oldest first
+        self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
+        # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
+        self._preempted_slots = np.zeros(num_slots, bool)
         pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), pool),
@@ -152,7 +166,7 @@ class Engine:
         memory back. Level 2 is for weights that are the engine's own copy (the trainer's
         generation layout); `update_weights` brings them back. Returns the bytes released
         per device summed over devices. Raises RuntimeError while sequences are running."""
-        if self.num_active or any(self._slot_pages):
+        if self.num_active or any(self._slot_history):
             raise RuntimeError("Engine.sleep: sequences still hold slots; free them first")
         if level not in (1, 2):
             raise ValueError(f"Engine.sleep: level must be 1 or 2, got {level}")
@@ -312,12 +326,12 @@ class Engine:
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i in range(len(self._slot_pages)) if not self._slot_pages[i]]
+        return [i for i in range(len(self._slot_history)) if not self._slot_history[i]]
 
     def free_slots_of(self, replica: int) -> list[int]:
         """The free slots of one replica."""
         m = self.config.max_num_seqs
-        return [i for i in range(replica * m, (replica + 1) * m) if not self._slot_pages[i]]
+        return [i for i in range(replica * m, (replica + 1) * m) if not self._slot_history[i]]
 
     @property
     def num_active(self) -> int:
@@ -362,28 +376,59 @@ class Engine:
         self.run_prefill(prefixes)
         return prefixes
 
-    def run_prefill(self, prefixes: list[Prefix]) -> None:
+    def run_prefill(self, prefixes: list[Prefix], budget: int | None = None) -> int:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
-        call (each replica a block of rows, `replicas.per_replica`). Host sync: none."""
+        call (each replica a block of rows, `replicas.per_replica`), and returns the tokens
+        computed. Host sync: none.
+
+        `budget` (None: unbounded) caps each replica's tokens of this call (`rollout.
+        max_num_batched_tokens`): prefixes are taken in order (`pages.chunk_sizes`); with
+        `enable_chunked_prefill` the one that would pass the budget is computed up to it and
+        continues from there at the next call (`Prefix.prefilled`; a later chunk attends to
+        the cached earlier ones, `steps.extend`), else it waits whole for the next call (the
+        first one always runs whole). Prefixes already prefilled are skipped."""
         self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
-        todo = [p for p in prefixes if len(p.request.prompt) > 1]
+        remaining = [p.to_prefill for p in prefixes]
+        sizes = [0] * len(prefixes)
+        for r in range(self.replicas):  # each replica its own budget, as a vLLM engine
+            mine = [i for i, p in enumerate(prefixes) if p.replica == r]
+            need = [remaining[i] for i in mine]
+            total = budget if budget is not None else sum(need)
+            chunked = self.config.enable_chunked_prefill
+            for i, take in zip(mine, chunk_sizes(need, total, chunked), strict=True):
+                sizes[i] = take
+        first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
+        for p, take in zip(prefixes, sizes, strict=True):
+            if not take:
+                continue
+            tokens = p.request.prompt[p.prefilled : p.prefilled + take]
+            if p.prefilled == 0:
+                first.append((p.replica, tokens, p.pages))
+            else:
+                rest.append((p.replica, p.prefilled, tokens, p.pages))
+            p.prefilled += take
+        self._prefill_rows(first)
+        self._extend_rows(rest)
+        return sum(sizes)
+
+    def _prefill_rows(self, rows: list[tuple[int, Sequence[int], list[int]]]) -> None:
+        """Writes the keys/values of (replica, token ids at positions 0.., pages) rows in one
+        prefill call, padded to a (batch, length) bucket. Host sync: none."""
+        todo = [row for row in rows if len(row[1])]
         if not todo:
             return
-        groups = [[p for p in todo if p.replica == r] for r in range(self.replicas)]
+        groups = [[x for x in todo if x[0] == r] for r in range(self.replicas)]
         n = prefill_bucket(max(len(g) for g in groups))
-        t = prefill_bucket(
-            max(len(p.request.prompt) - 1 for p in todo), self.config.min_prefill_bucket
-        )
+        t = prefill_bucket(max(len(x[1]) for x in todo), self.config.min_prefill_bucket)
         ids = np.zeros((self.replicas, n, t), np.int32)
         mask = np.zeros((self.replicas, n, t), bool)
         table = np.zeros((self.replicas, n, num_pages(t, self.config.page_size)), np.int32)
         for r, group in enumerate(groups):
-            for row, p in enumerate(group):
-                length = len(p.request.prompt) - 1
-                ids[r, row, :length] = p.request.prompt[:-1]
-                mask[r, row, :length] = True
-                table[r, row, : len(p.pages)] = p.pages
+            for row, (_, tokens, pages) in enumerate(group):
+                ids[r, row, : len(tokens)] = tokens
+                mask[r, row, : len(tokens)] = True
+                table[r, row, : len(pages)] = pages
         self.num_prefill_tokens += int(mask.sum())
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
         self.k_pools, self.v_pools = self._prefill_jit(
@@ -398,13 +443,15 @@ class Engine:
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Puts the prefix's next sample into a free `slot` (host only; the page copy is
         batched into the next `generate` call)."""
-        if self._slot_pages[slot]:
+        if self._slot_history[slot]:
             raise ValueError(f"slot {slot} is busy")
         if self.replica_of(slot) != prefix.replica:
             raise ValueError(
                 f"slot {slot} is on replica {self.replica_of(slot)}, the prefix's pages on "
                 f"replica {prefix.replica}"
             )
+        if prefix.to_prefill:
+            raise ValueError(f"request {prefix.request.index}: prompt not fully prefilled yet")
         r, p = prefix.request, prefix.request.params
         sample = prefix.next_sample
         pages = self.pages.sample_pages(prefix)
@@ -423,13 +470,102 @@ class Engine:
         )
         self.slots.assign(slot, row)
         self._slot_pages[slot] = pages
+        self._slot_history[slot] = list(r.prompt)
+        self._preempted_slots[slot] = False
 
     def free_resource(self, slot: int) -> None:
         """Returns a finished (or abandoned) slot's pages and frees the slot."""
         self.pages.release(self.replica_of(slot), self._slot_pages[slot], self._slot_tokens[slot])
         self._slot_pages[slot] = []
         self._slot_tokens[slot] = 0
+        self._slot_history[slot] = []
         self.slots.active[slot] = False
+
+    # ----------------------------------------------------------------------------- preemption
+
+    def _ensure_pages(self, slot: int, count: int) -> bool:
+        """Gives `slot` `count` more pages (`PageBook.grow`), preempting the youngest active
+        sequences of its replica while too few are free; False (nothing taken) when the slot
+        itself is the youngest, or no other sequence runs there."""
+        if count <= 0:
+            return True
+        replica = self.replica_of(slot)
+        m = self.config.max_num_seqs
+        while (new := self.pages.books[replica].grow(count)) is None:
+            victim = preemption.youngest(self.slots, np.arange(replica * m, (replica + 1) * m))
+            if victim is None or victim == slot:
+                return False
+            self._preempt(victim)
+        held = len(self._slot_pages[slot])
+        self._slot_pages[slot] += new
+        self.slots.page_table[slot, held : held + count] = new
+        return True
+
+    def _preempt(self, slot: int) -> None:
+        """Frees an active slot's pages and queues its sequence for `resume` (host only)."""
+        row = preemption.row_of(self.slots, slot)
+        seq = Preempted(row, tuple(self._slot_history[slot]), self._slot_tokens[slot])
+        bisect.insort(self.preempted, seq, key=lambda x: x.priority)
+        self.free_resource(slot)
+        self.num_preemptions += 1
+        self._preempted_slots[slot] = True
+
+    def _grow_for_decode(self, num_steps: int) -> np.ndarray:
+        """Before a decode call: every active slot, oldest first, takes the pages the call may
+        write into; a slot no page can be found for is preempted (`_ensure_pages`). Returns
+        the slots preempted since the last call and not refilled since (by this call or by an
+        `extend`; bool, one per slot)."""
+        order = sorted(
+            np.flatnonzero(self.slots.active), key=lambda s: preemption.priority_of(self.slots, s)
+        )
+        ps = self.config.page_size
+        for slot in order:
+            if not self.slots.active[slot]:
+                continue  # preempted for an older one
+            held = len(self._slot_pages[slot])
+            need = preemption.pages_to_grow(self.slots, slot, num_steps, held, ps)
+            if not self._ensure_pages(slot, need):
+                self._preempt(slot)
+        preempted, self._preempted_slots = (
+            self._preempted_slots,
+            np.zeros_like(self._preempted_slots),
+        )
+        return preempted
+
+    def resume(self) -> list[tuple[int, Preempted]]:
+        """Readmits preempted sequences, oldest first, while a replica has a free slot (not
+        promised to a waiting sample) and pages for its tokens and the next decode call's
+        positions: each gets fresh pages, its decode state back and its tokens but the last
+        recomputed, every replica's in one prefill call. Returns (slot, sequence) of each
+        readmitted one. Host sync: none."""
+        if not self.preempted:
+            return []
+        self._require_weights("resume")
+        self.wake_up()
+        done, rows = [], []
+        ps, steps_per_call = self.config.page_size, self.config.decode_steps_per_call
+        while self.preempted:
+            seq = self.preempted[0]
+            # its tokens and the next decode call's positions, so that call cannot preempt it
+            # again at once (vLLM's lookahead slots)
+            ahead = min(steps_per_call, seq.row.max_tokens - seq.row.num_generated)
+            count = num_pages(len(seq.tokens) - 1 + ahead, ps)
+            free = [len(self.free_slots_of(r)) for r in range(self.replicas)]
+            replica = self.pages.place_pages(count, free)
+            if replica is None:
+                break
+            self.preempted.pop(0)
+            pages = self.pages.readmit(replica, count, seq.expected_tokens)
+            slot = self.free_slots_of(replica)[0]
+            self.slots.assign(slot, dataclasses.replace(seq.row, pages=pages))
+            self._slot_pages[slot] = pages
+            self._slot_tokens[slot] = seq.expected_tokens
+            self._slot_history[slot] = list(seq.tokens)
+            self._preempted_slots[slot] = False
+            rows.append((replica, seq.tokens[:-1], pages[: num_pages(len(seq.tokens) - 1, ps)]))
+            done.append((slot, seq))
+        self._prefill_rows(rows)
+        return done
 
     # ----------------------------------------------------------------------------- extend
 
@@ -460,40 +596,58 @@ class Engine:
         Sampling continues the slot's PRNG stream (token index = tokens sampled so far).
 
         Raises ValueError for an active or free slot, no tokens, or a sequence that would
-        outgrow the pages the slot holds (its prompt + max_tokens of `insert`).
+        outgrow the pages of its prompt + max_tokens of `insert`; RuntimeError when no page
+        is free for the appended tokens and no running sequence can be preempted.
         Host sync: none (the call is queued).
         """
         s, ps = self.slots, self.config.page_size
         for slot, (tokens, max_new) in appends.items():
-            if s.active[slot] or not self._slot_pages[slot]:
+            if s.active[slot] or not self._slot_history[slot]:
                 raise ValueError(f"slot {slot} is not a stopped sequence")
             end = int(s.position[slot]) + len(tokens) + max_new - 1  # last position fed
-            if not tokens or max_new < 1 or end >= len(self._slot_pages[slot]) * ps:
+            limit = num_pages(self._slot_tokens[slot] - 1, ps)  # pages of prompt + max_tokens
+            if not tokens or max_new < 1 or end >= limit * ps:
                 raise ValueError(
                     f"slot {slot}: {len(tokens)} appended tokens + {max_new} new ones from "
-                    f"position {int(s.position[slot])} outgrow its "
-                    f"{len(self._slot_pages[slot])} pages of {ps}"
+                    f"position {int(s.position[slot])} outgrow its {limit} pages of {ps}"
                 )
         if not appends:
             return
         self._flush_copies()
-        groups = [[x for x in appends if self.replica_of(x) == r] for r in range(self.replicas)]
+        for slot, (tokens, _) in appends.items():  # pages for the fed tokens ("on_demand")
+            last = int(s.position[slot]) + len(tokens) - 1
+            if not self._ensure_pages(slot, last // ps + 1 - len(self._slot_pages[slot])):
+                raise RuntimeError(f"slot {slot}: no KV page free for its appended tokens")
+        s = self.slots
+        rows = []
+        for slot, (tokens, max_new) in appends.items():
+            fed = [int(s.token[slot])] + list(tokens[:-1])
+            rows.append((self.replica_of(slot), int(s.position[slot]), fed, self._slot_pages[slot]))
+            s.token[slot] = tokens[-1]
+            s.position[slot] += len(tokens)
+            self._slot_history[slot] += tokens
+            s.max_tokens[slot] = s.num_generated[slot] + max_new
+            s.active[slot] = True
+        self._extend_rows(rows)
+
+    def _extend_rows(self, rows: list[tuple[int, int, Sequence[int], list[int]]]) -> None:
+        """Writes the keys/values of (replica, start, token ids at positions start.., pages)
+        rows on top of their cached positions 0 .. start-1, in one call padded to a (batch,
+        length) bucket (`steps.extend`). Host sync: none."""
+        if not rows:
+            return
+        groups = [[x for x in rows if x[0] == r] for r in range(self.replicas)]
         n = prefill_bucket(max(len(g) for g in groups))
-        t = prefill_bucket(max(len(v[0]) for v in appends.values()), self.config.min_prefill_bucket)
+        t = prefill_bucket(max(len(x[2]) for x in rows), self.config.min_prefill_bucket)
         shape = (self.replicas, n)
         ids, mask = np.zeros((*shape, t), np.int32), np.zeros((*shape, t), bool)
         start = np.zeros(shape, np.int32)
         table = np.zeros((*shape, self.config.pages_per_seq), np.int32)
         for r, group in enumerate(groups):
-            for row, slot in enumerate(group):
-                tokens, max_new = appends[slot]
-                fed = [int(s.token[slot])] + list(tokens[:-1])
-                ids[r, row, : len(fed)], mask[r, row, : len(fed)] = fed, True
-                start[r, row], table[r, row] = s.position[slot], s.page_table[slot]
-                s.token[slot] = tokens[-1]
-                s.position[slot] += len(tokens)
-                s.max_tokens[slot] = s.num_generated[slot] + max_new
-                s.active[slot] = True
+            for row, (_, first, tokens, pages) in enumerate(group):
+                ids[r, row, : len(tokens)], mask[r, row, : len(tokens)] = tokens, True
+                start[r, row] = first
+                table[r, row, : len(pages)] = pages
         self.num_prefill_tokens += int(mask.sum())
         flat = [x.reshape(-1, *x.shape[2:]) for x in (ids, start, mask, table)]
         self.k_pools, self.v_pools = self._extend_jit(
@@ -572,9 +726,12 @@ class Engine:
         slots cost nothing. The loop stops early when no slot is active, or once
         `exit_when_done` slots finished (default: never early), so the caller can refill them.
         Host sync: waits for the tokens. Slots that finished stay allocated until
-        `free_resource`.
+        `free_resource`. First each active slot takes the pages the call may write into;
+        the slots preempted for lack of them (`StepOutput.preempted`) are free again, their
+        sequences queued in `preempted` for `resume`.
         """
-        self._flush_copies()
+        self._flush_copies()  # before pages are freed: a copy's source may be preempted
+        preempted = self._grow_for_decode(num_steps)
         s = self.slots
         tokens = np.full((s.active.size, num_steps), -1, np.int32)
         log_probs = np.zeros((s.active.size, num_steps), np.float32)
@@ -582,7 +739,7 @@ class Engine:
         index = self.decode_rows()
         rows = index[index >= 0]
         if not len(rows):
-            return StepOutput(tokens, log_probs, finished, finished.copy())
+            return StepOutput(tokens, log_probs, finished, finished.copy(), preempted)
         filtered = (s.temperature[rows] > 0) & ((s.top_k[rows] > 0) | (s.top_p[rows] < 1))
         use_filter = bool(np.any(filtered))
         size = len(index) // self.replicas  # rows per replica
@@ -598,7 +755,9 @@ class Engine:
         self.num_decode_rows += int(np.sum(n_steps)) * size
         keep = index >= 0
         tokens[rows], log_probs[rows] = out_tok[keep], out_lp[keep]
+        for slot, new in zip(rows, out_tok[keep], strict=True):
+            self._slot_history[slot] += new[new >= 0].tolist()
         finished[rows] = ~self.slots.active[rows]  # every row was active
         last = np.where(finished, self.slots.token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)
-        return StepOutput(tokens, log_probs, finished, stopped)
+        return StepOutput(tokens, log_probs, finished, stopped, preempted)

@@ -2,11 +2,15 @@
 
 A prompt of length L with n samples:
   * when admitted (`PageBook.admit`), its prefill pages (positions 0 .. L-2) are allocated and
-    the pages its samples will add are reserved, so a running sequence never runs out of pages
-    (no preemption, unlike vLLM);
-  * each sample (`PageBook.sample_pages`) shares the prompt's full pages, gets its own copy of
-    the partly filled last page (the last sample takes the original: no copy) and fresh pages
-    for its response; the copies are queued for the next decode call (`pop_copies`);
+    the pages its samples take when inserted are reserved;
+  * each sample (`PageBook.sample_pages`) shares the prompt's full pages and gets its own copy
+    of the partly filled last page (the last sample takes the original: no copy); the copies
+    are queued for the next decode call (`pop_copies`);
+  * with `rollout.page_allocation` = "on_demand" (vLLM's block manager) a sample takes nothing
+    more at insertion: its sequence takes a page when it grows into one (`grow`), and when a
+    replica has no free page the engine preempts its youngest sequences
+    (`hybridjax.rollout.preemption`). With "reserve" a sample takes the fresh pages of its whole
+    response at insertion (prompt + max_tokens, the worst case), so it never runs out;
   * a finished sequence's pages go back with `release`; shared pages are reference-counted
     (`PageAllocator`).
 """
@@ -22,6 +26,23 @@ from hybridjax.rollout.config import RolloutConfig, SamplingParams
 def num_pages(positions: int, page_size: int) -> int:
     """Pages that hold `positions` positions."""
     return -(-positions // page_size)
+
+
+def chunk_sizes(remaining: list[int], budget: int, chunked: bool) -> list[int]:
+    """Prompt tokens to prefill this engine step for prompts that still need `remaining`
+    tokens each, in order, under a `budget` of tokens (`rollout.max_num_batched_tokens`).
+    `chunked` (`enable_chunked_prefill`): each takes what is left of the budget, the last one
+    a part; else whole prompts while they fit, the first always (vLLM's scheduler, FCFS: it
+    stops at the first that does not fit)."""
+    sizes, left = [0] * len(remaining), budget
+    for i, need in enumerate(remaining):
+        if need == 0:
+            continue
+        take = min(need, left) if chunked else (need if need <= left or left == budget else 0)
+        if take <= 0:
+            break
+        sizes[i], left = take, left - take
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +64,12 @@ class Prefix:
     partial_page: int | None  # the partly filled last prompt page, if any
     next_sample: int = 0
     replica: int = 0  # the data-parallel replica whose pool holds the pages
+    prefilled: int = 0  # positions 0 .. prefilled-1 computed (chunked prefill)
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt positions (0 .. L-2) not computed yet; samples are inserted at 0."""
+        return len(self.request.prompt) - 1 - self.prefilled
 
     @property
     def samples_left(self) -> int:
@@ -64,6 +91,7 @@ class PageBook:
 
     def __init__(self, config: RolloutConfig, total: int):
         self.page_size = config.page_size
+        self.on_demand = config.page_allocation == "on_demand"
         self.total = total
         self.allocator = PageAllocator(total)
         self.reserved = 0  # pages promised to samples of admitted prompts not yet inserted
@@ -77,6 +105,13 @@ class PageBook:
         per_sample = num_pages(prompt_len - 1 + params.max_tokens, ps) - (prompt_len - 1) // ps
         return prefix, per_sample
 
+    def insert_pages(self, prompt_len: int, params: SamplingParams) -> int:
+        """Pages a sample takes of its own at insertion: its whole response ("reserve"), or
+        only its copy of the partial prompt page, if any ("on_demand")."""
+        if self.on_demand:
+            return int(self._has_partial(prompt_len))
+        return self.pages_for(prompt_len, params)[1]
+
     def group_pages(self, prompt_len: int, params: SamplingParams) -> int:
         """Pages a prompt's whole group holds at most (the last sample takes over the partial
         prompt page, so it is counted once)."""
@@ -86,20 +121,37 @@ class PageBook:
     def _has_partial(self, prompt_len: int) -> bool:
         return (prompt_len - 1) % self.page_size != 0
 
+    def admit_pages(self, prompt_len: int, params: SamplingParams) -> int:
+        """Pages a group takes from admission to the insertion of its last sample: all it
+        ever holds ("reserve", `group_pages`), or its prompt and the samples' copies of the
+        partial page ("on_demand")."""
+        prefix = self.pages_for(prompt_len, params)[0]
+        own = self.insert_pages(prompt_len, params)
+        return prefix + params.n * own - int(self._has_partial(prompt_len))
+
+    def can_allocate(self, count: int) -> bool:
+        """Whether `count` pages are free beyond those promised to waiting samples."""
+        return self.allocator.num_free - self.reserved >= count
+
     def can_admit(self, request: Request) -> bool:
-        """Whether the free pages (less those promised to waiting samples) hold the group."""
-        need = self.group_pages(len(request.prompt), request.params)
-        return self.allocator.num_free - self.reserved >= need
+        """Whether the free pages (less those promised to waiting samples) hold the group
+        until its samples are inserted (`admit_pages`)."""
+        return self.can_allocate(self.admit_pages(len(request.prompt), request.params))
+
+    def grow(self, count: int) -> list[int] | None:
+        """`count` fresh pages for a running sequence, or None when fewer are free (beyond
+        those promised to waiting samples): the caller preempts and retries."""
+        return self.allocator.allocate(count) if self.can_allocate(count) else None
 
     def admit(self, request: Request) -> Prefix:
         """Allocates the prompt's prefill pages and reserves its samples' pages. Raises
         RuntimeError when the group does not fit now (check `can_admit` first)."""
         if not self.can_admit(request):
             raise RuntimeError(f"request {request.index}: not enough free pages now")
-        prefix_pages, per_sample = self.pages_for(len(request.prompt), request.params)
+        prefix_pages = self.pages_for(len(request.prompt), request.params)[0]
         pages = self.allocator.allocate(prefix_pages)
+        self.reserved += self.admit_pages(len(request.prompt), request.params) - prefix_pages
         partial = self._has_partial(len(request.prompt))
-        self.reserved += request.params.n * per_sample - int(partial)
         shared, last = (pages[:-1], pages[-1]) if partial else (pages, None)
         return Prefix(request, shared, last)
 
@@ -109,7 +161,7 @@ class PageBook:
         if prefix.samples_left <= 0:
             raise ValueError(f"request {prefix.request.index}: every sample is already inserted")
         prefix.next_sample += 1
-        _, per_sample = self.pages_for(len(prefix.request.prompt), prefix.request.params)
+        per_sample = self.insert_pages(len(prefix.request.prompt), prefix.request.params)
         self.allocator.share(prefix.shared_pages)
         if prefix.partial_page is None:
             own = self.allocator.allocate(per_sample)

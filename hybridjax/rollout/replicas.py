@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from hybridjax.rollout.allocator import OutOfPagesError
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.pages import PageBook, Prefix, Request
 
@@ -72,10 +73,18 @@ class ReplicaBooks:
         """The replica that takes `request` now: one with a slot not promised to a waiting
         sample (`free_slots[r]` free slots) and pages for the whole group, the least loaded
         first (lowest index on ties); None when no replica has room."""
+        return self._place(lambda book: book.can_admit(request), free_slots)
+
+    def place_pages(self, count: int, free_slots: list[int]) -> int | None:
+        """The replica that takes a sequence of `count` pages now (a preempted one coming
+        back): as `place`, with room for `count` pages."""
+        return self._place(lambda book: book.can_allocate(count), free_slots)
+
+    def _place(self, fits_in: Callable[[PageBook], bool], free_slots: list[int]) -> int | None:
         fits = [
             r
             for r, book in enumerate(self.books)
-            if free_slots[r] > self.promised[r] and book.can_admit(request)
+            if free_slots[r] > self.promised[r] and fits_in(book)
         ]
         return min(fits, key=lambda r: (self.load[r], r)) if fits else None
 
@@ -92,6 +101,15 @@ class ReplicaBooks:
         """The page table of the prefix's next sample, on its replica (`PageBook.sample_pages`)."""
         self.promised[prefix.replica] -= 1
         return self.books[prefix.replica].sample_pages(prefix)
+
+    def readmit(self, replica: int, count: int, tokens: int) -> list[int]:
+        """`count` fresh pages on `replica` for a preempted sequence, its expected `tokens`
+        counted in the replica's load. Raises OutOfPagesError when they are not free."""
+        pages = self.books[replica].grow(count)
+        if pages is None:
+            raise OutOfPagesError(f"replica {replica}: {count} pages are not free")
+        self.load[replica] += tokens
+        return pages
 
     def release(self, replica: int, pages: list[int], tokens: int) -> None:
         """A finished sample's pages and expected tokens go back to `replica`."""

@@ -66,13 +66,16 @@ class StepOutput:
     tokens: B×K int32 (-1 where the slot was inactive or the loop had stopped),
     log_probs: B×K float32 (0 there),
     finished: B bool (slots that finished in this call), stopped: B bool (finished on a stop
-    token rather than on max_tokens).
+    token rather than on max_tokens), preempted: B bool (slots whose sequence was preempted
+    since the last call, by this one or by an `Engine.extend`, and not refilled: free now, the
+    sequence queued in `Engine.preempted`).
     """
 
     tokens: np.ndarray
     log_probs: np.ndarray
     finished: np.ndarray
     stopped: np.ndarray
+    preempted: np.ndarray
 
 
 # Fields the decode loop advances (returned by it); the others are fixed while a row runs.

@@ -112,6 +112,7 @@ def test_verdict_and_advice_follow_the_capacity(tiny):
     assert "does NOT fit" in report and f"largest consumers in {worst}" in report
     # the pool holds 10 pages = 1 full sequence of 16 + 8 tokens (6 pages), below max_num_seqs
     assert p.full_sequences == 1 and any("max_num_seqs" in a for a in p.advice)
+    assert any("preempted and recomputed" in a for a in p.advice)  # pages on demand
 
 
 def test_too_many_devices_points_to_the_cli(tiny):

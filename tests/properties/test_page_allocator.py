@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridjax.rollout.allocator import OutOfPagesError, PageAllocator
-from hybridjax.rollout.config import RolloutConfig, SamplingParams
+from hybridjax.rollout.config import PAGE_ALLOCATIONS, RolloutConfig, SamplingParams
 from hybridjax.rollout.pages import PageBook, Request, num_pages
 
 FAST = settings(max_examples=40, deadline=None)
@@ -97,9 +97,14 @@ def _holders(tables: list[list[int]], prefixes: list) -> collections.Counter:
 
 
 @FAST
-@given(groups=groups, page_size=st.integers(1, 5), order=st.randoms(use_true_random=False))
-def test_page_book_never_double_allocates_and_frees_everything(groups, page_size, order):
-    book = PageBook(RolloutConfig(page_size=page_size), total=64)
+@given(
+    groups=groups,
+    page_size=st.integers(1, 5),
+    order=st.randoms(use_true_random=False),
+    mode=st.sampled_from(PAGE_ALLOCATIONS),
+)
+def test_page_book_never_double_allocates_and_frees_everything(groups, page_size, order, mode):
+    book = PageBook(RolloutConfig(page_size=page_size, page_allocation=mode), total=64)
     prefixes, samples = [], []
     for index, (length, n, max_tokens) in enumerate(groups):
         request = Request(tuple(range(length)), SamplingParams(n=n, max_tokens=max_tokens), index)
@@ -115,7 +120,9 @@ def test_page_book_never_double_allocates_and_frees_everything(groups, page_size
             prefix = samples.pop()
             table = book.sample_pages(prefix)
             length, max_tokens = len(prefix.request.prompt), prefix.request.params.max_tokens
-            assert len(table) == num_pages(length - 1 + max_tokens, page_size)  # its positions
+            # its positions: all of them reserved, or on demand the prompt's only
+            grown = max_tokens if mode == "reserve" else 0
+            assert len(table) == num_pages(length - 1 + grown, page_size)
             tables.append(table)
         elif step == "release" and tables:
             book.release(tables.pop(order.randrange(len(tables))))

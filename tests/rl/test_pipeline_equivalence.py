@@ -40,6 +40,7 @@ def _frozen_train_step(t: RLTrainer, n: int) -> dict:
     timing, sc, cfg = {}, t.stage_cfg, t.cfg
     with timed(timing, "step"):
         epoch = t.train_loader.epoch
+        preemptions = t.engine.num_preemptions
         prompts = next(t.train_loader)
         offload = any_offload(t.offload)
         if offload:
@@ -126,6 +127,7 @@ def _frozen_train_step(t: RLTrainer, n: int) -> dict:
         "training/epoch": float(epoch),
         "training/nan_skipped_updates_total": float(t.nan_guard.total),
         "rollout/num_compiles": float(t.engine.num_compiles),
+        "rollout/num_preemptions": float(t.engine.num_preemptions - preemptions),
     }
     return metrics
 

@@ -47,6 +47,7 @@ PPO_KEYS = {
     "training/epoch",
     "training/rollout_probs_diff_mean",
     "rollout/num_compiles",
+    "rollout/num_preemptions",
 }  # fmt: skip
 VAL_KEY = "val-core/openai/gsm8k/acc/mean@1"
 

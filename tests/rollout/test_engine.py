@@ -82,6 +82,7 @@ def test_prompt_pages_are_shared_across_samples(engine):
         tokens = [[] for _ in range(slot)]
         while engine.num_active:
             step = engine.generate(num_steps=engine.config.decode_steps_per_call)
+            used = max(used, engine.allocators[0].num_used)  # on demand: the peak at the end
             for s in range(slot):
                 tokens[s] += [t for t in step.tokens[s] if t >= 0]
         for s in range(slot):

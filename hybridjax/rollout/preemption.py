@@ -1,0 +1,85 @@
+"""Recompute preemption (vLLM's): what a preempted sequence keeps, and whom to preempt.
+
+With `rollout.page_allocation` = "on_demand" a running sequence takes a KV page when the next
+decode call will write into one (`pages_to_grow`). When its replica's pool has none free, the
+youngest running sequence of that replica (the highest (request index, sample): the last to
+arrive, vLLM's FCFS priority) is preempted: its pages go back to the free list and it waits,
+oldest first, ahead of every new prompt. When a replica has a slot and pages for its tokens
+again, it is readmitted: prompt + every token fed or sampled so far but the last are prefilled
+into fresh pages (recomputed, not swapped), the last becomes its next input, and its sampling
+state (seed, tokens sampled so far, max_tokens) is unchanged, so its token k still draws number
+k of its PRNG stream and its samples are those of a run without preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hybridjax.rollout.slots import Row, Slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Preempted:
+    """A sequence waiting to be recomputed (host object).
+
+    row: its decode state when preempted (`Row`, pages empty: new ones come on readmission).
+    tokens: prompt + every token after it, the next input last (position len(tokens) - 1).
+    expected_tokens: its share of its replica's load (prompt + max_tokens).
+    """
+
+    row: Row
+    tokens: tuple[int, ...]
+    expected_tokens: int
+
+    @property
+    def request_index(self) -> int:
+        return self.row.seed[1]
+
+    @property
+    def sample(self) -> int:
+        return self.row.seed[2]
+
+    @property
+    def priority(self) -> tuple[int, int]:
+        """(request index, sample): lower is older, readmitted first, preempted last."""
+        return (self.request_index, self.sample)
+
+
+def row_of(slots: Slots, slot: int) -> Row:
+    """The decode state of `slot` as a `Row` (pages left out; host only)."""
+    stop = slots.stop_ids[slot]
+    return Row(
+        token=int(slots.token[slot]),
+        position=int(slots.position[slot]),
+        max_tokens=int(slots.max_tokens[slot]),
+        pages=[],
+        temperature=float(slots.temperature[slot]),
+        top_k=int(slots.top_k[slot]),
+        top_p=float(slots.top_p[slot]),
+        seed=tuple(int(x) for x in slots.seed[slot]),  # type: ignore[arg-type]
+        stop_ids=tuple(int(x) for x in stop[stop >= 0]),
+        num_generated=int(slots.num_generated[slot]),
+    )
+
+
+def priority_of(slots: Slots, slot: int) -> tuple[int, int]:
+    """(request index, sample) of the sequence in `slot` (`Preempted.priority`)."""
+    return (int(slots.seed[slot, 1]), int(slots.seed[slot, 2]))
+
+
+def youngest(slots: Slots, candidates: np.ndarray) -> int | None:
+    """The active slot among `candidates` (slot indices) with the highest priority tuple (the
+    last to arrive: vLLM preempts it first), or None when none is active."""
+    active = [int(s) for s in candidates if slots.active[s]]
+    return max(active, key=lambda s: priority_of(slots, s)) if active else None
+
+
+def pages_to_grow(slots: Slots, slot: int, num_steps: int, held: int, page_size: int) -> int:
+    """Pages the active `slot` (holding `held` pages) lacks for the positions the next
+    `num_steps` decode steps may write: position .. position + min(num_steps, max_tokens -
+    num_generated) - 1 (0 when it holds them; vLLM's lookahead slots)."""
+    steps = min(num_steps, int(slots.max_tokens[slot] - slots.num_generated[slot]))
+    last = int(slots.position[slot]) + max(steps, 1) - 1
+    return max(0, last // page_size + 1 - held)

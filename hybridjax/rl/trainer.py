@@ -1,6 +1,7 @@
 """The RL trainer: builds the run once, then loops `step.train_step` and checkpoints.
 
-    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor → reshard
+    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
+        → reshard
 
 At construction the config is checked (`hybridjax.config.checks`) and resolved
 (`hybridjax.config.run.resolve`), the models, the rollout engine, the reward stage and the

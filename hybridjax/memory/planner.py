@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
+from hybridjax.sharding.mesh import expert_parallel
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -359,7 +360,8 @@ def plan_memory(
 
     def stage(name, fn, args, batch, used, count):
         if compile_stages:
-            m = compiled_memory(fn, *args)
+            with expert_parallel(train):  # as the step runs it (MoE experts in shard_map)
+                m = compiled_memory(fn, *args)
             xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]
         else:  # see the docstring

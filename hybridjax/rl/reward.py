@@ -48,6 +48,7 @@ from hybridjax.rl.build import forward_micro_batch
 from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
 from hybridjax.sharding.hosts import allgather
+from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import move_rows
 
 
@@ -287,8 +288,8 @@ def _merge(rule: dict[str, float], model: dict[str, float]) -> dict[str, float]:
 
 
 def _model_data_parallel(model_sharding: NamedSharding | None, data_parallel: int) -> int:
-    """Batch shards of the reward model's pool (data × fsdp), or `data_parallel` when it shares
-    the actor's."""
+    """Batch shards of the reward model's pool (data × expert × fsdp), or `data_parallel` when
+    it shares the actor's."""
     if model_sharding is None:
         return data_parallel
-    return model_sharding.mesh.shape["data"] * model_sharding.mesh.shape["fsdp"]
+    return batch_shards(model_sharding.mesh.shape)

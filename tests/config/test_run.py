@@ -50,7 +50,7 @@ def test_resolve_on_one_pool():
     validate(c, 8)
     run = resolve(c, ACTOR, steps_per_epoch=5)
     assert run.data_parallel == 8
-    assert run.batch_sharding.spec == PartitionSpec(("data", "fsdp"))
+    assert run.batch_sharding.spec == PartitionSpec(("data", "expert", "fsdp"))
     assert run.batch_sharding.mesh.shape["fsdp"] == 4
     assert run.role_meshes == {} and run.pool_batch_shardings == {} and run.role_stage_cfgs == {}
     assert run.stage_config_of("critic") is run.stage_cfg

@@ -65,6 +65,10 @@ def test_two_grpo_steps_on_qwen3_moe(lora, data, tmp_path):
     model.override_config.update(QWEN3_MOE)
     model.override_config.attention_bias = False
     trainer = _run(config)
+    assert dict(trainer.run.meshes.train.shape)["expert"] == (1 if lora else 2)
+    flat = nnx.to_flat_state(trainer.actor_state.params)
+    gate = next(v.get_value() for p, v in flat if p[-2:] == ("experts", "gate_proj"))
+    assert gate.addressable_shards[0].data.shape[0] == (4 if lora else 2)  # experts per device
     metrics = read_metrics(tmp_path)
     for step in (1, 2):
         assert all(math.isfinite(v) for v in metrics[step].values()), metrics[step]

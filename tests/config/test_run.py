@@ -93,3 +93,20 @@ def test_head_counts_are_checked_once_on_their_own():
     validate_models(
         c, 8, {"actor_rollout_ref.model": dataclasses.replace(heads, num_key_value_heads=4)}
     )
+
+
+def test_expert_axis_is_checked_against_the_models():
+    """`mesh.train.expert=2` from the config: a dense actor is rejected, a MoE one whose
+    experts it divides is accepted, and batch rows split over data × expert × fsdp."""
+    c = _tiny(**{"mesh.train.expert": 2})
+    validate(c, 8)
+    with pytest.raises(ConfigError, match=r"mesh.train.expert = 2 needs a mixture-of-experts"):
+        validate_models(c, 8, {"actor_rollout_ref.model": ACTOR})
+    moe = dataclasses.replace(
+        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    validate_models(c, 8, {"actor_rollout_ref.model": moe})
+    run = resolve(c, moe, steps_per_epoch=1)
+    assert dict(run.meshes.train.shape) == {"data": 4, "expert": 2, "fsdp": 1, "tensor": 1}
+    assert run.data_parallel == 8

@@ -106,7 +106,7 @@ class RewardStage:
       reward_model: (graphdef, params) of a `SequenceClassifier` or None.
       micro_batch_size_per_device: `reward_model.micro_batch_size_per_gpu`.
       sharding: where per-row arrays go (the training mesh's batch axes).
-      data_parallel: batch shards of the training mesh (data × fsdp).
+      data_parallel: batch shards of the training mesh (data × expert × fsdp).
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
       packing: the reward model's packed forward (`trainer.packing`), or None (padded).

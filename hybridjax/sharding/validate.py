@@ -4,7 +4,8 @@ Every problem is collected and reported in ONE `ValueError`, each line naming th
 their values, e.g.
 
     data.train_batch_size × actor_rollout_ref.rollout.n = 6 × 1 = 6 is not divisible by the
-    training data-parallel size mesh.train.data × mesh.train.fsdp = 1 × 4 = 4
+    training data-parallel size mesh.train.data × mesh.train.expert × mesh.train.fsdp
+    = 1 × 1 × 4 = 4
 """
 
 from __future__ import annotations

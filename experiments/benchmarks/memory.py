@@ -103,7 +103,7 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
 
     from hybridjax.memory import planner as plan
     from hybridjax.rl import build, passes
-    from hybridjax.sharding import MeshConfig, make_meshes
+    from hybridjax.sharding import BATCH_AXES, MeshConfig, make_meshes
 
     c = point_config(hidden, layers, cfg)
     actor_config = build.actor_model_config(c, build.load_tokenizer(c))
@@ -112,7 +112,7 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
     sc = build.stage_config(c, 1, 1, actor_config)
     models = build.build_models(c, actor_config, meshes.train, sc, False)
     rows = c.data.train_batch_size * c.actor_rollout_ref.rollout.n
-    sharding = NamedSharding(meshes.train, PartitionSpec(("data", "fsdp")))
+    sharding = NamedSharding(meshes.train, PartitionSpec(BATCH_AXES))
     abstract = plan.abstract_batch(
         rows, c.data.max_prompt_length, c.data.max_response_length, sharding, ["advantages"]
     )

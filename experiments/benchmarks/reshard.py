@@ -51,10 +51,10 @@ SIZES = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=8, num_key_value_heads=8),  # for the smoke test
 }  # fmt: skip
-# name → (mesh.train data, fsdp, tensor; mesh.generate data, tensor)
+# name → (mesh.train data, expert, fsdp, tensor; mesh.generate data, tensor)
 LAYOUTS = {
-    "fsdp4xtp2->dp4xtp2": ((1, 4, 2), (4, 2)),
-    "fsdp8->tp8": ((1, 8, 1), (1, 8)),
+    "fsdp4xtp2->dp4xtp2": ((1, 1, 4, 2), (4, 2)),
+    "fsdp8->tp8": ((1, 1, 8, 1), (1, 8)),
 }
 COPY_CHUNK_BYTES = 256 << 20
 

@@ -131,7 +131,13 @@ def model_part(warmup: int, steps: int, prompt: int = 64, response: int = 64) ->
     from hybridjax.models.hf_io import save_pretrained
     from hybridjax.rewards.remote import RemoteClient, RemoteConfig
     from hybridjax.rewards.reward_model import score_responses
-    from hybridjax.sharding import REWARD_MODEL_RULES, MeshConfig, init_sharded, make_meshes
+    from hybridjax.sharding import (
+        BATCH_AXES,
+        REWARD_MODEL_RULES,
+        MeshConfig,
+        init_sharded,
+        make_meshes,
+    )
 
     shape = ModelConfig(
         vocab_size=1024,
@@ -150,7 +156,7 @@ def model_part(warmup: int, steps: int, prompt: int = 64, response: int = 64) ->
     ids_p = rng.integers(1, 1024, (ROWS, prompt)).astype(np.int32)
     ids_r = rng.integers(1, 1024, (ROWS, response)).astype(np.int32)
     masks = np.ones((ROWS, prompt), np.int32), np.ones((ROWS, response), np.int32)
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     batch = [jax.device_put(x, rows) for x in (ids_p, masks[0], ids_r, masks[1])]
     forward = lambda: score_responses(graphdef, state, *batch, micro_batch_size=32)[1]
 

@@ -45,6 +45,7 @@ from hybridjax.rl.build import algorithm_config, off_policy_reasons
 from hybridjax.rl.multi_turn import config_problems as multi_turn_problems
 from hybridjax.rl.packing import packing_problems
 from hybridjax.sharding import MeshConfig, parallelism_problems
+from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
 from hybridjax.sharding.validate import head_count_problems
 
@@ -359,7 +360,8 @@ def _lora_problems(c: ConfigDict) -> list[str]:
 
 
 def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
-    """Batch shards of the actor pool's training mesh (data × fsdp); 0 when it does not fit."""
+    """Batch shards of the actor pool's training mesh (data × expert × fsdp); 0 when it does
+    not fit."""
     pools, problems = pool_sizes(c, n_devices)
     if problems:
         return 0
@@ -368,7 +370,7 @@ def _data_parallel_size(c: ConfigDict, n_devices: int) -> int:
         sizes = MeshConfig.from_config(pool_config(c, c.placement.actor, size)).train_sizes(size)
     except ValueError:
         return 0
-    return sizes["data"] * sizes["fsdp"]
+    return batch_shards(sizes)
 
 
 def _pool_problems(

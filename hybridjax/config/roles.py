@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-BATCH_AXES = ("data", "fsdp")  # the training mesh axes batch rows are split over
+from hybridjax.sharding.mesh import BATCH_AXES, batch_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,11 @@ class Roles:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Batch shards of a training mesh: `data` × `fsdp` (each holds rows of its own)."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Batch shards of a training mesh: `data` × `expert` × `fsdp` (each holds rows of its
+    own; `expert` ranks are data-parallel ranks outside the MoE layers)."""
+    return batch_shards(mesh.shape)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows of a batch split over a training mesh's batch axes (`data` × `fsdp`)."""
+    """Rows of a batch split over a training mesh's batch axes (`data` × `expert` × `fsdp`)."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

@@ -401,7 +401,16 @@ def declared_config() -> ConfigDict:
         ),
     )
     c.mesh = dict(
-        train=dict(data=-1, fsdp=1, tensor=1),
+        train=dict(
+            # training mesh ("data", "expert", "fsdp", "tensor"); sizes multiply to the devices
+            data=-1,
+            # expert parallelism of a MoE model: experts split num_experts/expert per device
+            # (must divide num_experts; > 1 needs a MoE model); its ranks split the batch like
+            # data, so batch rows split over data × expert × fsdp (docs/model-families.md)
+            expert=positive(1),
+            fsdp=1,
+            tensor=1,
+        ),
         generate=dict(data=-1, tensor=1),
     )
     # verl's resource pools: name -> n_devices (-1 = the rest) and optional train / generate

@@ -9,16 +9,18 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
   parameter dtype, casts them to the compute dtype, and in an update holds their gradient in
   the compute dtype and, unsharded, in float32 until it is reduce-scattered. Only the copies
   that exist are counted (no gather without FSDP, no cast when the dtypes agree); weights stay
-  split over `tensor`. With the vocab-parallel head (`vocab_axes`: the fused head on a mesh
-  that splits the vocabulary, `hybridjax.models.logprobs.vocab_split`) the embedding and LM
-  head are never gathered: they count at their shard size (the head's copy relaid over the
-  vocabulary axes, its cast and gradient), and a chunk's hidden states, gathered over the
-  vocabulary axes other than `tensor` (and in an update their gradient), count under
-  "logits".
+  split over `tensor`, and MoE experts over `expert` (E/ep experts per device). With the
+  vocab-parallel head (`vocab_axes`: the fused head on a mesh that splits the vocabulary,
+  `hybridjax.models.logprobs.vocab_split`) the embedding and LM head are never gathered: they
+  count at their shard size (the head's copy relaid over the vocabulary axes, its cast and
+  gradient), and a chunk's hidden states, gathered over the vocabulary axes other than
+  `tensor` (and in an update their gradient), count under "logits".
 * activations: per token a layer holds about 6 hidden-size vectors (residual, norms, attention
   input and output, MLP output) and 3 MLP-size ones (gate, up, their product) in the compute
   dtype (a mixture-of-experts layer instead: its k routed copies of the token and their
-  outputs, 3 · k expert-width vectors, and the router's E float32 probabilities; the
+  outputs, 3 · k expert-width vectors, and the router's E float32 probabilities; with expert
+  parallelism (`expert` axis ep > 1) the layer all-gathers the tokens of its `expert` group
+  and runs its experts over all of them, so all but the probabilities count ep times; the
   larger of the two counts when the model has both kinds of layer); q, k, v and the
   attention output; with the jnp attention (float32, CPU, TPU) two
   float32 query chunks of logits and probabilities (H × T/n × T each, n query chunks) forward,
@@ -94,12 +96,12 @@ def _gathered(
     params: Any, mesh_shape: dict[str, int], vocab_axes: tuple[str, ...] = ()
 ) -> tuple[int, int]:
     """(bytes of all decoder layers' weights, of the embedding, LM head and final norm) per
-    device once gathered over FSDP: each weight split only over its `tensor` mesh axis, the
-    non-layer weights also over `vocab_axes` (the vocab-parallel head: never gathered)."""
+    device once gathered over FSDP: each weight split only over its `tensor` and `expert` mesh
+    axes, the non-layer weights also over `vocab_axes` (the vocab-parallel head: never gathered)."""
     layers, outer = 0, 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         in_layers = "layers" in jax.tree_util.keystr(path)
-        kept = {"tensor"} | (set() if in_layers else set(vocab_axes))
+        kept = {"tensor", "expert"} | (set() if in_layers else set(vocab_axes))
         spec = x.sharding.spec if x.sharding is not None else ()
         split = 1
         for axes in spec:
@@ -113,14 +115,16 @@ def _gathered(
     return layers, outer
 
 
-def mlp_bytes_per_token(m, tp: int) -> int:
-    """Live bytes per token of one layer's MLP (see the module docstring), compute dtype."""
+def mlp_bytes_per_token(m, tp: int, ep: int = 1) -> int:
+    """Live bytes per token of one layer's MLP (see the module docstring), compute dtype;
+    `tp`, `ep`: the `tensor` and `expert` axis sizes (each device's MoE experts run over the
+    ep× tokens gathered from its `expert` group)."""
     c = jnp.dtype(m.dtype).itemsize
     dense = MLP_VECTORS * m.intermediate_size // tp * c
     if not m.num_moe_layers:
         return dense
     k = m.num_experts_per_tok
-    routed = (2 * k * m.hidden_size + MLP_VECTORS * k * m.moe_intermediate_size // tp) * c
+    routed = (2 * k * m.hidden_size + MLP_VECTORS * k * m.moe_intermediate_size // tp) * c * ep
     routed += m.num_experts * F32
     return max(routed, dense if m.num_moe_layers < m.num_hidden_layers else 0)
 
@@ -174,7 +178,8 @@ def stage_bytes(
 
     t, d, hd = step.tokens, m.hidden_size, m.resolved_head_dim
     heads, kv = m.num_attention_heads // tp, max(m.num_key_value_heads // tp, 1)
-    layer = t * (HIDDEN_VECTORS * d * c + mlp_bytes_per_token(m, tp))
+    ep = mesh_shape.get("expert", 1)
+    layer = t * (HIDDEN_VECTORS * d * c + mlp_bytes_per_token(m, tp, ep))
     layer += t * 2 * (heads + kv) * hd * c  # q, k, v and the attention output
     if attention == "jnp":
         chunks = min(4, max(step.row_length // 64, 1))  # decoder.MAX/MIN_QUERY_CHUNK(S)

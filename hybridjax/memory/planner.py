@@ -49,6 +49,7 @@ from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
 from hybridjax.models.logprobs import vocab_split
+from hybridjax.sharding.mesh import expert_parallel
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -368,7 +369,8 @@ def plan_memory(
 
     def stage(name, fn, args, batch, used, count):
         if compile_stages:
-            m = compiled_memory(fn, *args)
+            with expert_parallel(train):  # as the step runs it (MoE experts in shard_map)
+                m = compiled_memory(fn, *args)
             xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]
         else:  # see the docstring
@@ -462,13 +464,14 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
             "rollout.gpu_memory_utilization or mesh.generate.tensor, or lower max_num_seqs"
         )
     fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]
+    expert = train_mesh.shape.get("expert", 1)  # kept: fsdp takes the devices data has
     over = sorted((s for s in plan.stages if s.peak > plan.capacity), key=lambda s: -s.peak)
     for s in over:
         c, why = s.consumers, f"{size(s.peak - plan.capacity)} short in {s.name}"
         add = lambda key, text: out.setdefault(key, f"{why}: {text}")
         states = sum(v for k, v in c.items() if "params" in k or "optimizer" in k)
-        if fsdp * tensor < devices and states > 0.25 * s.peak:
-            most = devices // tensor
+        if fsdp * tensor * expert < devices and states > 0.25 * s.peak:
+            most = devices // (tensor * expert)
             add(
                 "mesh.train.fsdp",
                 f"mesh.train.data=1 mesh.train.fsdp={most} (now fsdp {fsdp}) splits params and "

@@ -8,9 +8,9 @@ the n responses of a prompt carry n copies of it. A plan lays the valid tokens e
     [prompt_a resp_a1 resp_a2 resp_a3 prompt_b resp_b1 … pad]        (one buffer, one device)
 
 * Per data-parallel piece: the B rows are viewed as D pieces of m = B/D consecutive rows (the
-  rows one device holds when the batch axis is sharded over D = data × fsdp devices) and each
-  piece fills its own row of every buffer, so buffers are D × capacity and no token crosses
-  a device.
+  rows one device holds when the batch axis is sharded over D = data × expert × fsdp devices)
+  and each piece fills its own row of every buffer, so buffers are D × capacity and no token
+  crosses a device.
 * Shared prompts: a piece's rows are sorted by group id (`group_ids`, e.g. uid or row // n);
   a row whose group and prompt tokens equal the previous row's reads that row's prompt copy
   instead of writing its own. A response attends to its group's prompt and causally to itself
@@ -56,7 +56,7 @@ class PackingConfig:
       (`row_responses` sizes it).
     rows: buffer rows per device per step: the token budget of a micro-batch is
       rows × row_length per device.
-    pieces: data-parallel size D (data × fsdp); B must be a multiple of it.
+    pieces: data-parallel size D (data × expert × fsdp); B must be a multiple of it.
     share_prompts: rows of one group share one prompt copy (`use_prefix_sharing`).
     """
 

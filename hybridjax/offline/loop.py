@@ -42,7 +42,8 @@ from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rl.build import checkpointed, init_train_state, restored
 from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.rl.update import TrainState
-from hybridjax.sharding import TRAIN_AXES, MeshConfig, make_meshes
+from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.sharding.mesh import train_tuple
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,7 @@ def export(
 
 def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:
     """The training mesh of `mesh.train` and the sharding of a batch's rows over it."""
-    sizes = tuple(int(cfg.mesh.train[a]) for a in TRAIN_AXES)
-    mesh = make_meshes(MeshConfig(train=sizes)).train
+    mesh = make_meshes(MeshConfig(train=train_tuple(cfg.mesh.train))).train
     return mesh, batch_sharding(mesh)
 
 

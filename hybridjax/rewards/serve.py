@@ -130,6 +130,7 @@ class ServedModel:
         from jax.sharding import NamedSharding, PartitionSpec
 
         from hybridjax.rewards.reward_model import score_responses
+        from hybridjax.sharding.mesh import BATCH_AXES
 
         n, d = len(prompts), self.devices
         if n == 0:
@@ -145,7 +146,7 @@ class ServedModel:
             if pi:
                 ids_p[i, p - len(pi) :], mask_p[i, p - len(pi) :] = pi, 1
             ids_r[i, : len(ri)], mask_r[i, : len(ri)] = ri, 1
-        rows = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp")))
+        rows = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
         batch = [jax.device_put(x, rows) for x in (ids_p, mask_p, ids_r, mask_r)]
         per_device = b // d
         micro = d * max(k for k in range(1, min(self.micro, per_device) + 1) if per_device % k == 0)

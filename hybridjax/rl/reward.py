@@ -51,6 +51,7 @@ from hybridjax.rl.build import forward_micro_batch
 from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
 from hybridjax.sharding.hosts import allgather
+from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import move_rows
 
 
@@ -120,7 +121,7 @@ class RewardStage:
       reward_model: (graphdef, params) of a `SequenceClassifier` or None.
       micro_batch_size_per_device: `reward_model.micro_batch_size_per_gpu`.
       sharding: where per-row arrays go (the training mesh's batch axes).
-      data_parallel: batch shards of the training mesh (data × fsdp).
+      data_parallel: batch shards of the training mesh (data × expert × fsdp).
       model_client: a `RemoteClient` of kind `model` (served reward model) or None.
       combine: `reward_model.combine`, `replace` or `sum`.
       packing: the reward model's packed forward (`trainer.packing`), or None (padded).
@@ -333,8 +334,8 @@ def _merge(rule: dict[str, float], model: dict[str, float]) -> dict[str, float]:
 
 
 def _model_data_parallel(model_sharding: NamedSharding | None, data_parallel: int) -> int:
-    """Batch shards of the reward model's pool (data × fsdp), or `data_parallel` when it shares
-    the actor's."""
+    """Batch shards of the reward model's pool (data × expert × fsdp), or `data_parallel` when
+    it shares the actor's."""
     if model_sharding is None:
         return data_parallel
-    return model_sharding.mesh.shape["data"] * model_sharding.mesh.shape["fsdp"]
+    return batch_shards(model_sharding.mesh.shape)

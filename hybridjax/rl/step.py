@@ -64,6 +64,7 @@ from hybridjax.rl.pipeline import (
 from hybridjax.rl.residency import free_cache_engine, sleep_engine
 from hybridjax.rl.reward import RewardStage
 from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
+from hybridjax.sharding.mesh import expert_parallel
 from hybridjax.sharding.pools import move_rows
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
@@ -337,7 +338,10 @@ def _reshard(batch, ctx: StepContext):
 
 def _old_log_prob_stage(batch, ctx: StepContext):
     m = ctx.models
-    batch, metrics = _old_log_prob(m.actor_graphdef, m.actor_state.params, batch, ctx.stage_config)
+    with expert_parallel(ctx.deps.run.meshes.train):
+        batch, metrics = _old_log_prob(
+            m.actor_graphdef, m.actor_state.params, batch, ctx.stage_config
+        )
     ctx.metrics |= metrics
     return batch
 
@@ -368,6 +372,12 @@ def _rows_for(role: str, batch, ctx: StepContext, *fields: str):
     return _to_pool(rows, sharding, ctx), ctx.deps.run.stage_config_of(role)
 
 
+def _train_mesh(role: str, ctx: StepContext):
+    """The training mesh a `role` pass runs on: its own pool's, else the actor's."""
+    run = ctx.deps.run
+    return run.role_meshes.get(role, run.meshes.train)
+
+
 def _back(role: str, batch, ctx: StepContext, **outputs):
     """`batch` with the per-token `outputs` of a `role` pass, moved back to the actor's pool
     when the role has its own."""
@@ -379,7 +389,8 @@ def _back(role: str, batch, ctx: StepContext, **outputs):
 def _ref_stage(batch, ctx: StepContext):
     m = ctx.models  # the frozen copy, or with LoRA the actor with its adapters off
     rows, sc = _rows_for("ref", batch, ctx)
-    out = _ref_log_prob(m.actor_graphdef, m.reference(), rows, sc)
+    with expert_parallel(_train_mesh("ref", ctx)):
+        out = _ref_log_prob(m.actor_graphdef, m.reference(), rows, sc)
     return _back("ref", batch, ctx, ref_log_prob=out.ref_log_prob)
 
 
@@ -396,7 +407,8 @@ def _teacher_stage(batch, ctx: StepContext):
 def _values_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx)
-    out = _values(m.critic_graphdef, m.critic_state.params, rows, sc)
+    with expert_parallel(_train_mesh("critic", ctx)):
+        out = _values(m.critic_graphdef, m.critic_state.params, rows, sc)
     return _back("critic", batch, ctx, values=out.values)
 
 
@@ -419,7 +431,8 @@ def _record_update(ctx: StepContext, metrics, nan_skipped) -> None:
 def _update_critic_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
-    state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
+    with expert_parallel(_train_mesh("critic", ctx)):
+        state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
     if "critic" in ctx.deps.run.pool_batch_shardings:  # scalars, summed with the actor's
         metrics, nan = jax.device_put((metrics, nan), ctx.deps.replicated)
     ctx.models = dataclasses.replace(m, critic_state=state)
@@ -432,9 +445,10 @@ def _update_actor_stage(batch, ctx: StepContext):
     if ctx.step <= ctx.config.trainer.critic_warmup:
         return batch
     m = ctx.models
-    state, metrics, nan = _update_actor(
-        m.actor_graphdef, m.actor_state, batch, _rng(ctx), ctx.stage_config
-    )
+    with expert_parallel(ctx.deps.run.meshes.train):
+        state, metrics, nan = _update_actor(
+            m.actor_graphdef, m.actor_state, batch, _rng(ctx), ctx.stage_config
+        )
     ctx.models = dataclasses.replace(m, actor_state=state)
     _record_update(ctx, metrics, nan)
     return batch

@@ -8,6 +8,7 @@ gen_params, nbytes = update_weights(params, gen_shardings, dtype=jnp.bfloat16)
 """
 
 from hybridjax.sharding.mesh import (
+    BATCH_AXES,
     GENERATE_AXES,
     TRAIN_AXES,
     HybridMeshes,
@@ -50,6 +51,7 @@ __all__ = [
     "REWARD_MODEL_RULES",
     "ROLE_RULES",
     "TRAIN_AXES",
+    "BATCH_AXES",
     "HybridMeshes",
     "MeshConfig",
     "OffloadConfig",

@@ -1,15 +1,21 @@
 """The two meshes of the hybrid engine, over one set of devices.
 
-Training uses axes `("data", "fsdp", "tensor")`, generation `("data", "tensor")`. Both are shaped
-from the config keys `mesh.train.{data,fsdp,tensor}` and `mesh.generate.{data,tensor}`, where one
-size per mesh may be -1 ("the rest of the devices"). Both meshes cover the same devices in the same
-flat order — `jax.devices()`, which under `jax.distributed` spans every process — so with equal
-tensor sizes a tensor-parallel group holds the same devices in both layouts and the generation
-`data` axis is the training `data × fsdp` axes merged (verl's 3D-HybridEngine regrouping).
+Training uses axes `("data", "expert", "fsdp", "tensor")`, generation `("data", "tensor")`. Both
+are shaped from the config keys `mesh.train.{data,expert,fsdp,tensor}` and
+`mesh.generate.{data,tensor}`, where one size per mesh may be -1 ("the rest of the devices"). Both
+meshes cover the same devices in the same flat order — `jax.devices()`, which under
+`jax.distributed` spans every process — so with equal tensor sizes a tensor-parallel group holds
+the same devices in both layouts and the generation `data` axis is the training
+`data × expert × fsdp` axes merged (verl's 3D-HybridEngine regrouping).
+
+`expert` (expert parallelism, MoE models only) splits the experts' weights and, like `data`, the
+batch: outside the MoE layers its ranks are data-parallel ranks (Megatron's and MaxText's
+layout), so batch rows are split over `BATCH_AXES` = data × expert × fsdp.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -19,8 +25,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-TRAIN_AXES = ("data", "fsdp", "tensor")
+TRAIN_AXES = ("data", "expert", "fsdp", "tensor")
 GENERATE_AXES = ("data", "tensor")
+BATCH_AXES = ("data", "expert", "fsdp")  # the training mesh axes batch rows are split over
+# a training axis older configs may lack, with its size then
+TRAIN_AXIS_DEFAULTS = {"expert": 1}
 
 
 def resolve_sizes(sizes: Sequence[int], num_devices: int, name: str = "mesh") -> tuple[int, ...]:
@@ -46,23 +55,43 @@ def resolve_sizes(sizes: Sequence[int], num_devices: int, name: str = "mesh") ->
     return sizes
 
 
+def train_tuple(sizes: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """The sizes of `TRAIN_AXES` from a mapping of axis name → size (`expert` may be missing)."""
+    get = lambda a: sizes[a] if a in sizes else TRAIN_AXIS_DEFAULTS[a]
+    return tuple(int(get(a)) for a in TRAIN_AXES)  # type: ignore[return-value]
+
+
+def batch_shards(sizes: Mapping[str, int]) -> int:
+    """Batch shards of a training mesh's resolved axis sizes: data × expert × fsdp."""
+    return math.prod(int(sizes.get(a, 1)) for a in BATCH_AXES)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Axis sizes of the training and generation meshes (-1 = the rest of the devices).
 
-    train: sizes of ("data", "fsdp", "tensor"); generate: sizes of ("data", "tensor").
+    train: sizes of ("data", "expert", "fsdp", "tensor"); generate: sizes of ("data", "tensor").
     """
 
-    train: tuple[int, int, int] = (1, -1, 1)
+    train: tuple[int, int, int, int] = (1, 1, -1, 1)
     generate: tuple[int, int] = (-1, 1)
+
+    def __post_init__(self):
+        for name, sizes, axes in (
+            ("train", self.train, TRAIN_AXES),
+            ("generate", self.generate, GENERATE_AXES),
+        ):
+            if len(sizes) != len(axes):
+                raise ValueError(f"MeshConfig.{name} {tuple(sizes)}: give the sizes of {axes}")
 
     @classmethod
     def from_config(cls, config: Any) -> MeshConfig:
-        """From a ConfigDict (or dict) holding `mesh.train.{data,fsdp,tensor}` and
-        `mesh.generate.{data,tensor}`; the argument may be the whole config or its `mesh` node."""
+        """From a ConfigDict (or dict) holding `mesh.train.{data,expert,fsdp,tensor}` (`expert`
+        may be missing: 1) and `mesh.generate.{data,tensor}`; the argument may be the whole
+        config or its `mesh` node."""
         mesh = config["mesh"] if "mesh" in config else config
         return cls(
-            train=tuple(int(mesh["train"][a]) for a in TRAIN_AXES),  # type: ignore[arg-type]
+            train=train_tuple(mesh["train"]),
             generate=tuple(int(mesh["generate"][a]) for a in GENERATE_AXES),  # type: ignore[arg-type]
         )
 
@@ -118,6 +147,17 @@ def make_meshes(config: MeshConfig, devices: Sequence[jax.Device] | None = None)
     return HybridMeshes(
         train=_mesh(train_devices, TRAIN_AXES), generate=_mesh(generate_devices, GENERATE_AXES)
     )
+
+
+def expert_parallel(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
+    """`jax.set_mesh(mesh)` when `mesh` has an `expert` axis of size > 1, else a null context.
+
+    Enter it around a jitted pass (its call, so tracing sees the mesh): the MoE layers
+    (`hybridjax.models.moe`) then run their experts in `shard_map` over the `expert` axis.
+    """
+    if mesh.shape.get("expert", 1) > 1:
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:

@@ -39,6 +39,7 @@ from hybridjax.sharding.mesh import (
     HybridMeshes,
     MeshConfig,
     make_meshes,
+    train_tuple,
 )
 from hybridjax.sharding.reshard import update_weights
 
@@ -94,7 +95,7 @@ def _pool_mesh(cfg: Any, pool: Mapping[str, Any]) -> MeshConfig:
     train |= dict(pool.get("train", {}))
     generate |= dict(pool.get("generate", {}))
     return MeshConfig(
-        train=tuple(int(train[a]) for a in TRAIN_AXES),  # type: ignore[arg-type]
+        train=train_tuple(train),
         generate=tuple(int(generate[a]) for a in GENERATE_AXES),  # type: ignore[arg-type]
     )
 

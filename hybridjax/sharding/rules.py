@@ -4,11 +4,15 @@ The model names each parameter dimension logically (`vocab`, `embed`, `heads`, `
 `head_dim`, `mlp`, `norm`, `label`, `expert`; activations use `batch` and `length`). A rule table
 maps each name to a mesh axis, a tuple of mesh axes, or None (replicated). One table per role:
 
-| role                    | mesh     | weights                                    | batch        |
-|-------------------------|----------|--------------------------------------------|--------------|
-| `actor`                 | train    | tensor as below, fsdp on the major dim     | (data, fsdp) |
-| `rollout`               | generate | vocab, (kv_)heads, mlp on tensor only      | data         |
-| `ref` `critic` `reward` | train    | as `actor` (forward-only; FSDP saves memory) | (data, fsdp) |
+| role                    | mesh     | weights                              | batch                |
+|-------------------------|----------|--------------------------------------|----------------------|
+| `actor`                 | train    | tensor as below, fsdp on a major dim | (data, expert, fsdp) |
+| `rollout`               | generate | vocab, (kv_)heads, mlp on tensor     | data                 |
+| `ref` `critic` `reward` | train    | as `actor` (forward-only)            | (data, expert, fsdp) |
+
+On the training mesh MoE experts (logical `expert`) lie over the `expert` axis, then `fsdp`:
+E/(expert·fsdp) experts per device; the MoE layer's `shard_map` gathers the fsdp part. Other
+weights are replicated over `expert`, whose ranks are data-parallel ranks outside the MoE layers.
 
 A dimension that a rule's mesh axes do not divide (e.g. 2 kv-heads over tensor=4, or one
 classifier label) falls back to the longest prefix of those axes that divides it, down to
@@ -25,7 +29,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridjax.sharding.mesh import axis_size
+from hybridjax.sharding.mesh import BATCH_AXES, axis_size
 
 # A rule table: ((logical name, mesh axis | tuple of mesh axes | None), ...). Frozen and hashable.
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -37,7 +41,7 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 # (fsdp 4 × tensor 2 → data 4 × tensor 2) the move took 0.27 s instead of 0.83 s and its largest
 # per-leaf scratch fell from 25 MB to 1.2 MB.
 ACTOR_TRAIN_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("length", None),
     ("vocab", ("tensor", "fsdp")),
     ("embed", "fsdp"),
@@ -47,8 +51,8 @@ ACTOR_TRAIN_RULES: Rules = (
     ("mlp", ("tensor", "fsdp")),
     ("norm", None),
     ("label", None),
-    # MoE experts: stored over fsdp (the training mesh has no `expert` axis), see models/moe.py
-    ("expert", "fsdp"),
+    # MoE experts: over `expert` (expert parallelism, models/moe.py), then fsdp
+    ("expert", ("expert", "fsdp")),
 )
 
 ACTOR_GENERATE_RULES: Rules = (

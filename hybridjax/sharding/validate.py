@@ -4,7 +4,8 @@ Every problem is collected and reported in ONE `ValueError`, each line naming th
 their values, e.g.
 
     data.train_batch_size × actor_rollout_ref.rollout.n = 6 × 1 = 6 is not divisible by the
-    training data-parallel size mesh.train.data × mesh.train.fsdp = 1 × 4 = 4
+    training data-parallel size mesh.train.data × mesh.train.expert × mesh.train.fsdp
+    = 1 × 1 × 4 = 4
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridjax.models.config import ModelConfig
-from hybridjax.sharding.mesh import GENERATE_AXES, TRAIN_AXES, MeshConfig, resolve_sizes
+from hybridjax.sharding.mesh import (
+    GENERATE_AXES,
+    TRAIN_AXES,
+    MeshConfig,
+    batch_shards,
+    resolve_sizes,
+)
 
 # (batch-size key, which data-parallel size must divide key × rollout.n). Counted in prompts,
 # as in verl; a key absent from the config is skipped.
@@ -72,9 +79,9 @@ def parallelism_problems(
     dp = {}
     if train:
         dp["train"] = (
-            train["data"] * train["fsdp"],
-            f"training data-parallel size mesh.train.data × mesh.train.fsdp = "
-            f"{train['data']} × {train['fsdp']} = {train['data'] * train['fsdp']}",
+            batch_shards(train),
+            "training data-parallel size mesh.train.data × mesh.train.expert × mesh.train.fsdp "
+            f"= {train['data']} × {train['expert']} × {train['fsdp']} = {batch_shards(train)}",
         )
     if generate:
         dp["generate"] = (
@@ -102,8 +109,9 @@ def head_count_problems(
     model_configs: Mapping[str, ModelConfig] | None,
 ) -> list[str]:
     """Attention heads of each model (config key → ModelConfig) that `mesh.train.tensor` or
-    `mesh.generate.tensor` (axis sizes; None: not resolved) does not divide."""
-    problems = []
+    `mesh.generate.tensor` (axis sizes; None: not resolved) does not divide, and the
+    `expert_problems` of `mesh.train.expert`."""
+    problems = expert_problems(train, model_configs) if train else []
     for model_key, model in (model_configs or {}).items():
         for layout, sizes in (("train", train), ("generate", generate)):
             if not sizes:
@@ -117,6 +125,31 @@ def head_count_problems(
                         f"mesh.{layout}.tensor = {tensor}"
                     )
     return problems
+
+
+def expert_problems(
+    train: Mapping[str, int], model_configs: Mapping[str, ModelConfig] | None
+) -> list[str]:
+    """`mesh.train.expert` > 1 (resolved training axis sizes) against the models (config key →
+    ModelConfig): it must divide each MoE model's `num_experts`, and at least one model must
+    be a MoE (with only dense models the axis would split nothing; a dense model beside a MoE
+    one, e.g. its critic, treats the `expert` ranks as data-parallel ranks)."""
+    ep = train.get("expert", 1)
+    models = dict(model_configs or {})
+    if ep == 1 or not models:
+        return []
+    moe = {k: m for k, m in models.items() if m.num_experts > 0}
+    if not moe:
+        return [
+            f"mesh.train.expert = {ep} needs a mixture-of-experts model, but "
+            f"{', '.join(models)} {'is' if len(models) == 1 else 'are'} dense (num_experts = 0);"
+            " use mesh.train.expert=1"
+        ]
+    return [
+        f"{key}.num_experts = {m.num_experts} is not divisible by mesh.train.expert = {ep}"
+        for key, m in moe.items()
+        if m.num_experts % ep
+    ]
 
 
 def check_parallelism(

@@ -51,7 +51,7 @@ def test_resolve_on_one_pool():
     validate(c, 8)
     run = resolve(c, ACTOR, steps_per_epoch=5)
     assert run.data_parallel == 8
-    assert run.batch_sharding.spec == PartitionSpec(("data", "fsdp"))
+    assert run.batch_sharding.spec == PartitionSpec(("data", "expert", "fsdp"))
     assert run.batch_sharding.mesh.shape["fsdp"] == 4
     assert run.role_meshes == {} and run.pool_batch_shardings == {} and run.role_stage_cfgs == {}
     assert run.stage_config_of("critic") is run.stage_cfg
@@ -96,3 +96,20 @@ def test_head_counts_are_checked_once_on_their_own():
     validate_models(
         c, 8, {"actor_rollout_ref.model": dataclasses.replace(heads, num_key_value_heads=4)}
     )
+
+
+def test_expert_axis_is_checked_against_the_models():
+    """`mesh.train.expert=2` from the config: a dense actor is rejected, a MoE one whose
+    experts it divides is accepted, and batch rows split over data × expert × fsdp."""
+    c = _tiny(**{"mesh.train.expert": 2})
+    validate(c, 8)
+    with pytest.raises(ConfigError, match=r"mesh.train.expert = 2 needs a mixture-of-experts"):
+        validate_models(c, 8, {"actor_rollout_ref.model": ACTOR})
+    moe = dataclasses.replace(
+        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    validate_models(c, 8, {"actor_rollout_ref.model": moe})
+    run = resolve(c, moe, steps_per_epoch=1)
+    assert dict(run.meshes.train.shape) == {"data": 4, "expert": 2, "fsdp": 1, "tensor": 1}
+    assert run.data_parallel == 8

@@ -25,9 +25,8 @@ MODEL = ModelConfig(
 
 
 def _params(model, data, fsdp):
-    mesh = make_meshes(
-        MeshConfig(train=(data, fsdp, 1), generate=(data * fsdp, 1)), jax.devices()[: data * fsdp]
-    ).train
+    config = MeshConfig(train=(data, 1, fsdp, 1), generate=(data * fsdp, 1))
+    mesh = make_meshes(config, jax.devices()[: data * fsdp]).train
     return abstract_model(CausalLM, model, mesh, ACTOR_TRAIN_RULES)[1], dict(mesh.shape)
 
 

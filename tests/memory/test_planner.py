@@ -5,6 +5,7 @@ import dataclasses
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import hybridjax
@@ -131,3 +132,42 @@ def test_check_memory_is_a_config_problem_when_the_plan_does_not_fit(tiny, monke
     monkeypatch.setattr(plan, "device_capacity", lambda device, local: p.worst.peak // 2)
     with pytest.raises(ConfigError, match=f"trainer.check_memory: {p.worst.name} needs"):
         validate(c, 2, configs)
+
+
+QWEN3_30B_A3B = str(pathlib.Path(__file__).parents[2] / "configs" / "models" / "qwen3-30b-a3b")
+
+
+def test_expert_parallelism_stores_and_gathers_experts_per_expert_shard():
+    """Qwen3-30B-A3B's shapes (2 of its layers) on 8 devices, counted from shapes. mesh.train
+    fsdp 8 splits every weight 8 ways; expert 4 × fsdp 2 still splits the 128 experts (and the
+    routers) 8 ways but the other weights only 2. An update gathers (over fsdp) a layer's
+    experts of its own expert shard, 32 of 128, and runs them over the 4× tokens gathered from
+    its expert group."""
+    c = _grpo(8, fsdp=8)
+    c.actor_rollout_ref.model.path = QWEN3_30B_A3B
+    c.actor_rollout_ref.model.override_config = dict(num_hidden_layers=2)  # 2 of its 48 layers
+    c.data.train_batch_size = c.actor_rollout_ref.actor.ppo_mini_batch_size = 8
+    actor = build.actor_model_config(c, tokenizer=None)
+    fsdp = plan.plan_memory(c, actor, 8, 10**12, target="gpu", compile_stages=False)
+    c.mesh.train.update(dict(data=1, expert=4, fsdp=2))
+    ep = plan.plan_memory(c, actor, 8, 10**12, target="gpu", compile_stages=False)
+
+    e, d, f, layers = 128, actor.hidden_size, actor.moe_intermediate_size, 2
+    assert (actor.num_experts, d, f) == (e, 2048, 768)
+    p, cb = jnp.dtype(actor.param_dtype).itemsize, jnp.dtype(actor.dtype).itemsize
+    layer_experts = (3 * e * d * f + e * d) * p  # experts and router of one layer
+    params = {n: x.stages[-1].consumers["actor params"] for n, x in (("fsdp", fsdp), ("ep", ep))}
+    norms = (2 * layers + 1) * d * p + layers * 2 * actor.resolved_head_dim * p  # replicated
+    rest = params["fsdp"] - layers * layer_experts // 8 - norms  # other weights, split 8 ways
+    assert params["ep"] == layers * layer_experts // 8 + 4 * rest + norms
+
+    def update(x):
+        return next(s for s in x.stages if s.name == "update_actor").consumers
+
+    cast = actor.dtype != actor.param_dtype
+    per_weight_byte = (1 + cast * cb / p) + (cast * cb / p + F32 / p)  # gathered, update
+    gathered = "update_actor gathered weights"
+    saved = update(fsdp)[gathered] - update(ep)[gathered]
+    assert saved == pytest.approx(layer_experts * 3 / 4 * per_weight_byte, rel=1e-6)
+    activations = "update_actor activations"
+    assert update(ep)[activations] > update(fsdp)[activations]

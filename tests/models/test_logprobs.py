@@ -26,7 +26,7 @@ from hybridjax.offline.sft import sft_loss
 from hybridjax.rl import build
 from hybridjax.rl import passes as stages
 from hybridjax.rl.forward import response_log_probs
-from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
+from hybridjax.sharding import ACTOR_TRAIN_RULES, BATCH_AXES, MeshConfig, init_sharded, make_meshes
 from tests.rl.test_packing import (
     CONFIG,
     PLAIN,
@@ -114,12 +114,12 @@ def test_stages_and_updates_equal_unfused(models, packed):  # noqa: F811
 def test_sharded_fused_gradients_equal_single_device_unfused(vocab_parallel):
     """data × fsdp × tensor = 2 × 2 × 2: fused log-probs, entropy and their gradient equal
     the full-logit ones on one device, partitioned by GSPMD or vocab-parallel on the mesh."""
-    meshes = make_meshes(MeshConfig(train=(2, 2, 2), generate=(-1, 2)))
+    meshes = make_meshes(MeshConfig(train=(2, 1, 2, 2), generate=(-1, 2)))
     graphdef, params = nnx.split(
         init_sharded(CausalLM, CONFIG, meshes.train, ACTOR_TRAIN_RULES, seed=0)
     )
     batch, _ = ragged_batch()
-    rows = NamedSharding(meshes.train, PartitionSpec(("data", "fsdp")))
+    rows = NamedSharding(meshes.train, PartitionSpec(BATCH_AXES))
     mask = batch.response_mask
 
     def loss(params, fields, head):

@@ -35,7 +35,7 @@ def test_reward_model_loads_in_its_dtype(tmp_path):
     save_pretrained(SequenceClassifier(shape, nnx.Rngs(1)), tmp_path / "rm")
     c.reward_model.model.path = str(tmp_path / "rm")
     c.reward_model.model.dtype = "bfloat16"
-    mesh = make_meshes(MeshConfig(train=(1, 1, 1), generate=(1, 1)), jax.devices()[:1]).train
+    mesh = make_meshes(MeshConfig(train=(1, 1, 1, 1), generate=(1, 1)), jax.devices()[:1]).train
     rm = build.build_reward_model(c, mesh)
     assert {x.dtype for x in jax.tree.leaves(nnx.state(rm))} == {jnp.dtype(jnp.bfloat16)}
     assert rm.config.dtype == "bfloat16"

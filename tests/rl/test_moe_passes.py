@@ -12,28 +12,31 @@ import transformers
 from flax import nnx
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from hybridjax.config.roles import batch_sharding
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
-from hybridjax.rl import build, passes
+from hybridjax.rl import build, passes, step
 from hybridjax.rl.batch import make_batch
+from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, make_meshes, state_shardings
+from hybridjax.sharding.mesh import expert_parallel
 from tests.models.hf_testing import VOCAB, qwen3_moe_config, write_hf_model
 from tests.rl.test_passes import MASK_BxR
 from tests.rl.test_passes import _batch as dense_batch
 from tests.rl.tiny_run import load_config_file
 
 
-def _stage_config(micro: int, **changes):
-    """configs/tiny.py as one mini-batch of the 4 rows of MASK_BxR on one device, padded
-    micro-batches of `micro` rows."""
+def _stage_config(micro: int, data_parallel: int = 1, **changes):
+    """configs/tiny.py as one mini-batch of the 4 rows of MASK_BxR on `data_parallel` batch
+    shards, padded micro-batches of `micro` rows."""
     c = load_config_file("tiny")
     c.data.train_batch_size = c.actor_rollout_ref.actor.ppo_mini_batch_size = 4
-    c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro
+    c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro // data_parallel
     c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
     c.actor_rollout_ref.rollout.response_length = c.data.max_response_length = 4
     c.actor_rollout_ref.model.use_remove_padding = False
     c.update_from_flattened_dict(changes)
-    cfg = build.stage_config(c, total_steps=2, data_parallel=1)
+    cfg = build.stage_config(c, total_steps=2, data_parallel=data_parallel)
     assert cfg.actor_update.packing is None
     return cfg
 
@@ -158,3 +161,37 @@ def test_router_replay_r2_records_and_replays_the_experts(moe):
     assert ppo_kl(batch.routed_experts, r2) < 1e-6
     assert ppo_kl(other, r2) > 1e-3
     assert ppo_kl(other, _stage_config(2)) < 1e-6  # disabled: the batch's experts are unread
+
+
+def test_expert_parallel_update_equals_one_device(moe):
+    """mesh.train expert 2 × fsdp 2 × tensor 2 (batch rows over data × expert × fsdp = 4
+    shards, experts over expert then fsdp): the step's jitted old_log_prob and update, entered
+    with `expert_parallel`, equal the unpartitioned passes on one device within 1e-5, and the
+    update's program runs the experts in `shard_map` (all-gather / reduce-scatter)."""
+    _, graphdef, state = moe
+    one, ep = _stage_config(4), _stage_config(4, data_parallel=4)
+    meshes = make_meshes(MeshConfig(train=(1, 2, 2, 2), generate=(-1, 2)))
+    mesh, key = meshes.train, jax.random.key(0)
+    params = jax.device_put(state.params, state_shardings(state.params, mesh, ACTOR_TRAIN_RULES))
+    gate = [v for p, v in nnx.to_flat_state(params) if p[-1] == "gate_proj"][0]
+    assert gate.get_value().sharding.spec[0] == ("expert", "fsdp")
+    sharded = build.init_sharded_train_state(params, ep.actor_optim)
+    batch = jax.device_put(_batch(1.0), batch_sharding(mesh))
+
+    ref_batch, _ = passes.compute_old_log_prob(graphdef, state.params, _batch(1.0), one)
+    ref_state, ref_metrics, _ = passes.update_actor(graphdef, state, ref_batch, key, one)
+    with expert_parallel(mesh):
+        batch, _ = step._old_log_prob(graphdef, sharded.params, batch, ep)
+        lowered = step._update_actor.lower(graphdef, sharded, batch, key, ep)
+        new_state, metrics, nan = step._update_actor(graphdef, sharded, batch, key, ep)
+    assert int(nan) == 0
+    np.testing.assert_allclose(batch.old_log_probs, ref_batch.old_log_probs, atol=1e-5)
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/moe_aux_loss"):
+        assert float(metrics[name]) == pytest.approx(float(ref_metrics[name]), abs=1e-5), name
+    leaves = jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)
+    for a, b in zip(*leaves, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # the MoE layers' shard_map, and its reduce-scatter (GSPMD's FSDP program has none)
+    assert 'manual_axes={"data", "expert", "fsdp", "tensor"}' in lowered.as_text()
+    hlo = lowered.compile().as_text()
+    assert "all-gather(" in hlo and "reduce-scatter(" in hlo

@@ -24,7 +24,7 @@ from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.rl import build, passes
 from hybridjax.rl.batch import make_batch
 from hybridjax.rl.forward import packed_map, response_log_probs, response_values
-from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
+from hybridjax.sharding import ACTOR_TRAIN_RULES, BATCH_AXES, MeshConfig, init_sharded, make_meshes
 from tests.rl.tiny_run import load_config_file
 
 P, R, N = 6, 5, 4  # prompt columns, response columns, rollout.n of the stage config
@@ -243,12 +243,12 @@ def test_packed_stages_and_updates_equal_padded(models, plain_step, variant):
 def test_sharded_packed_gradients_equal_single_device(models):
     """data × fsdp × tensor = 2 × 2 × 2: packed log-probs and their gradient equal the
     padded single-device ones; each of the 4 data-parallel pieces packs its own rows."""
-    meshes = make_meshes(MeshConfig(train=(2, 2, 2), generate=(-1, 2)))
+    meshes = make_meshes(MeshConfig(train=(2, 1, 2, 2), generate=(-1, 2)))
     graphdef, params = nnx.split(
         init_sharded(CausalLM, CONFIG, meshes.train, ACTOR_TRAIN_RULES, seed=0)
     )
     batch, groups = ragged_batch()
-    rows = NamedSharding(meshes.train, PartitionSpec(("data", "fsdp")))
+    rows = NamedSharding(meshes.train, PartitionSpec(BATCH_AXES))
     fields = jax.device_put(_fields(batch), rows)
     config = packing.PackingConfig(P + N * R, 2, pieces=4)
     mask = batch.response_mask

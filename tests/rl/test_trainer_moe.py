@@ -1,7 +1,8 @@
 """Two GRPO steps on a tiny random Qwen3-MoE (4 experts, top-2; layer 1 dense), LoRA off and on,
 on 8 CPU devices: every metric finite, gradients non-zero, the rollout engine's log-probs equal
-the trainer's, router metrics reported. The LoRA run also turns on the load-balancing loss and
-routing replay R2 (unpacked passes)."""
+the trainer's, router metrics reported. The full run is expert-parallel (mesh.train data 4 ×
+expert 2: the MoE layers run in shard_map, the engine gets the experts re-laid out); the LoRA
+run turns on the load-balancing loss and routing replay R2 (unpacked passes)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,15 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_grpo_steps_on_qwen3_moe(lora, data, tmp_path):
-    config = tiny_config(data, tmp_path, **GRPO, **(LORA if lora else {}))
+    config = tiny_config(data, tmp_path, **GRPO, **(LORA if lora else {"mesh.train.expert": 2}))
     model = config.actor_rollout_ref.model
     model.override_config.update(QWEN3_MOE)
     model.override_config.attention_bias = False
     trainer = _run(config)
+    assert dict(trainer.run.meshes.train.shape)["expert"] == (1 if lora else 2)
+    flat = nnx.to_flat_state(trainer.actor_state.params)
+    gate = next(v.get_value() for p, v in flat if p[-2:] == ("experts", "gate_proj"))
+    assert gate.addressable_shards[0].data.shape[0] == (4 if lora else 2)  # experts per device
     metrics = read_metrics(tmp_path)
     for step in (1, 2):
         assert all(math.isfinite(v) for v in metrics[step].values()), metrics[step]

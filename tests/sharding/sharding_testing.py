@@ -12,5 +12,5 @@ TINY = ModelConfig(
     num_key_value_heads=2,
     attention_bias=True,
 )
-TRAIN_MESH = (1, 4, 2)  # data, fsdp, tensor
+TRAIN_MESH = (1, 1, 4, 2)  # data, expert, fsdp, tensor
 GENERATE_MESH = (-1, 2)  # data (= 4), tensor

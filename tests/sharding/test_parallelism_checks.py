@@ -43,7 +43,8 @@ def test_every_problem_in_one_message():
     for line in (
         "mesh.generate.data=2, mesh.generate.tensor=2: must multiply to the 8 devices",
         "data.train_batch_size × actor_rollout_ref.rollout.n = 3 × 1 = 3 is not divisible by "
-        "the training data-parallel size mesh.train.data × mesh.train.fsdp = 1 × 2 = 2",
+        "the training data-parallel size mesh.train.data × mesh.train.expert × mesh.train.fsdp "
+        "= 1 × 1 × 2 = 2",
         "actor_rollout_ref.actor.ppo_mini_batch_size × actor_rollout_ref.rollout.n = 1 × 1 = 1",
         "critic.ppo_mini_batch_size × actor_rollout_ref.rollout.n = 1 × 1 = 1",
         "actor_rollout_ref.model.num_attention_heads = 6 is not divisible by mesh.train.tensor = 4",
@@ -64,3 +65,31 @@ def test_generation_data_parallel_and_disabled_critic():
     problems = parallelism_problems(config, 8)
     assert len(problems) == 2
     assert "generation data-parallel size mesh.generate.data = 8" in problems[1]
+
+
+def test_expert_axis_needs_a_moe_model_whose_experts_it_divides():
+    """mesh.train.expert splits the batch like data (8 rows × n=2 over 2 × 2 shards is fine)
+    and the experts: dense models alone, or 6 experts over 4, are rejected."""
+    moe = dataclasses.replace(
+        TINY, family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8
+    )
+    config = _config(train=dict(data=1, expert=2, fsdp=2, tensor=2))
+    assert parallelism_problems(config, 8, {"actor_rollout_ref.model": moe}) == []
+    assert (
+        parallelism_problems(config, 8, {"actor_rollout_ref.model": moe, "critic.model": TINY})
+        == []
+    )  # a dense critic beside a MoE actor: expert ranks are data-parallel ranks
+    assert parallelism_problems(config, 8, {"actor_rollout_ref.model": TINY}) == [
+        "mesh.train.expert = 2 needs a mixture-of-experts model, but actor_rollout_ref.model "
+        "is dense (num_experts = 0); use mesh.train.expert=1"
+    ]
+    config = _config(train=dict(data=1, expert=4, fsdp=1, tensor=2))
+    six = dataclasses.replace(moe, num_experts=6)
+    assert parallelism_problems(config, 8, {"actor_rollout_ref.model": six}) == [
+        "actor_rollout_ref.model.num_experts = 6 is not divisible by mesh.train.expert = 4"
+    ]
+    config.data.train_batch_size = 3  # × n=2 = 6 rows over data × expert × fsdp = 4 shards
+    assert any(
+        "mesh.train.data × mesh.train.expert × mesh.train.fsdp = 1 × 4 × 1 = 4" in p
+        for p in parallelism_problems(config, 8, {"actor_rollout_ref.model": moe})
+    )

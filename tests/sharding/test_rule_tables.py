@@ -63,13 +63,15 @@ def test_mlp_spec_by_hand(meshes):
     spec = logical_to_spec(("mlp", "embed"), (128, 64), meshes.train, ACTOR_TRAIN_RULES)
     assert spec == P(("tensor", "fsdp"), None)
     spec = logical_to_spec(("batch", "length"), (8, 16), meshes.train, ACTOR_TRAIN_RULES)
-    assert spec == P(("data", "fsdp"), None)
+    assert spec == P(("data", "expert", "fsdp"), None)
 
 
 def test_indivisible_dims_fall_back_and_axes_are_used_once(meshes):
-    # 3 kv-heads over tensor=2: replicated. batch 2 over (data=1, fsdp=4): data only.
+    # 3 kv-heads over tensor=2: replicated. batch 2 over (data=1, expert=1, fsdp=4): data and
+    # expert only.
     assert logical_to_spec(("kv_heads",), (3,), meshes.train, ACTOR_TRAIN_RULES) == P(None)
-    assert logical_to_spec(("batch",), (2,), meshes.train, ACTOR_TRAIN_RULES) == P("data")
+    spec = logical_to_spec(("batch",), (2,), meshes.train, ACTOR_TRAIN_RULES)
+    assert spec == P(("data", "expert"))
     rules = (("a", "tensor"), ("b", "tensor"))
     assert logical_to_spec(("a", "b"), (4, 4), meshes.train, rules) == P("tensor", None)
 

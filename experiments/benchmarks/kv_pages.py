@@ -1,9 +1,11 @@
 """KV pages reserved at admission against pages on demand with preemption, same pool memory.
 
 `python -m experiments.benchmarks.kv_pages [--prompts=32] [--n=4] [--num_pages=96] ...`
-writes `experiments/results/kv_pages/summary.json` (or `--out`).
+writes `experiments/results/kv_pages/summary.json` (or `--out`). `--devices=8` runs it on 8
+simulated CPU devices as a generation mesh of `devices / tensor` data replicas, each with its
+own pool of `num_pages` pages and `max_num_seqs` slots (`hybridjax.rollout.replicas`).
 
-A GRPO-shaped rollout on one CPU device with a tiny Qwen2-shaped model (random weights):
+A GRPO-shaped rollout with a tiny Qwen2-shaped model (random weights):
 `prompts` prompts of `prompt_len` tokens × `n` samples at temperature 1, max_tokens =
 `response_length`, a response ending at any of `num_stop_ids` stop ids: near-uniform logits
 make its length near-geometric (mean ≈ vocab / num_stop_ids, a long tail up to the cap), as
@@ -16,9 +18,11 @@ at full length, so the pool bounds what runs:
 * `on_demand` (the default): a sequence takes pages as it grows; when none is free the youngest
   are preempted and recomputed later (`hybridjax.rollout.preemption`).
 
-Per mode: sequences running per decode call (mean and peak, sampled before each call), decode
+Per mode: sequences running per decode call (mean and peak, sampled before each call; in all
+and per replica, i.e. per device at `tensor=1`), decode
 steps and calls, preemptions, recomputed (prefill) tokens, generated tokens per second over the
-whole rollout (median of `repeats` runs after a warm-up run that compiles every shape) and
+whole rollout (median of `repeats` runs after a warm-up run that compiles every shape;
+`--no_warmup` times the first run, compiles included, for shapes too slow to run twice) and
 whether the samples equal the reserve engine's. On a CPU a decode step costs in proportion to
 its rows, so running more sequences per step saves wall time only where a step is bound by
 reading the weights (a GPU decoding a real model): there fewer decode steps for the same tokens
@@ -35,7 +39,30 @@ import time
 import numpy as np
 
 
+def _divergences(out, reference) -> list[dict]:
+    """Per sample whose tokens differ from the reference's: its row, the first differing
+    position, the log-probs there (this run's, the reference's) and the largest log-prob
+    difference before it (where both ran the same tokens: float noise, or not)."""
+    rows = []
+    for i in np.flatnonzero((out.responses != reference.responses).any(axis=1)):
+        t = int(np.flatnonzero(out.responses[i] != reference.responses[i])[0])
+        before = np.abs(out.rollout_log_probs[i, :t] - reference.rollout_log_probs[i, :t])
+        rows.append(
+            dict(
+                row=int(i),
+                position=t,
+                log_probs=[
+                    float(out.rollout_log_probs[i, t]),
+                    float(reference.rollout_log_probs[i, t]),
+                ],
+                max_log_prob_diff_before=float(before.max()) if t else 0.0,
+            )
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
+    import jax
     from flax import nnx
 
     from hybridjax.models.config import ModelConfig
@@ -51,6 +78,12 @@ def run(args: argparse.Namespace) -> dict:
         num_key_value_heads=2,
     )
     model = CausalLM(model_config, nnx.Rngs(0))
+    mesh = None
+    if args.devices > 1:
+        from hybridjax.sharding import MeshConfig, make_meshes
+
+        sizes = (args.devices // args.tensor, args.tensor)
+        mesh = make_meshes(MeshConfig(generate=sizes), jax.devices()[: args.devices]).generate
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(1, 256, size=(args.prompts, args.prompt_len)).tolist()
     params = SamplingParams(
@@ -72,13 +105,18 @@ def run(args: argparse.Namespace) -> dict:
             decode_steps_per_call=args.decode_steps_per_call,
             page_allocation=mode,
         )
-        engine = Engine(model, config)
-        generate(engine, prompts, params)  # warm-up: compiles every shape this rollout uses
+        engine = Engine(model, config, mesh=mesh)
+        replicas = engine.replicas
+        if not args.no_warmup:
+            generate(engine, prompts, params)  # warm-up: compiles every shape this rollout uses
         running: list[int] = []
+        per_replica: list[int] = []  # the busiest replica's running sequences, per call
         decode = engine.generate
 
         def counted(*a, _decode=decode, **k):
-            running.append(engine.num_active)
+            active = np.asarray(engine.slots.active).reshape(replicas, -1).sum(axis=1)
+            running.append(int(active.sum()))
+            per_replica.append(int(active.max()))
             return _decode(*a, **k)
 
         engine.generate = counted  # type: ignore[method-assign]
@@ -96,9 +134,13 @@ def run(args: argparse.Namespace) -> dict:
         if reference is None:
             reference = out
         running = running[: len(running) // args.repeats]  # the first run's calls
+        per_replica = per_replica[: len(running)]
+        busy = [r for r in running if r]
         results[mode] = dict(
-            mean_running_seqs=float(np.mean([r for r in running if r])),
+            mean_running_seqs=float(np.mean(busy)),
             peak_running_seqs=int(max(running)),
+            mean_running_seqs_per_replica=float(np.mean(busy)) / replicas,
+            peak_running_seqs_per_replica=int(max(per_replica)),
             decode_calls=len(running),
             decode_steps=counts[0] - stats[0],
             preemptions=counts[1] - stats[1],
@@ -110,13 +152,23 @@ def run(args: argparse.Namespace) -> dict:
             tokens_per_s=generated / wall,
             same_samples_as_reserve=bool(
                 np.array_equal(out.responses, reference.responses)
-                and np.allclose(out.rollout_log_probs, reference.rollout_log_probs, atol=1e-5)
+                and np.array_equal(out.response_mask, reference.response_mask)
+            ),
+            samples_differing_from_reserve=int(
+                (out.responses != reference.responses).any(axis=1).sum()
+            ),
+            divergences=_divergences(out, reference),
+            max_log_prob_diff_to_reserve=float(
+                np.abs(
+                    (out.rollout_log_probs - reference.rollout_log_probs) * out.response_mask
+                ).max()
             ),
         )
     r, o = results["reserve"], results["on_demand"]
     lengths = reference.response_mask.sum(axis=1)
     return dict(
         settings=vars(args),
+        replicas=args.devices // args.tensor,
         response_lengths=dict(
             mean=float(lengths.mean()),
             median=float(np.median(lengths)),
@@ -127,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         // -(-(args.prompt_len + args.response_length - 1) // args.page_size),
         modes=results,
         mean_running_ratio=o["mean_running_seqs"] / r["mean_running_seqs"],
+        decode_steps_ratio=r["decode_steps"] / max(o["decode_steps"], 1),
         speedup=o["tokens_per_s"] / r["tokens_per_s"],
     )
 
@@ -144,11 +197,17 @@ def main() -> None:
     parser.add_argument("--decode_steps_per_call", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median wall)")
+    parser.add_argument("--no_warmup", action="store_true", help="time the first run")
+    parser.add_argument("--devices", type=int, default=1, help="simulated CPU devices")
+    parser.add_argument("--tensor", type=int, default=1, help="generation mesh tensor size")
     parser.add_argument("--out", default="experiments/results/kv_pages/summary.json")
     args = parser.parse_args()
+    if args.devices % args.tensor:
+        parser.error(f"--devices={args.devices} is not a multiple of --tensor={args.tensor}")
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)  # before JAX makes its devices
     summary = run(args)
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

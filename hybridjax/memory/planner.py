@@ -209,7 +209,10 @@ def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats:
     if r.num_pages:
         pages = r.num_pages
     elif stats:
-        pages = max(int(r.gpu_memory_utilization * max(capacity - in_use, 0)) // page, 1)
+        from hybridjax.rollout.paged_cache import PagedKVCache
+
+        free = dict(bytes_limit=capacity, bytes_in_use=in_use)
+        pages = PagedKVCache.pages_from_memory([free], r.gpu_memory_utilization, page) or 1
     else:
         pages = r.default_num_pages
     return pages, page, r

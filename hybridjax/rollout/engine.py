@@ -199,21 +199,26 @@ class Engine:
         return self.k_pools is None
 
     def _pool_size(self) -> int:
-        """Pages per layer: explicit, else from free device memory, else the CPU default."""
+        """Pages per layer and replica: explicit, else from what is free after the weights on
+        the engine's devices (`PagedKVCache.pages_from_memory`: the tightest of this process's
+        devices of the mesh), else the CPU default."""
         if self.config.num_pages:
             return self.config.num_pages
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            log.info("no device memory statistics; %d pages", self.config.default_num_pages)
-            return self.config.default_num_pages
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        devices = [jax.local_devices()[0]]
+        if self.mesh is not None:
+            here = jax.process_index()
+            devices = [d for d in self.mesh.devices.flat if d.process_index == here]
+        jax.block_until_ready(self.state)  # the weights are placed before memory is read
         per_page = PagedKVCache.page_bytes(
             self.model_config, self.config.page_size, self.kv_dtype, self._axis("tensor")
         )
-        pages = int(self.config.gpu_memory_utilization * free) // per_page
         frac = self.config.gpu_memory_utilization
-        log.info("%d pages of %d bytes from %.2f of %d free bytes", pages, per_page, frac, free)
-        return max(pages, 1)
+        pages = PagedKVCache.pages_from_memory([d.memory_stats() for d in devices], frac, per_page)
+        if pages is None:
+            log.info("no device memory statistics; %d pages", self.config.default_num_pages)
+            return self.config.default_num_pages
+        log.info("%d pages of %d bytes from %.2f of the free bytes", pages, per_page, frac)
+        return pages
 
     def _axis(self, name: str) -> int:
         return 1 if self.mesh is None else self.mesh.shape[name]

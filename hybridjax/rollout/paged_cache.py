@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,29 @@ class PagedKVCache:
         kv = math.ceil(config.num_key_value_heads / tensor_parallel)
         per_layer = kv * page_size * config.resolved_head_dim * jnp.dtype(dtype).itemsize
         return 2 * config.num_hidden_layers * per_layer
+
+    @staticmethod
+    def pages_from_memory(
+        stats: Sequence[dict[str, int] | None], utilization: float, page_bytes: int
+    ) -> int | None:
+        """Pages a pool gets from the free memory of the devices it lives on, or None where a
+        device reports no memory statistics (CPU).
+
+        pages = floor(utilization × min_d(bytes_limit_d − bytes_in_use_d) / page_bytes), at
+        least 1: a fraction of what is free on the tightest device once the weights are on it
+        (verl's meaning of `gpu_memory_utilization` for vLLM 0.5–0.6; vLLM ≥ 0.7 takes the
+        fraction of the whole device and subtracts weights and activations). Every replica's
+        pool has the same pages (one array over `data`), so the tightest device bounds all.
+
+        Args:
+          stats: `Device.memory_stats()` of each device holding the pool (bytes).
+          utilization: `gpu_memory_utilization` in (0, 1].
+          page_bytes: one page's bytes on one device (`page_bytes`).
+        """
+        if not stats or any(s is None or "bytes_limit" not in s for s in stats):
+            return None
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if s is not None)
+        return max(int(utilization * max(free, 0)) // page_bytes, 1)
 
     def gathered(self) -> PagedKVCache:
         """The cache with `k_seq`/`v_seq` gathered from the pools (the jnp decode path, once

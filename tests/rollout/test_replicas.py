@@ -1,12 +1,14 @@
 """Data-parallel replicas: placement by expected tokens, one replica per prompt group, and a
 pool per replica (a device holds only its replica's pages) on data 4 × tensor 2."""
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 from rollout_testing import make_prompts
 
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
+from hybridjax.rollout.paged_cache import PagedKVCache
 from hybridjax.rollout.pages import Request
 from hybridjax.rollout.replicas import ReplicaBooks, expected_tokens
 from hybridjax.sharding import MeshConfig, make_meshes
@@ -86,3 +88,31 @@ def test_groups_stay_on_one_replica_balanced_by_expected_tokens(replicated):
         engine.free_resource(slot)
     assert engine.num_free_pages == 4 * 24 and engine.pages.load == [0, 0, 0, 0]
     assert np.all(engine.slots.active == 0)
+
+
+def test_pages_from_memory_by_hand():
+    pages = PagedKVCache.pages_from_memory
+    two = [dict(bytes_limit=1000, bytes_in_use=200), dict(bytes_limit=1000, bytes_in_use=400)]
+    assert pages(two, 0.5, 100) == 3  # the tightest device: 0.5 × 600 // 100
+    assert pages(two[:1], 0.9, 100) == 7  # 0.9 × 800 = 720
+    assert pages([dict(bytes_limit=100, bytes_in_use=100)], 0.5, 100) == 1  # at least one
+    assert pages([two[0], None], 0.5, 100) is None  # a device without statistics: CPU default
+    assert pages([{}], 0.5, 100) is None
+
+
+def test_pool_is_sized_from_the_free_memory_of_the_mesh_devices(eos_model, monkeypatch):
+    # free bytes per device id: devices 0-3 (not in the mesh) hold less than devices 4-7
+    free = {i: (1 << 20) * (1 if i < 4 else 10 + i) for i in range(8)}
+    device_type = type(jax.devices()[0])
+    monkeypatch.setattr(
+        device_type, "memory_stats", lambda d: dict(bytes_limit=free[d.id] + 64, bytes_in_use=64)
+    )
+    mesh = make_meshes(MeshConfig(generate=(2, 2)), jax.devices()[4:]).generate
+    config = RolloutConfig(
+        page_size=4, max_num_seqs=2, prompt_length=16, response_length=8,
+        gpu_memory_utilization=0.5,
+    )  # fmt: skip
+    engine = Engine(eos_model, config, mesh=mesh)
+    page = PagedKVCache.page_bytes(eos_model.config, 4, engine.kv_dtype, 2)
+    assert engine.num_pages == int(0.5 * free[4]) // page  # device 4: the tightest of 4-7
+    assert engine.k_pools[0].shape[1] == 2 * engine.num_pages  # one pool per replica

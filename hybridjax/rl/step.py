@@ -400,7 +400,8 @@ def _teacher_stage(batch, ctx: StepContext):
         raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
     graphdef, params = ctx.models.teacher
     rows, sc = _rows_for("ref", batch, ctx)
-    out = _teacher_log_prob(graphdef, params, rows, sc)
+    with expert_parallel(_train_mesh("ref", ctx)):
+        out = _teacher_log_prob(graphdef, params, rows, sc)
     return _back("ref", batch, ctx, teacher_log_prob=out.teacher_log_prob)
 
 

@@ -38,7 +38,9 @@ HEAD = ModelConfig(
 
 
 def _train_mesh(shape):
-    return make_meshes(MeshConfig(train=shape, generate=(-1, 2))).train
+    """The training mesh of `shape` = (data, fsdp, tensor), expert 1."""
+    data, fsdp, tensor = shape
+    return make_meshes(MeshConfig(train=(data, 1, fsdp, tensor), generate=(-1, 2))).train
 
 
 def test_vocab_split_takes_the_dividing_axes():

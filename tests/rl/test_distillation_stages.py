@@ -18,7 +18,15 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.rl import build, passes, step
 from hybridjax.rl.pipeline import StepContext
 from hybridjax.sharding.mesh import TRAIN_AXES
-from tests.rl.test_trainer_on_policy import FIXED_REWARD, GRPO, MODEL, MASK_BxR, _batch, _config
+from tests.rl.test_trainer_on_policy import (
+    FIXED_REWARD,
+    GRPO,
+    MODEL,
+    MASK_BxR,
+    _batch,
+    _config,
+    one_pool_run,
+)
 from tests.rl.tiny_run import load_config_file
 
 PURE = {"actor_rollout_ref.distillation.enabled": True}  # loss_mode reward, no task advantage
@@ -36,8 +44,7 @@ def _run(teacher_seed: int):
         graphdef, build.init_train_state(params, sc.actor_optim), None, None, None, None,
         teacher=teacher,
     )  # fmt: skip
-    run = types.SimpleNamespace(pool_batch_shardings={}, stage_config_of=lambda role: sc)
-    deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=run)
+    deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
     ctx = StepContext(step=1, deps=deps, models=models, kl_coef=jnp.float32(0.0))
     pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
     pipeline = pipeline.remove("sleep").remove("reshard").remove("update_actor")
@@ -96,7 +103,7 @@ def test_stage_config_and_pipeline_follow_the_config():
 
 def test_teacher_from_a_checkpoint_and_its_vocabulary_check():
     cfg = load_config_file("quickstart_distill")  # teacher: the quick start's SFT checkpoint
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), TRAIN_AXES)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), TRAIN_AXES)
     student = build.actor_model_config(cfg, build.load_tokenizer(cfg))
     graphdef, params = build.build_teacher(cfg, student, mesh)
     teacher = nnx.merge(graphdef, params)

@@ -20,6 +20,7 @@ from hybridjax.rl import build, passes, step
 from hybridjax.rl.batch import make_batch
 from hybridjax.rl.pipeline import Stage, StepContext
 from hybridjax.rl.update import UpdateConfig
+from hybridjax.sharding.mesh import TRAIN_AXES
 from tests.rl.tiny_run import load_config_file
 
 MODEL = ModelConfig(
@@ -33,6 +34,18 @@ SCORES_B = np.array([1.0, 0.0, 0.2, 0.7], np.float32)  # varies inside each pair
 GRPO = {"algorithm.adv_estimator": "grpo", "critic.enable": False, "actor_rollout_ref.rollout.n": 2}
 PPO = {"algorithm.adv_estimator": "gae", "critic.enable": True, "actor_rollout_ref.rollout.n": 1}
 CURRENT_LOG_PROBS = step._old_log_prob  # jitted; kept before a test replaces it
+
+
+def one_pool_run(sc):
+    """The `RunConfig` fields the device stages read, with every role on the actor's pool: one
+    device's training mesh and `sc` for every role."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), TRAIN_AXES)
+    return types.SimpleNamespace(
+        pool_batch_shardings={},
+        stage_config_of=lambda role: sc,
+        meshes=types.SimpleNamespace(train=mesh),
+        role_meshes={},
+    )
 
 
 def _config(**changes):
@@ -101,9 +114,7 @@ def _two_steps(cfg, monkeypatch):
         batch = batch.replace(rollout_log_probs=(current.old_log_probs - 0.05) * MASK_BxR)
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|
-        # every role on the actor's pool (the `RunConfig` fields the device stages read)
-        run = types.SimpleNamespace(pool_batch_shardings={}, stage_config_of=lambda role: sc)
-        deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=run)
+        deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
         ctx = StepContext(step=n, deps=deps, models=models, kl_coef=jnp.float32(0.0))
         pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
         if "sleep" in pipeline.names:  # no engine here: the batch is given

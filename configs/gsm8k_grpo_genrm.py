@@ -22,8 +22,9 @@ devices (`placement.reward_model` puts it on a pool of its own); a verdict witho
 below too). Data: `python -m hybridjax.data.gsm8k --input tests/assets/gsm8k --output data/gsm8k`.
 """
 
-import importlib.util
 import os
+
+from hybridjax.user_code import load_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,10 +38,7 @@ TEMPLATE = (
 
 
 def _grpo():
-    spec = importlib.util.spec_from_file_location("gsm8k_grpo", os.path.join(HERE, "gsm8k_grpo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_module(os.path.join(HERE, "gsm8k_grpo.py")).get_config()
 
 
 def get_config():

@@ -11,17 +11,15 @@ As `gsm8k_grpo.py`, plus `rollout.multi_turn` (up to 5 assistant turns, tool res
 `multi_turn/num_turns_mean|max`, `multi_turn/tool_calls`, `multi_turn/tool_errors`.
 """
 
-import importlib.util
 import os
+
+from hybridjax.user_code import load_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _grpo():
-    spec = importlib.util.spec_from_file_location("gsm8k_grpo", os.path.join(HERE, "gsm8k_grpo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_module(os.path.join(HERE, "gsm8k_grpo.py")).get_config()
 
 
 def get_config():

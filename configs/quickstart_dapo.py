@@ -10,17 +10,15 @@ How it differs from `configs/quickstart.py` (GRPO):
     score of responses containing a banned string (`timing_s/zero_banned`, `reward/banned`).
 """
 
-import importlib.util
 import os
+
+from hybridjax.user_code import load_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(HERE, "quickstart.py"))
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
-    c = quickstart.get_config()
+    c = load_module(os.path.join(HERE, "quickstart.py")).get_config()
     c.algorithm.filter_groups.enable = True
     c.algorithm.filter_groups.metric = "score"
     c.algorithm.filter_groups.max_num_gen_batches = 4

@@ -22,16 +22,15 @@ compiles): `distill/reverse_kl` 5.45 → 5.17 nats per token, the student's entr
 before/after against GRPO from the same start has not been measured yet.
 """
 
-import importlib.util
 import os
+
+from hybridjax.user_code import load_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(HERE, "quickstart.py"))
-    quickstart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quickstart)
+    quickstart = load_module(os.path.join(HERE, "quickstart.py"))
     c = quickstart.get_config()
     a = c.actor_rollout_ref
     teacher = os.path.join(quickstart.ASSETS, "sft_model")

@@ -142,8 +142,10 @@ def test_expert_parallelism_stores_and_gathers_experts_per_expert_shard():
     fsdp 8 splits every weight 8 ways; expert 4 × fsdp 2 still splits the 128 experts (and the
     routers) 8 ways but the other weights only 2. An update gathers (over fsdp) a layer's
     experts of its own expert shard, 32 of 128, and runs them over the 4× tokens gathered from
-    its expert group."""
+    its expert group. The LM head is unfused here, gathered whole under both meshes, so that
+    only the experts differ (the vocab-parallel head would count at 1/8 against 1/2)."""
     c = _grpo(8, fsdp=8)
+    c.actor_rollout_ref.model.use_fused_kernels = False
     c.actor_rollout_ref.model.path = QWEN3_30B_A3B
     c.actor_rollout_ref.model.override_config = dict(num_hidden_layers=2)  # 2 of its 48 layers
     c.data.train_batch_size = c.actor_rollout_ref.actor.ppo_mini_batch_size = 8

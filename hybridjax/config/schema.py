@@ -311,7 +311,7 @@ def declared_config() -> ConfigDict:
             # fields {prompt} {response} {ground_truth}: decoded text
             prompt_template=DEFAULT_TEMPLATE,
             # verdict text -> score; a name, or parser_path/parser_name: fn(verdict) -> float
-            parser=one_of("number", lambda: sorted(VERDICT_PARSERS)),
+            parser=one_of("number", VERDICT_PARSERS.names),
             parser_path="",
             parser_name="parse_verdict",
             min_score=0.0,  # number/boxed: accepted range; yes_no: the scores of no/yes

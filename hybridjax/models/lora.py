@@ -245,8 +245,9 @@ def merge_plan(state: nnx.State) -> tuple[dict[tuple, tuple[tuple, tuple]], tupl
 
 
 def merged_model(model: Any) -> Any:
-    """`model` itself, or for a `LoRAModel` its base with the adapters merged (for
-    `save_pretrained`: a plain HF checkpoint)."""
+    """`model` itself, or for a `LoRAModel` its base with the adapters merged: a plain HF
+    checkpoint for `save_pretrained`, and the one module a pass runs (and
+    `moe.with_router_stats` records) where `LoRAModel.model` would build a new one per call."""
     return model.merged() if isinstance(model, LoRAModel) else model
 
 

@@ -33,6 +33,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybridjax.algorithms.registry import Registry
 from hybridjax.rewards.scoring import Outcome
 from hybridjax.user_code import load_module
 
@@ -42,7 +43,7 @@ GenerateFn = Callable[[list[list[int]], list[list[int]]], list[list[int]]]
 _RESPONSE_MARK = "\x00hybridjax-response\x00"
 VerdictParser = Callable[[str, float, float], float]
 
-VERDICT_PARSERS: dict[str, VerdictParser] = {}
+VERDICT_PARSERS: Registry[VerdictParser] = Registry("verdict parser")  # generative.parser
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
 DEFAULT_TEMPLATE = (
     "Rate the response to the question from 0 to 1.\nQuestion: {prompt}\nResponse: {response}\n"
@@ -61,19 +62,13 @@ def unknown_fields(template: str) -> list[str]:
 
 
 def register_parser(name: str) -> Callable[[VerdictParser], VerdictParser]:
-    """Adds a verdict parser `fn(verdict, min_score, max_score) -> float` under `name`.
+    """Adds a verdict parser `fn(verdict, min_score, max_score) -> float` under `name`
+    (`VERDICT_PARSERS.register`).
 
     Raises:
       ValueError: `name` is already registered.
     """
-
-    def add(fn: VerdictParser) -> VerdictParser:
-        if name in VERDICT_PARSERS:
-            raise ValueError(f"verdict parser {name!r} is already registered")
-        VERDICT_PARSERS[name] = fn
-        return fn
-
-    return add
+    return VERDICT_PARSERS.register(name)
 
 
 def _in_range(value: float, low: float, high: float) -> float:
@@ -137,7 +132,7 @@ class JudgeConfig:
         if not self.parser_path and self.parser not in VERDICT_PARSERS:
             raise ValueError(
                 f"reward_model.generative.parser={self.parser!r}; expected one of "
-                f"{sorted(VERDICT_PARSERS)} (or parser_path for a function of your own)"
+                f"{list(VERDICT_PARSERS.names())} (or parser_path for a function of your own)"
             )
         if self.min_score > self.max_score:
             raise ValueError("reward_model.generative.min_score must be <= max_score")
@@ -160,7 +155,7 @@ def load_parser(config: JudgeConfig) -> Callable[[str], float]:
       ValueError: `parser_path` has no callable `parser_name`.
     """
     if not config.parser_path:
-        fn = VERDICT_PARSERS[config.parser]
+        fn = VERDICT_PARSERS.get(config.parser)
         return lambda v: fn(v, config.min_score, config.max_score)
     custom = getattr(load_module(config.parser_path), config.parser_name, None)
     if not callable(custom):

@@ -33,7 +33,7 @@ RESPONSES = ["four!", "six?", "ok", "two !"]
     ],
 )
 def test_parsers_read_the_score(name, verdict, score):
-    assert genrm.VERDICT_PARSERS[name](verdict, 0.0, 10.0) == score
+    assert genrm.VERDICT_PARSERS.get(name)(verdict, 0.0, 10.0) == score
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_parsers_read_the_score(name, verdict, score):
 )
 def test_parsers_refuse_what_they_cannot_read(name, verdict):
     with pytest.raises(ValueError):
-        genrm.VERDICT_PARSERS[name](verdict, 0.0, 10.0)
+        genrm.VERDICT_PARSERS.get(name)(verdict, 0.0, 10.0)
 
 
 def test_config_errors_name_the_key():

@@ -5,9 +5,9 @@ the `gpu`-marked tests with `cuda,cpu`. Those tests are skipped where JAX has no
 
 Compiled programs go to JAX's persistent compilation cache (`.jax_cache/` at the repository root,
 or `HYBRIDJAX_TEST_JAX_CACHE`), through environment variables so the runs the tests start as
-subprocesses share it: most tests build the same tiny models, so a program compiled once is
-loaded by every later test, process and suite. The cache is keyed on the program, the JAX
-version and the flags, so a stale entry is never used.
+subprocesses share it: most tests build the same tiny models, so a program that took a second
+or more to compile is loaded by every later test, process and suite. The cache is keyed on the
+program, the JAX version and the flags, so a stale entry is never used.
 """
 
 import os
@@ -19,7 +19,10 @@ _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.environ.get("HYBRIDJAX_TEST_JAX_CACHE", _CACHE)
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# only programs that took a second or more to compile (JAX's default): writing every one
+# (threshold 0, about 10,000 entries a CI run) once crashed XLA's CPU executable serializer
+# (a segfault in `executable.serialize()` in the slow suite), and fewer writes make it rarer
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # a size limit turns on the cache's file lock: parallel test workers and the runs they start
 # read and write it at once (least recently used entries go past 4 GiB)

@@ -324,6 +324,8 @@ def declared_config() -> ConfigDict:
             top_k=-1,
             max_num_seqs=positive(64),  # the judge engine's decode slots
             gpu_memory_utilization=within(0.2, 0, 1, low_open=True),  # its KV pool
+            # release the judge's KV pool after each scoring batch (rebuilt at the next)
+            free_cache_engine=True,
         ),
         # stop the run after this many consecutive steps in which most rows' rewards failed
         # (whatever on_error says); such steps are never checkpointed (hybridjax.rewards.guard)

@@ -3,15 +3,15 @@
     python -m hybridjax.plan --config=configs/gsm8k_grpo.py --devices=8 --device_memory_gb=80 \
         --config.actor_rollout_ref.model.path=configs/models/qwen2.5-7b
 
-Every device stage of the RL step (`old_log_prob`, `ref`, `values`, `update_critic`,
-`update_actor`) is lowered and compiled for the run's training mesh from abstract inputs
-(`jax.ShapeDtypeStruct`s carrying their shardings; no weight is materialised): XLA's memory
-analysis gives each program's outputs and donated (aliased) bytes. The states every stage
-leaves resident (parameters, optimizer states, reference and reward models, the rollout's
-weights in the generation layout, the KV page pool, the batch) are summed from their shard
-shapes. What a stage allocates while it runs is counted from shapes
-(`hybridjax.memory.counts`: gathered weights, activations, logits, gradients, the optimizer
-step of one loop iteration). The peak of a stage is
+Every device stage of the RL step (`reward` with a reward model, `old_log_prob`, `ref`,
+`teacher`, `values`, `update_critic`, `update_actor`) is lowered and compiled for the run's
+training mesh from abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings; no
+weight is materialised): XLA's memory analysis gives each program's outputs and donated
+(aliased) bytes. The states every stage leaves resident (parameters, optimizer states,
+reference and reward models, the rollout's weights in the generation layout, the KV page
+pool, the batch) are summed from their shard shapes. What a stage allocates while it runs is
+counted from shapes (`hybridjax.memory.counts`: gathered weights, activations, logits,
+gradients, the optimizer step of one loop iteration). The peak of a stage is
 
     resident states + stage outputs − donated bytes + counted live bytes   (bytes per device)
 
@@ -20,7 +20,10 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits) and drops what `fsdp_config.*_offload` moves to host while it runs. The KV pool is
+logits) and drops what `fsdp_config.*_offload` moves to host while it runs. A generative
+reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
+its KV pool (sized after the rollout's, as the trainer builds them) is on the devices only in
+`reward`, beside its decode scratch, unless `generative.free_cache_engine` is off. The KV pool is
 sized as the engine sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity −
 what is resident when the engine starts). With `rollout.free_cache_engine` (the default; sync
 rollouts) the engine sleeps after `gen` (`hybridjax.rl.residency`): no training stage
@@ -196,16 +199,16 @@ def compiled_memory(fn, *args) -> dict[str, int]:
 # ------------------------------------------------------------------------------ the plan
 
 
-def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats: bool):
-    """(pages, bytes per page per device) as `Engine._pool_size` would choose them."""
+def _kv_pool(r, model, tp: int, capacity: int, in_use: int, stats: bool) -> tuple[int, int]:
+    """(pages, bytes per page per device) of an engine with RolloutConfig `r` serving `model`
+    (a ModelConfig) at tensor-parallel `tp`, as `Engine._pool_size` would choose them with
+    `in_use` bytes already on the device."""
     from hybridjax.models.config import to_dtype
-    from hybridjax.rollout import RolloutConfig
 
-    r = RolloutConfig.from_config(cfg.actor_rollout_ref.rollout)
-    kv = actor.num_key_value_heads
+    kv = model.num_key_value_heads
     local = kv // tp if tp > 1 and kv % tp == 0 else kv
-    itemsize = jnp.dtype(to_dtype(actor.dtype)).itemsize
-    page = 2 * actor.num_hidden_layers * local * r.page_size * actor.resolved_head_dim * itemsize
+    itemsize = jnp.dtype(to_dtype(model.dtype)).itemsize
+    page = 2 * model.num_hidden_layers * local * r.page_size * model.resolved_head_dim * itemsize
     if r.num_pages:
         pages = r.num_pages
     elif stats:
@@ -215,7 +218,7 @@ def _kv_pool(cfg: ConfigDict, actor, tp: int, capacity: int, in_use: int, stats:
         pages = PagedKVCache.pages_from_memory([free], r.gpu_memory_utilization, page) or 1
     else:
         pages = r.default_num_pages
-    return pages, page, r
+    return pages, page
 
 
 def _decode_scratch(actor, r, tp: int, impl: str) -> int:
@@ -270,9 +273,13 @@ def plan_memory(
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
+    from hybridjax.rewards import genrm
+    from hybridjax.rewards.reward_model import score_responses
     from hybridjax.rl import build, passes
     from hybridjax.rl.offload import offload_configs
+    from hybridjax.rl.packing import packing_configs
     from hybridjax.rl.residency import free_cache_engine
+    from hybridjax.rollout import RolloutConfig
     from hybridjax.sharding import (
         ACTOR_GENERATE_RULES,
         ACTOR_TRAIN_RULES,
@@ -317,22 +324,38 @@ def plan_memory(
         resident["critic optimizer state"] = device_bytes(critic_state.opt_state)
     if roles.teacher:  # `build.build_teacher`, on the reference's pool
         teacher_cfg = build.teacher_model_config(cfg, actor_config)
-        _, teacher = abstract_model(CausalLM, teacher_cfg, train, REFERENCE_RULES)
+        teacher_def, teacher = abstract_model(CausalLM, teacher_cfg, train, REFERENCE_RULES)
         resident["teacher params"] = device_bytes(teacher)
-    if roles.reward_model:  # (a served one holds no device memory)
+    # a reward model here (a served one holds no device memory): a classifier in the training
+    # mesh, or a generative judge (`build.build_judge`) on an engine of its own, generation layout
+    judge = roles.reward_model and bool(cfg.reward_model.generative.enable)
+    if roles.reward_model:
         rm_cfg = ModelConfig.from_hf_dict(read_hf_config(cfg.reward_model.model.path))
         rm_dtype = jnp.dtype(cfg.reward_model.model.dtype)
-        _, rm = abstract_model(SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES, rm_dtype)
-        resident["reward model params"] = device_bytes(rm)
+        if judge:
+            rm_cfg = dataclasses.replace(rm_cfg, dtype=rm_dtype.name, param_dtype=rm_dtype.name)
+            _, rm = abstract_model(CausalLM, rm_cfg, gen, ACTOR_GENERATE_RULES, rm_dtype)
+            resident["judge params"] = device_bytes(rm)
+        else:
+            rm_def, rm = abstract_model(
+                SequenceClassifier, rm_cfg, train, REWARD_MODEL_RULES, rm_dtype
+            )
+            resident["reward model params"] = device_bytes(rm)
     param_dtype = jnp.dtype(actor_config.param_dtype)
     gen_dtype = jnp.dtype(a.rollout.dtype)
     _, gen_init = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES, param_dtype)
     _, gen_params = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES, gen_dtype)
     tp = gen.shape["tensor"]
     in_use = sum(resident.values()) + device_bytes(gen_init)
-    pages, page, r = _kv_pool(cfg, actor_config, tp, capacity, in_use, target == "gpu")
+    r = RolloutConfig.from_config(a.rollout)
+    pages, page = _kv_pool(r, actor_config, tp, capacity, in_use, target == "gpu")
     resident["rollout weights"] = device_bytes(gen_params)
     resident["KV pool"] = pages * page
+    if judge:  # built after the rollout's engine: its pool takes a share of what is left
+        jr = genrm.judge_engine_config(cfg.reward_model.generative)
+        in_use = sum(resident.values())
+        judge_pages, judge_page = _kv_pool(jr, rm_cfg, tp, capacity, in_use, target == "gpu")
+        resident["judge KV pool"] = judge_pages * judge_page
 
     rows = cfg.data.train_batch_size * a.rollout.n
     prompt, response = cfg.data.max_prompt_length, r.response_length
@@ -357,16 +380,20 @@ def plan_memory(
         "critic params": offload["critic"].param_offload,
         "critic optimizer state": offload["critic"].optimizer_offload,
     }
-    on_device = {k: v for k, v in resident.items() if not off.get(k)}
+    # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training;
+    # the judge's engine holds its pool only while it judges (`generative.free_cache_engine`)
+    asleep = ("KV pool", "rollout weights") if free_cache_engine(cfg) else ()
+    judge_asleep = (
+        ("judge KV pool",) if judge and cfg.reward_model.generative.free_cache_engine else ()
+    )
+    on_device = {k: v for k, v in resident.items() if not off.get(k) and k not in judge_asleep}
     from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
 
     impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
     decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
-    # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training
-    asleep = ("KV pool", "rollout weights") if free_cache_engine(cfg) else ()
-    training = {k: v for k, v in resident.items() if k not in asleep}
+    training = {k: v for k, v in resident.items() if k not in asleep + judge_asleep}
     fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
     mesh_shape = dict(train.shape)
 
@@ -398,6 +425,19 @@ def plan_memory(
         args = (kind, model_cfg, params, mesh_shape, step, attention, head, opt, chunk)
         return stage_bytes(*args, vocab_axes=vocab_axes)
 
+    if judge:  # generation: its pool (awake again) and its decode loop's scratch
+        j_impl = select_decode_kernel(r.attention_impl, rm_cfg.sliding_window, target)
+        scratch = {f"reward decode scratch ({j_impl})": _decode_scratch(rm_cfg, jr, tp, j_impl)}
+        pool = {"judge KV pool": resident["judge KV pool"]}
+        plans.append(StagePlan("reward", training | pool | scratch))
+    elif roles.reward_model:  # `RewardStage.submit`: `score_responses` on the training mesh
+        rm_packing = packing_configs(cfg, dp)["reward_model"]
+        rm_micro = build.forward_micro_batch(cfg.reward_model.micro_batch_size_per_gpu, rows, dp)
+        prompt_mask = forward_batch.prompts  # B×P int32, as the prompt ids
+        args = (rm_def, rm, forward_batch.prompts, prompt_mask, forward_batch.responses)
+        args += (forward_batch.response_mask, rm_micro, rm_packing)
+        c = count("forward", rm_cfg, rm, rm_packing, rm_micro, False)
+        stage("reward", score_responses, args, forward_batch, ["reward model params"], c)
     log_micro = sc.log_prob_micro_batch_size
     if sc.recompute_old_log_prob:
         args = (actor_def, actor_state.params, forward_batch, sc)
@@ -410,6 +450,12 @@ def plan_memory(
         c = count("forward", actor_config, actor_state.params, sc.ref_packing, micro)
         fn = forward(passes.compute_ref_log_prob)
         stage("ref", fn, args, forward_batch, ["ref params"], c)
+    if roles.teacher:  # the reference's forward, with the teacher's weights
+        args = (teacher_def, teacher, forward_batch, sc)
+        micro = sc.ref_log_prob_micro_batch_size or log_micro
+        c = count("forward", teacher_cfg, teacher, sc.ref_packing, micro)
+        fn = forward(passes.compute_teacher_log_prob)
+        stage("teacher", fn, args, forward_batch, ["teacher params"], c)
     if critic_state is not None:
         args = (critic_def, critic_state.params, forward_batch, sc)
         c = count("forward", critic_cfg, critic_state.params, sc.values_packing, log_micro, False)

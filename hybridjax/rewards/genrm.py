@@ -120,6 +120,9 @@ class JudgeConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    # release the judge engine's KV page pool after every scoring batch (rebuilt, same shape,
+    # at the next one), as `rollout.free_cache_engine` does for the rollout's engine
+    free_cache_engine: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -263,12 +266,19 @@ def judge_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
 class EngineGenerate:
     """A `GenerateFn` on a paged `Engine`: one request per judge prompt (n = 1), continuous
     batching, at most `config.response_length` tokens each, the stop token dropped. Blocks
-    (host loop; the engine is not thread-safe, so one judge batch at a time per engine)."""
+    (host loop; the engine is not thread-safe, so one judge batch at a time per engine).
+    With `config.free_cache_engine` the engine sleeps (level 1: its KV page pool deleted, the
+    weights kept) from its start and after each batch, so the stages between two reward
+    stages get the pool's memory back; `released_bytes` sums what was released (over
+    devices)."""
 
     def __init__(self, engine: Any, config: JudgeConfig, pad_token_id: int = 0):
         from hybridjax.rollout import SamplingParams
 
         self.engine, self.pad_token_id = engine, pad_token_id
+        self.free_cache_engine, self.released_bytes = config.free_cache_engine, 0
+        if self.free_cache_engine:  # no pool until the first batch (pages sized already)
+            self.released_bytes += engine.sleep(1)
         self._requests = 0
         self.params = SamplingParams(
             n=1,
@@ -292,6 +302,8 @@ class EngineGenerate:
         # request indices run on across calls: a sampled verdict draws fresh noise each batch
         first, self._requests = self._requests, self._requests + len(heads)
         rows = generate_after_prefixes(self.engine, heads, groups, self.params, first)
+        if self.free_cache_engine:  # the next batch's prefill wakes it (`Engine.wake_up`)
+            self.released_bytes += self.engine.sleep(1)
         stops = set(self.engine.eos_ids)
         return [r[:-1] if r and r[-1] in stops else r for r in rows]
 

@@ -173,3 +173,69 @@ def test_expert_parallelism_stores_and_gathers_experts_per_expert_shard():
     assert saved == pytest.approx(layer_experts * 3 / 4 * per_weight_byte, rel=1e-6)
     activations = "update_actor activations"
     assert update(ep)[activations] > update(fsdp)[activations]
+
+
+def _planned(c, actor):
+    p = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    return {s.name: s.consumers for s in p.stages}
+
+
+def test_a_reward_model_and_a_teacher_get_stages_of_their_own(tiny, tmp_path):
+    """A classifier reward model is planned as `score_responses` on the training mesh, a
+    distillation teacher as the reference's forward with its own weights (twice the layers)."""
+    from flax import nnx
+
+    from hybridjax.models.decoder import SequenceClassifier
+    from hybridjax.models.hf_io import save_pretrained
+
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    save_pretrained(
+        SequenceClassifier(dataclasses.replace(actor, num_labels=1), nnx.Rngs(1)), tmp_path
+    )
+    c.reward_model.enable, c.reward_model.model.path = True, str(tmp_path)
+    d = c.actor_rollout_ref.distillation
+    d.enabled, d.teacher_model.override_config = True, {"num_hidden_layers": 4}
+    stages = _planned(c, actor)
+    assert list(stages)[:3] == ["gen", "reward", "old_log_prob"]
+    assert list(stages)[3] == "teacher"  # after ref (none here: no KL term)
+    assert actor.tie_word_embeddings  # V×D counted once; a final norm of D
+    per_layer = (actor.num_params() - actor.vocab_size * actor.hidden_size - actor.hidden_size) // 2
+    rm = actor.num_params() + actor.hidden_size  # the same trunk and a 1-label score head
+    assert stages["reward"]["reward model params"] == rm * F32  # replicated over data=2
+    assert stages["reward"]["reward activations"] > 0
+    assert stages["teacher"]["teacher params"] == (actor.num_params() + 2 * per_layer) * F32
+    assert (
+        stages["teacher"]["teacher activations"]
+        > stages["old_log_prob"]["old_log_prob activations"]
+    )
+    # resident through every stage (no offload asked)
+    assert stages["update_actor"]["reward model params"] == rm * F32
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_a_judge_holds_its_kv_pool_only_while_it_judges(tiny, free):
+    """A generative reward model: its weights (generation layout, tensor 1) stay; its KV pool
+    (CPU target: `max_num_seqs` full judge sequences) is on the devices in `reward` only, unless
+    `generative.free_cache_engine` is off."""
+    from hybridjax.rewards import genrm
+    from tests.rewards import judge_testing as jt
+
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    g = c.reward_model.generative
+    g.enable, g.free_cache_engine, g.max_num_seqs = True, free, 3
+    g.prompt_length, g.response_length = 44, 4
+    c.reward_model.enable = True
+    c.reward_model.model.path = jt.save_judge(str(pytest.importorskip("tempfile").mkdtemp()))
+    stages = _planned(c, actor)
+    judge = jt.make_judge().config
+    assert stages["reward"]["judge params"] == judge.num_params() * F32
+    # 3 slots × 48 tokens = 9 pages of 16: 2 (k, v) × 1 layer × 1 kv head × 16 × head_dim 4
+    page = 2 * 1 * 1 * 16 * 4 * F32
+    assert genrm.judge_engine_config(g).default_num_pages == 9
+    assert stages["reward"]["judge KV pool"] == 9 * page
+    assert any(k.startswith("reward decode scratch") for k in stages["reward"])
+    for name in ("gen", "update_actor", "reshard"):
+        assert stages[name]["judge params"] == judge.num_params() * F32
+        assert ("judge KV pool" in stages[name]) is not free

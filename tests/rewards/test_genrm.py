@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -124,6 +125,30 @@ def test_engine_judge_scores_equal_the_known_verdicts(local_judge):
     assert counts["reward/num_errors"] == 1
     with pytest.raises(RewardFunctionError, match="unparseable verdict"):
         check_outcomes(out, ["gsm8k"] * 4, "raise", first_batch=False)
+
+
+def test_the_judge_engine_holds_its_pool_only_while_it_judges(local_judge):
+    """`generative.free_cache_engine` (default on): the judge's KV pool is deleted from the
+    devices (the buffers, not only the references) after every batch, and the next batch
+    rebuilds it with the same verdicts; off, it stays."""
+    judge = local_judge.generate
+    assert judge.engine.asleep  # from the start
+    judge.engine.wake_up()
+    pools = jax.tree.leaves((judge.engine.k_pools, judge.engine.v_pools))
+    before = judge.released_bytes
+    first = [o.score for o in local_judge.score(PROMPTS, RESPONSES)]
+    assert judge.engine.asleep and all(x.is_deleted() for x in pools)
+    once = judge.released_bytes - before
+    assert once == sum(x.nbytes for x in pools) > 0
+    assert [o.score for o in local_judge.score(PROMPTS, RESPONSES)] == first
+    assert judge.released_bytes - before == 2 * once
+    judge.free_cache_engine = False
+    try:
+        local_judge.score(PROMPTS, RESPONSES)
+        assert not judge.engine.asleep
+    finally:
+        judge.free_cache_engine = True
+        judge.released_bytes += judge.engine.sleep(1)
 
 
 def test_served_judge_equals_the_local_one(judge_dir, local_judge):

@@ -165,11 +165,12 @@ def test_served_judge_equals_the_local_one(judge_dir, local_judge):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool", ["rollout", "reward_pool"])
+@pytest.mark.parametrize("pool", ["rollout", "reward_pool", "served"])
 def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, data, tmp_path_factory):
     """One GRPO step on the tiny config with the judge as the only reward, co-located on the
-    rollout's devices or on a pool of its own (`placement.reward_model`): every row's score is
-    a verdict of the judge (2 or 9, 0 when it wrote `x`) and its metrics are reported."""
+    rollout's devices, on a pool of its own (`placement.reward_model`), or served by
+    `hybridjax.rewards.serve` (`reward_model.remote.urls`, no `model.path`): every row's score
+    is a verdict of the judge (2 or 9, 0 when it wrote `x`) and its metrics are reported."""
     from hybridjax.rl.trainer import RLTrainer
     from tests.rl.tiny_run import read_metrics, tiny_config
 
@@ -196,14 +197,23 @@ def test_grpo_step_judged_by_the_generative_reward_model(pool, judge_dir, data, 
             rollout_pool=dict(n_devices=2),
         )  # devices in name order: 0-3, 4-5, 6-7
         config.placement.update(dict(rollout="rollout_pool", reward_model="reward_pool"))
+    if pool == "served":
+        block = BLOCK | {"prompt_length": 256}
+        server = serve(create_app(judge=ServedJudge(judge_dir, block)))
+        config.reward_model.model.path, config.reward_model.remote.urls = "", next(server)
     trainer = RLTrainer(config)
     assert trainer.models.reward_model is None  # no classifier: the judge scores
-    engine = trainer.reward.judge.__self__.generate.engine
-    judge_devices = {d.id for d in engine.mesh.devices.flat}
-    rollout_devices = {d.id for d in trainer.meshes.generate.devices.flat}
-    assert judge_devices == (rollout_devices if pool == "rollout" else {4, 5})
+    if pool == "served":
+        assert trainer.reward.model_client.kind == "judge"
+    else:
+        engine = trainer.reward.judge.__self__.generate.engine
+        judge_devices = {d.id for d in engine.mesh.devices.flat}
+        rollout_devices = {d.id for d in trainer.meshes.generate.devices.flat}
+        assert judge_devices == (rollout_devices if pool == "rollout" else {4, 5})
     trainer.fit()
     trainer.close()
+    if pool == "served":
+        next(server, None)  # stops the server
     m = read_metrics(run)[1]
     assert all(math.isfinite(v) for v in m.values())
     assert m["reward/genrm_prompt_tokens"] > 0 and m["reward/genrm_verdict_tokens"] == 1

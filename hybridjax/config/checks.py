@@ -46,7 +46,7 @@ from hybridjax.rl.multi_turn import config_problems as multi_turn_problems
 from hybridjax.rl.packing import packing_problems
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.sharding.mesh import batch_shards
-from hybridjax.sharding.pools import ROLES, placement_problems, pool_config, pool_sizes
+from hybridjax.sharding.pools import placement_problems, pool_config, pool_sizes, role_pools
 from hybridjax.sharding.validate import head_count_problems
 
 REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
@@ -386,7 +386,7 @@ def _pool_problems(
     if len(sizes) == 1:
         return parallelism_problems(c, n_devices, model_configs)
     for name, size in sizes.items():
-        roles = [r for r in ROLES if c.placement[r] == name]
+        roles = [r for r, pool in role_pools(c).items() if pool == name]
         if roles:
             found = parallelism_problems(pool_config(c, name, size), size, model_configs)
             problems += [
@@ -449,7 +449,7 @@ def model_problems(
     if len(sizes) == 1:
         pools = {"": (c, n_devices)}
     else:
-        used = {c.placement[r] for r in ROLES}
+        used = set(role_pools(c).values())
         pools = {n: (pool_config(c, n, size), size) for n, size in sizes.items() if n in used}
     problems = []
     for name, (config, size) in pools.items():
@@ -457,7 +457,7 @@ def model_problems(
         found = head_count_problems(
             mesh.train_sizes(size), mesh.generate_sizes(size), model_configs
         )
-        roles = [r for r in ROLES if c.placement[r] == name]
+        roles = [r for r, pool in role_pools(c).items() if pool == name]
         prefix = f"resource_pool.{name} ({size} devices, roles {roles}): " if name else ""
         problems += [prefix + p for p in found]
     if not problems and c.trainer.check_memory:  # compiles each stage

@@ -23,7 +23,7 @@ class Roles:
       reward_model: a reward model on the devices (`reward_model.enable` with a
         `reward_model.model.path`; with an empty path it is served, `reward_model.remote`).
       teacher: an on-policy distillation teacher (`actor_rollout_ref.distillation.enabled`),
-        on the reference's pool (`placement.ref`).
+        on its pool (`placement.teacher`).
     """
 
     reference: bool

@@ -38,10 +38,11 @@ class RunConfig:
       meshes: the actor pool's training mesh and the rollout pool's generation mesh.
       data_parallel: batch shards of the actor's training mesh.
       batch_sharding: batch rows on the actor's training mesh.
-      role_meshes: training meshes of `ref`, `critic`, `reward_model` on pools of their own.
+      role_meshes: training meshes of `ref`, `teacher`, `critic`, `reward_model` on pools of
+        their own.
       pool_batch_shardings: batch rows on those meshes.
       stage_cfg: the `StageConfig` of the passes on the actor's pool.
-      role_stage_cfgs: the `StageConfig` of `ref` / `critic` on pools of their own.
+      role_stage_cfgs: the `StageConfig` of `ref` / `teacher` / `critic` on pools of their own.
       off_policy_reasons: why the actor update is not exactly on-policy (empty: it is).
     """
 
@@ -60,8 +61,8 @@ class RunConfig:
     off_policy_reasons: tuple[str, ...]
 
     def stage_config_of(self, role: str) -> Any:
-        """The `StageConfig` of `role`'s pool (`ref`, `critic`): micro-batches and packing
-        follow that pool's data parallelism; the actor's `stage_cfg` when they share one."""
+        """The `StageConfig` of `role`'s pool (`ref`, `teacher`, `critic`): micro-batches and
+        packing follow that pool's data parallelism; the actor's `stage_cfg` when they share one."""
         return self.role_stage_cfgs.get(role, self.stage_cfg)
 
 
@@ -95,7 +96,7 @@ def resolve(
     steps = total_steps(cfg, steps_per_epoch)
     role_meshes = {
         role: placement.train_mesh(role)
-        for role in ("ref", "critic", "reward_model")
+        for role in ("ref", "teacher", "critic", "reward_model")
         if placement.roles[role] != placement.roles["actor"]
     }
     stage = lambda mesh: stage_config(cfg, steps, data_parallel_size(mesh), actor_model, mesh)
@@ -111,6 +112,6 @@ def resolve(
         role_meshes=role_meshes,
         pool_batch_shardings={role: batch_sharding(m) for role, m in role_meshes.items()},
         stage_cfg=stage(meshes.train),
-        role_stage_cfgs={r: stage(m) for r, m in role_meshes.items() if r in ("ref", "critic")},
+        role_stage_cfgs={r: stage(m) for r, m in role_meshes.items() if r != "reward_model"},
         off_policy_reasons=tuple(off_policy_reasons(cfg)),
     )

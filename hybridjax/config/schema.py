@@ -193,12 +193,12 @@ def declared_config() -> ConfigDict:
             fsdp_config=dict(param_offload=False, model_dtype=one_of("float32", DTYPE_NAMES)),
         ),
         # on-policy distillation (verl's keys; hybridjax.algorithms.distillation): a frozen
-        # teacher scores the student's sampled tokens in a `teacher` stage beside `ref` (on the
-        # ref's pool, with its packing and micro-batches) and the student minimises the
-        # per-token reverse KL: loss_mode "reward" adds −coef·(log π − log π_teacher) to each
-        # token's advantage (Thinking Machines' recipe), "k1" / "k3" add coef·KL to the actor
-        # loss; use_policy_loss keeps the task reward's advantage beside it (False: pure
-        # distillation)
+        # teacher scores the student's sampled tokens in a `teacher` stage beside `ref` (on
+        # placement.teacher's pool, with ref's packing and micro-batches) and the student
+        # minimises the per-token reverse KL: loss_mode "reward" adds
+        # −coef·(log π − log π_teacher) to each token's advantage (Thinking Machines' recipe),
+        # "k1" / "k3" add coef·KL to the actor loss; use_policy_loss keeps the task reward's
+        # advantage beside it (False: pure distillation)
         distillation=dict(
             enabled=False,
             loss_mode=one_of("reward", DISTILLATION_LOSS_MODES),
@@ -206,7 +206,13 @@ def declared_config() -> ConfigDict:
             use_policy_loss=False,
             # HF checkpoint dir; "" = a random model of the actor's shape from trainer.seed
             # (with override_config's fields replaced: the same seed and shape = the student)
-            teacher_model=dict(path="", override_config=ConfigDict()),
+            # fsdp_config.param_offload: the teacher's weights in host memory while the rollout
+            # runs (as ref.fsdp_config.param_offload does for the reference)
+            teacher_model=dict(
+                path="",
+                override_config=ConfigDict(),
+                fsdp_config=dict(param_offload=False),
+            ),
         ),
         rollout=dict(
             name=one_of("hybridjax", ROLLOUT_NAMES, "the built-in paged engine"),
@@ -425,5 +431,6 @@ def declared_config() -> ConfigDict:
         ref="global_pool",
         critic="global_pool",
         reward_model="global_pool",
+        teacher="",  # the distillation teacher's pool; "" = placement.ref's
     )
     return c

@@ -431,7 +431,7 @@ def build_models(
     """Actor (+ reference copy, critic when `critic.enable`, reward model when
     `reward_model.enable`, distillation teacher when `distillation.enabled`) with fresh
     optimizer states, each in its training layout on `mesh`, or on `role_meshes[role]` (the
-    training mesh of its own pool, `placement.<role>`) for `ref` (and the teacher), `critic`
+    training mesh of its own pool, `placement.<role>`) for `ref`, `teacher`, `critic`
     and `reward_model`. A reference on its own pool is a copy of the initial weights sent
     there (with LoRA: the base, adapters off; it never changes). `critic_stage`:
     the critic pool's `StageConfig` (default `stage`)."""
@@ -448,8 +448,8 @@ def build_models(
     if rm.enable and rm.model.path and not rm.generative.enable:  # else served (remote.urls)
         reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
     teacher = None
-    if cfg.actor_rollout_ref.distillation.enabled:  # on the reference's pool
-        teacher = build_teacher(cfg, actor_config, role_meshes.get("ref", mesh))
+    if cfg.actor_rollout_ref.distillation.enabled:  # on its pool (placement.teacher)
+        teacher = build_teacher(cfg, actor_config, role_meshes.get("teacher", mesh))
     lora = cfg.actor_rollout_ref.model.lora_rank > 0
     ref_params, ref_is_base = None, use_ref and lora
     if use_ref and "ref" in role_meshes:  # its own pool: a copy there (device to device)

@@ -1,8 +1,10 @@
 """Idle states to host memory while the rollout runs, and back (verl's offload keys).
 
 `actor_rollout_ref.actor.fsdp_config.{param,optimizer}_offload`,
-`actor_rollout_ref.ref.fsdp_config.param_offload` and `critic.model.fsdp_config.*` name what
-moves; `hybridjax.sharding.offload_to_host` / `load_to_device` move it.
+`actor_rollout_ref.ref.fsdp_config.param_offload`,
+`actor_rollout_ref.distillation.teacher_model.fsdp_config.param_offload` and
+`critic.model.fsdp_config.*` name what moves; `hybridjax.sharding.offload_to_host` /
+`load_to_device` move it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from hybridjax.sharding import OffloadConfig
 
 
 def offload_configs(cfg: ConfigDict) -> dict[str, OffloadConfig]:
-    """Role (`actor`, `ref`, `critic`) → what of it goes to host memory during generation."""
+    """Role (`actor`, `ref`, `teacher`, `critic`) → what of it goes to host memory during
+    generation."""
     a = cfg.actor_rollout_ref
     return {
         "actor": OffloadConfig.from_config(a.actor.fsdp_config),
         "ref": OffloadConfig.from_config(a.ref.fsdp_config),
+        "teacher": OffloadConfig.from_config(a.distillation.teacher_model.fsdp_config),
         "critic": OffloadConfig.from_config(cfg.critic.model.fsdp_config),
     }
 
@@ -49,6 +53,13 @@ def move_idle_states(
     ref = models.ref_params
     if ref is not None and offload["ref"].param_offload:
         ref = move(ref)
+    teacher = models.teacher
+    if teacher is not None and offload["teacher"].param_offload:
+        teacher = (teacher[0], move(teacher[1]))
     return dataclasses.replace(
-        models, actor_state=states["actor"], critic_state=states["critic"], ref_params=ref
+        models,
+        actor_state=states["actor"],
+        critic_state=states["critic"],
+        ref_params=ref,
+        teacher=teacher,
     )

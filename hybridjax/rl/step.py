@@ -395,14 +395,15 @@ def _ref_stage(batch, ctx: StepContext):
 
 
 def _teacher_stage(batch, ctx: StepContext):
-    """The distillation teacher's log-probs of the sampled tokens, on the reference's pool."""
+    """The distillation teacher's log-probs of the sampled tokens, on its pool
+    (`placement.teacher`)."""
     if ctx.models.teacher is None:
         raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
     graphdef, params = ctx.models.teacher
-    rows, sc = _rows_for("ref", batch, ctx)
-    with expert_parallel(_train_mesh("ref", ctx)):
+    rows, sc = _rows_for("teacher", batch, ctx)
+    with expert_parallel(_train_mesh("teacher", ctx)):
         out = _teacher_log_prob(graphdef, params, rows, sc)
-    return _back("ref", batch, ctx, teacher_log_prob=out.teacher_log_prob)
+    return _back("teacher", batch, ctx, teacher_log_prob=out.teacher_log_prob)
 
 
 def _values_stage(batch, ctx: StepContext):

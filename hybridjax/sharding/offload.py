@@ -8,7 +8,8 @@ copied bit for bit.
 
 Config keys (verl's): `actor_rollout_ref.actor.fsdp_config.param_offload`,
 `actor_rollout_ref.actor.fsdp_config.optimizer_offload`, `actor_rollout_ref.ref.fsdp_config.
-param_offload`, `critic.model.fsdp_config.{param,optimizer}_offload`.
+param_offload`, `actor_rollout_ref.distillation.teacher_model.fsdp_config.param_offload`,
+`critic.model.fsdp_config.{param,optimizer}_offload`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ placement of every role on a pool.
     resource_pool.<name>.train / .generate   optional mesh shapes; default `mesh.train` /
                                         `mesh.generate`, where -1 resolves within the pool
     placement.<role>                    the pool of `actor` (training), `rollout` (generation),
-                                        `ref`, `critic`, `reward_model`
+                                        `ref`, `critic`, `reward_model`, `teacher` (the
+                                        distillation teacher; "" = the pool of `ref`)
 
 Pools take consecutive slices of `jax.devices()` in the order of their names (ConfigDict keeps
 its keys sorted), in flat device order (which under
@@ -17,8 +18,8 @@ Between pools, data and weights move by `jax.device_put` into the destination's 
 dispatches asynchronously, so work on disjoint pools overlaps while the controller does not
 block. `sync_weights` re-lays the actor's weights from the training pool into the rollout pool's
 generation layout (within one pool it is `update_weights`, a jitted re-layout); `move_rows`
-sends per-row batch arrays to another pool's batch axes (the reference and critic passes on
-their own pools: inputs there, per-token outputs back).
+sends per-row batch arrays to another pool's batch axes (the reference, teacher and critic
+passes on their own pools: inputs there, per-token outputs back).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from hybridjax.sharding.mesh import (
 )
 from hybridjax.sharding.reshard import update_weights
 
-ROLES = ("actor", "rollout", "ref", "critic", "reward_model")
+ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "teacher")
 DEFAULT_POOL = "global_pool"
 POOL_KEYS = {"n_devices", "train", "generate"}
 
@@ -89,6 +90,14 @@ class Placement:
         )
 
 
+def role_pools(cfg: Any) -> dict[str, str]:
+    """Role → the name of its pool (`placement.<role>`); `placement.teacher` "" resolves to
+    `placement.ref` (the teacher shares the reference's pool unless given one)."""
+    out = {role: cfg.placement[role] for role in ROLES}
+    out["teacher"] = out["teacher"] or out["ref"]
+    return out
+
+
 def _pool_mesh(cfg: Any, pool: Mapping[str, Any]) -> MeshConfig:
     """The pool's own `train` / `generate` shapes where given, else `mesh.*`."""
     train, generate = dict(cfg.mesh.train), dict(cfg.mesh.generate)
@@ -101,7 +110,7 @@ def _pool_mesh(cfg: Any, pool: Mapping[str, Any]) -> MeshConfig:
 
 
 def _users(cfg: Any, name: str) -> str:
-    roles = [r for r in ROLES if cfg.placement[r] == name]
+    roles = [r for r, pool in role_pools(cfg).items() if pool == name]
     return f"roles {roles}" if roles else "no role"
 
 
@@ -148,17 +157,15 @@ def pool_sizes(cfg: Any, n_devices: int) -> tuple[dict[str, int], list[str]]:
         problems.append(
             f"resource_pool n_devices ({listing}) add up to {fixed}, not the {n_devices} devices"
         )
-    for role in ROLES:
-        if cfg.placement[role] not in pools:
-            problems.append(
-                f"placement.{role}: no pool named {cfg.placement[role]!r} (pools: {list(pools)})"
-            )
+    for role, name in role_pools(cfg).items():
+        if name not in pools:
+            problems.append(f"placement.{role}: no pool named {name!r} (pools: {list(pools)})")
     return sizes, problems
 
 
 _UNUSED = {
-    "ref": "no KL term (actor.use_kl_loss, algorithm.use_kl_in_reward) and no distillation "
-    "teacher (actor_rollout_ref.distillation.enabled)",
+    "ref": "no KL term (actor.use_kl_loss, algorithm.use_kl_in_reward)",
+    "teacher": "no distillation teacher (actor_rollout_ref.distillation.enabled is off)",
     "critic": "critic.enable is off",
     "reward_model": "no reward model on devices: reward_model.enable off or model.path empty",
 }
@@ -166,11 +173,12 @@ _UNUSED = {
 
 def used_roles(cfg: Any) -> set[str]:
     """The roles that run on devices with this config: actor and rollout always, `ref` with a
-    KL term or a distillation teacher, `critic` with `critic.enable`, `reward_model` with a
-    loaded (not served) model."""
+    KL term, `teacher` with on-policy distillation, `critic` with `critic.enable`,
+    `reward_model` with a loaded (not served) model."""
     roles = Roles.from_config(cfg)
     used = {"actor", "rollout"}
-    used |= {"ref"} if roles.reference or roles.teacher else set()  # the teacher: ref's pool
+    used |= {"ref"} if roles.reference else set()
+    used |= {"teacher"} if roles.teacher else set()
     used |= {"critic"} if roles.critic else set()
     return used | ({"reward_model"} if roles.reward_model else set())
 
@@ -198,7 +206,7 @@ def placement_problems(cfg: Any, n_devices: int) -> list[str]:
     actor_pool = cfg.placement.actor
     used = used_roles(cfg)
     for name in sizes:
-        roles = [r for r in ROLES if cfg.placement[r] == name]
+        roles = [r for r, pool in role_pools(cfg).items() if pool == name]
         if roles and not set(roles) & used:
             problems.append(
                 f"resource_pool.{name} ({sizes[name]} devices) holds only {roles}, which this "
@@ -247,7 +255,7 @@ def make_placement(cfg: Any, devices: Sequence[Any] | None = None) -> Placement:
     for name, pool in dict(cfg.resource_pool).items():
         pools.append(Pool(name, devices[start : start + sizes[name]], _pool_mesh(cfg, pool)))
         start += sizes[name]
-    return Placement(tuple(pools), {role: cfg.placement[role] for role in ROLES})
+    return Placement(tuple(pools), role_pools(cfg))
 
 
 def move_rows(rows: Any, sharding: Sharding) -> tuple[Any, int]:

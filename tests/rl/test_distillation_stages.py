@@ -111,3 +111,30 @@ def test_teacher_from_a_checkpoint_and_its_vocabulary_check():
     assert student.num_hidden_layers == 2  # the student is the smaller model
     with pytest.raises(ValueError, match="distillation.teacher_model: vocab_size 1000 < .* 2000"):
         build.build_teacher(cfg, dataclasses.replace(student, vocab_size=2000), mesh)
+
+
+def test_teacher_offload_key_moves_the_teacher_alone():
+    """`distillation.teacher_model.fsdp_config.param_offload` sends the teacher's weights to host
+    memory during generation and back; `ref.fsdp_config.param_offload` leaves them in place."""
+    from hybridjax.rl.offload import move_idle_states, offload_configs
+    from hybridjax.sharding import load_to_device, offload_to_host
+
+    cfg = _config(**GRPO, **PURE)
+    sc = build.stage_config(cfg, total_steps=1, data_parallel=1)
+    graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
+    models = build.Models(
+        graphdef, build.init_train_state(params, sc.actor_optim), None, None, None, None,
+        teacher=nnx.split(CausalLM(MODEL, nnx.Rngs(3))),
+    )  # fmt: skip
+    kinds = lambda m: {x.sharding.memory_kind for x in jax.tree.leaves(m.teacher[1])}
+    cfg.actor_rollout_ref.ref.fsdp_config.param_offload = True
+    assert kinds(move_idle_states(models, offload_configs(cfg), offload_to_host)) == {"device"}
+    cfg.actor_rollout_ref.distillation.teacher_model.fsdp_config.param_offload = True
+    away = move_idle_states(models, offload_configs(cfg), offload_to_host)
+    assert kinds(away) == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(away.actor_state.params)} == {"device"}
+    back = move_idle_states(away, offload_configs(cfg), load_to_device)
+    assert kinds(back) == {"device"}
+    before, after = jax.tree.leaves(models.teacher[1]), jax.tree.leaves(back.teacher[1])
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)

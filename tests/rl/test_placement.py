@@ -201,3 +201,44 @@ def test_critic_and_ref_on_their_own_pools_give_the_co_located_steps(data, tmp_p
             np.testing.assert_allclose(b[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
     for a, b in zip(params_a, params_b, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_teacher_on_its_own_pool_gives_the_co_located_step(data, tmp_path):
+    """On-policy distillation (loss_mode reward, a teacher one layer deeper than the student):
+    all on 8 devices against the rest on 4 and the teacher on 4 (`placement.teacher`), its weights
+    offloaded to host memory during generation. The same first step within 1e-5; the teacher's
+    forward runs on its pool and the batch crosses to it and back (counted)."""
+    distill = {
+        "actor_rollout_ref.distillation.enabled": True,
+        "actor_rollout_ref.distillation.teacher_model.override_config": {"num_hidden_layers": 3},
+    }
+    together = _config(data, tmp_path / "a", split=False, **distill)
+    split = _config(data, tmp_path / "b", split=False, **distill)
+    split.resource_pool = dict(global_pool=dict(n_devices=4), teacher_pool=dict(n_devices=4))
+    split.placement.teacher = "teacher_pool"
+    split.actor_rollout_ref.distillation.teacher_model.fsdp_config.param_offload = True
+
+    def run(config):
+        trainer = RLTrainer(config)
+        try:
+            metrics = trainer.train_step(1)
+            _, teacher = trainer.models.teacher
+            devices = {d.id for x in jax.tree.leaves(teacher) for d in x.devices()}
+            kinds = {x.sharding.memory_kind for x in jax.tree.leaves(teacher)}
+            params = [np.asarray(x) for x in jax.tree.leaves(trainer.actor_state.params)]
+            return metrics, params, devices, kinds
+        finally:
+            trainer.close()
+
+    a, params_a, devices_a, _ = run(together)
+    b, params_b, devices_b, kinds_b = run(split)
+    assert devices_a == set(range(8)) and devices_b == {4, 5, 6, 7}
+    assert kinds_b == {"device"}  # back on the devices after the rollout (onload)
+    assert "timing_s/offload" in b and "timing_s/offload" not in a
+    assert b["perf/transfer_bytes"] > 0 and "perf/transfer_bytes" not in a
+    assert a["distill/reverse_kl"] > 1e-3  # the teacher differs from the student
+    assert _numbers(a).keys() == _numbers(b).keys()
+    for key, value in _numbers(a).items():
+        np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-5, err_msg=key)
+    for x, y in zip(params_a, params_b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

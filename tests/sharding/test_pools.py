@@ -88,14 +88,22 @@ def test_a_pool_of_unused_roles_is_refused():
     c.placement.ref = "ref_pool"
     (problem,) = placement_problems(c, 8)
     assert problem.startswith(
-        "resource_pool.ref_pool (2 devices) holds only ['ref'], which this config does not use "
-        "(no KL term"
-    )
+        "resource_pool.ref_pool (2 devices) holds only ['ref', 'teacher'], which this config "
+        "does not use (no KL term"
+    )  # placement.teacher "": the ref's pool
     c.actor_rollout_ref.actor.use_kl_loss = True
     assert not placement_problems(c, 8)
     c.actor_rollout_ref.actor.use_kl_loss = False
-    c.actor_rollout_ref.distillation.enabled = True  # the teacher runs on the ref's pool
+    c.actor_rollout_ref.distillation.enabled = True  # placement.teacher "": the ref's pool
     assert not placement_problems(c, 8)
+    c.placement.teacher = "train_pool"  # the teacher elsewhere: ref_pool holds ref alone
+    (problem,) = placement_problems(c, 8)
+    assert "ref_pool (2 devices) holds only ['ref']" in problem
+    c.placement.teacher = "teacher_pool"
+    assert placement_problems(c, 8) == [
+        "placement.teacher: no pool named 'teacher_pool' (pools: ['ref_pool', 'rollout_pool', "
+        "'train_pool'])"
+    ]
 
 
 def test_critic_pool_batch_checks_name_the_pool_and_role():

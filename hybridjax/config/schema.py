@@ -288,7 +288,13 @@ def declared_config() -> ConfigDict:
     c.reward_model = dict(
         enable=False,
         # dtype: its params
-        model=dict(path="", use_remove_padding=True, dtype=one_of("float32", DTYPE_NAMES)),
+        model=dict(
+            path="",
+            use_remove_padding=True,
+            dtype=one_of("float32", DTYPE_NAMES),
+            # its weights in host memory except while it scores (`reward`)
+            fsdp_config=dict(param_offload=False),
+        ),
         micro_batch_size_per_gpu=16,
         use_dynamic_bsz=False,
         forward_max_token_len_per_gpu=32768,

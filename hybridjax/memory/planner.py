@@ -20,7 +20,9 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
 `gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits) and drops what `fsdp_config.*_offload` moves to host while it runs. A generative
+logits). What `fsdp_config.*_offload` names is counted only in the stages that use it
+(`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
+optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative
 reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
 its KV pool (sized after the rollout's, as the trainer builds them) is on the devices only in
 `reward`, beside its decode scratch, unless `generative.free_cache_engine` is off. The KV pool is
@@ -377,8 +379,10 @@ def plan_memory(
         "actor params": offload["actor"].param_offload,
         "actor optimizer state": offload["actor"].optimizer_offload,
         "ref params": offload["ref"].param_offload,
+        "teacher params": offload["teacher"].param_offload,
         "critic params": offload["critic"].param_offload,
         "critic optimizer state": offload["critic"].optimizer_offload,
+        "reward model params": bool(cfg.reward_model.model.fsdp_config.param_offload),
     }
     # the engine sleeps after gen (`trainer.residency`): no pool or generation copy in training;
     # the judge's engine holds its pool only while it judges (`generative.free_cache_engine`)
@@ -394,6 +398,8 @@ def plan_memory(
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
     training = {k: v for k, v in resident.items() if k not in asleep + judge_asleep}
+    # offloaded states are on the devices only in the stages that use them (`rl.offload`)
+    idle = {k: v for k, v in training.items() if not off.get(k)}
     fused = target == "gpu"  # the blocked attention (`models.attention.attention_backend`)
     mesh_shape = dict(train.shape)
 
@@ -407,7 +413,7 @@ def plan_memory(
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
-        others = {k: v for k, v in training.items() if k not in used}
+        others = {k: v for k, v in idle.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
         new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
@@ -429,7 +435,7 @@ def plan_memory(
         j_impl = select_decode_kernel(r.attention_impl, rm_cfg.sliding_window, target)
         scratch = {f"reward decode scratch ({j_impl})": _decode_scratch(rm_cfg, jr, tp, j_impl)}
         pool = {"judge KV pool": resident["judge KV pool"]}
-        plans.append(StagePlan("reward", training | pool | scratch))
+        plans.append(StagePlan("reward", idle | pool | scratch))
     elif roles.reward_model:  # `RewardStage.submit`: `score_responses` on the training mesh
         rm_packing = packing_configs(cfg, dp)["reward_model"]
         rm_micro = build.forward_micro_batch(cfg.reward_model.micro_batch_size_per_gpu, rows, dp)
@@ -472,7 +478,8 @@ def plan_memory(
     stage("update_actor", updater(passes.update_actor), args, update_batch, used, c)
     largest_leaf = max(device_bytes(x) for x in jax.tree.leaves(gen_params))
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
-    plans.append(StagePlan("reshard", training | reshard))
+    actor = {"actor params": resident["actor params"]}
+    plans.append(StagePlan("reshard", idle | actor | reshard))
 
     full = pages // max(r.pages_per_seq, 1)
     plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)

@@ -44,6 +44,7 @@ from hybridjax.sharding import (
     REFERENCE_RULES,
     REWARD_MODEL_RULES,
     init_sharded,
+    offload_to_host,
     sharding_fn,
     state_shardings,
 )
@@ -446,7 +447,12 @@ def build_models(
         critic_state = init_sharded_train_state(critic_params, (critic_stage or stage).critic_optim)
     rm = cfg.reward_model  # a judge (`generative`) is built with the engines (`build_judge`)
     if rm.enable and rm.model.path and not rm.generative.enable:  # else served (remote.urls)
-        reward_model = nnx.split(build_reward_model(cfg, role_meshes.get("reward_model", mesh)))
+        graphdef, rm_params = nnx.split(
+            build_reward_model(cfg, role_meshes.get("reward_model", mesh))
+        )
+        if rm.model.fsdp_config.param_offload:  # on the devices only while it scores
+            rm_params = offload_to_host(rm_params)
+        reward_model = (graphdef, rm_params)
     teacher = None
     if cfg.actor_rollout_ref.distillation.enabled:  # on its pool (placement.teacher)
         teacher = build_teacher(cfg, actor_config, role_meshes.get("teacher", mesh))

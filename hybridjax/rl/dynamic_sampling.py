@@ -130,7 +130,7 @@ def filter_groups(batch: RLBatch, ctx: StepContext) -> RLBatch:
             more.greedy,
             more.reward,
             more.gen_batches,
-            more.models,  # offload / onload around gen replace them
+            more.models,  # as the regenerated stages left them
         )
     batch, ctx.host = _take(parts, wanted, ctx.deps.run.batch_sharding)
     ctx.metrics |= {

@@ -39,6 +39,8 @@ from hybridjax.rl.batch import RLBatch
 from hybridjax.user_code import CodeNotFound, load_module
 
 BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
+# the model states a stage may use (`Stage.uses`; `hybridjax.rl.offload` moves them)
+MODEL_STATES = ("actor", "actor_optimizer", "ref", "teacher", "critic", "critic_optimizer")
 
 
 @contextlib.contextmanager
@@ -65,12 +67,16 @@ class Stage:
       name: unique within a pipeline; also the timer `timing_s/<name>`.
       fn: `fn(batch, ctx) -> RLBatch | Deferred` (`batch` is None before the first stage).
       reads, writes: `RLBatch` field names.
+      uses: the model states it reads (`MODEL_STATES`; `hybridjax.rl.offload`): offloaded
+        ones are on the devices while it runs and the other offloaded ones in host memory;
+        None (a user's stage unless it says) leaves them where they are.
     """
 
     name: str
     fn: Callable[[Any, Any], Any]
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
+    uses: tuple[str, ...] | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.reads + self.writes) - set(BATCH_FIELDS))
@@ -79,13 +85,24 @@ class Stage:
                 f"stage {self.name!r} names unknown batch fields {unknown}; "
                 f"valid: {', '.join(BATCH_FIELDS)}"
             )
+        states = sorted(set(self.uses or ()) - set(MODEL_STATES))
+        if states:
+            raise PipelineError(
+                f"stage {self.name!r} uses unknown model states {states}; "
+                f"valid: {', '.join(MODEL_STATES)}"
+            )
 
 
 def stage(
-    name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = ()
+    name: str | None = None,
+    *,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    uses: Iterable[str] | None = None,
 ) -> Callable[[Callable], Stage]:
     """Decorator making a `Stage` of `fn(batch, ctx)`; the name defaults to the function's."""
-    return lambda fn: Stage(name or fn.__name__, fn, tuple(reads), tuple(writes))
+    used = None if uses is None else tuple(uses)
+    return lambda fn: Stage(name or fn.__name__, fn, tuple(reads), tuple(writes), used)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +238,16 @@ class Runner:
     not run yet up to the one named `STAGE.name` (the default stage, or the edit that
     replaced it, with the user's stages placed before it), and nothing when the pipeline has
     no stage of that name (the config left it out, or an edit removed it); `finish` runs the
-    rest and completes the deferred work (module docstring)."""
+    rest and completes the deferred work (module docstring). `before(stage, ctx)`, if given,
+    runs before each stage, outside its timer (the step places offloaded states there)."""
 
-    def __init__(self, pipeline: Pipeline, ctx: StepContext):
-        self.pipeline, self.ctx = pipeline, ctx
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        ctx: StepContext,
+        before: Callable[[Stage, StepContext], None] | None = None,
+    ):
+        self.pipeline, self.ctx, self.before = pipeline, ctx, before
         self._next = 0  # index of the first stage not run yet
         self._pending: list[tuple[Stage, Deferred]] = []
         ctx.pipeline = pipeline
@@ -244,6 +267,8 @@ class Runner:
         ctx = self.ctx
         for s in self.pipeline.stages[self._next : end]:
             batch = _finish(self._pending, ctx, batch, s.reads)
+            if self.before is not None:
+                self.before(s, ctx)
             with timed(ctx.timing, s.name):
                 out = s.fn(batch, ctx)
                 if isinstance(out, Deferred):

@@ -50,6 +50,7 @@ from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.build import forward_micro_batch
 from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
+from hybridjax.sharding import load_to_device
 from hybridjax.sharding.hosts import allgather
 from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import move_rows
@@ -212,6 +213,9 @@ class RewardStage:
         model, nbytes = None, 0
         if self.reward_model is not None:
             graphdef, params = self.reward_model
+            # a device copy for this forward only when the model lives in host memory
+            # (`reward_model.model.fsdp_config.param_offload`); no-op on the devices
+            params = load_to_device(params)
             inputs = (
                 batch.prompts,
                 batch.attention_mask[:, : batch.prompts.shape[1]],

@@ -12,8 +12,8 @@ coefficient it may replace) and returns the batch. The stages a run has are its 
 a config does not need are left out when the pipeline is built (their point runs nothing):
 `old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
 without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.distillation`),
-`values` and `update_critic` without a critic, `offload`/`onload` around `gen` with no
-offload key set, `filter_groups` (DAPO's dynamic sampling) unless
+`values` and `update_critic` without a critic, `onload` (the last stage) with no offload
+key set, `filter_groups` (DAPO's dynamic sampling) unless
 `algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
 after the rollout, `hybridjax.rl.residency`) unless `rollout.free_cache_engine`. With an
 estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
@@ -49,9 +49,16 @@ from hybridjax.rl.dynamic_sampling import FILTER_GROUPS
 from hybridjax.rl.evaluation import generation_samples
 from hybridjax.rl.generation import RolloutWeights, Sampler
 from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
-from hybridjax.rl.offload import any_offload, move_idle_states, offload_configs
+from hybridjax.rl.offload import (
+    any_offload,
+    misplaced,
+    move_states,
+    offload_configs,
+    offloaded_states,
+)
 from hybridjax.rl.passes import StageConfig
 from hybridjax.rl.pipeline import (
+    MODEL_STATES,
     Deferred,
     Pipeline,
     PipelineError,
@@ -87,10 +94,8 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
     baseline = needs_reward_baseline(algo.adv_estimator)
     critic, sleep = roles.critic, free_cache_engine(cfg)
     return Pipeline([
-        OFFLOAD if offload else None,
         GEN,
         SLEEP if sleep and not algo.filter_groups.enable else None,
-        ONLOAD if offload else None,
         REWARD_WITH_BASELINE if baseline else REWARD,
         FILTER_GROUPS if algo.filter_groups.enable else None,
         SLEEP if sleep and algo.filter_groups.enable else None,  # it generates more batches
@@ -102,6 +107,7 @@ def default_pipeline(cfg: ConfigDict) -> Pipeline:
         UPDATE_CRITIC if critic else None,
         UPDATE_ACTOR,
         RESHARD,
+        ONLOAD if offload else None,
     ])  # fmt: skip
 
 
@@ -161,7 +167,7 @@ class StepDeps:
       train_loader: the prompt loader (DAPO's dynamic sampling draws more batches).
       replicated: a replicated sharding on the actor's training mesh (scalar metrics).
       multi_turn: tools of multi-turn rollouts, or None.
-      offload: `fsdp_config.*_offload` per role (`offload` / `onload`).
+      offload: `fsdp_config.*_offload` per role (`place_offloaded` before each stage).
       n_devices, peak_flops: what `perf/*` metrics are computed from, with the actor's shape.
     """
 
@@ -211,12 +217,12 @@ def train_step(
     Host sync: each stage waits for its device work; metrics are pulled once at the end.
     """
     ctx = StepContext(n, deps, state.models, state.kl_coef, prompts)
-    at = Runner(deps.pipeline, ctx)  # each line: the user's stages before it, then the stage
+    # each line: the user's stages before it, then the stage; before each, the offloaded model
+    # states it uses go to the devices and the others to host memory (`place_offloaded`)
+    at = Runner(deps.pipeline, ctx, place_offloaded)
     with timed(ctx.timing, "step"):
-        batch = at(OFFLOAD, None)  # idle states to host memory while the rollout runs
-        batch = at(GEN, batch)  # rollout.n responses per prompt (+ greedy ones for ReMax)
+        batch = at(GEN, None)  # rollout.n responses per prompt (+ greedy ones for ReMax)
         batch = at(SLEEP, batch)  # KV pool freed until the next gen (DAPO: after its filter)
-        batch = at(ONLOAD, batch)
         batch = at(REWARD, batch)  # starts scoring; finished before the first reader (adv)
         batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary
         batch = at(OLD_LOG_PROB, batch)  # π_old (off-policy updates only)
@@ -227,6 +233,7 @@ def train_step(
         batch = at(UPDATE_CRITIC, batch)
         batch = at(UPDATE_ACTOR, batch)
         batch = at(RESHARD, batch)  # the new actor weights into the rollout engine
+        batch = at(ONLOAD, batch)  # offloaded states back on the devices between steps
         batch = at.finish(batch)  # the user's stages after the last point
         ctx.metrics |= data_metrics(batch, deps.run.roles.critic)
         metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
@@ -253,14 +260,22 @@ def _step_metrics(ctx: StepContext) -> dict[str, Any]:
 # ------------------------------------------------------------------------- host stages
 
 
-def _offload(batch, ctx: StepContext):
-    ctx.models = move_idle_states(ctx.models, ctx.deps.offload, offload_to_host)
-    return batch
-
-
-def _onload(batch, ctx: StepContext):
-    ctx.models = move_idle_states(ctx.models, ctx.deps.offload, load_to_device)
-    return batch
+def place_offloaded(stage: Stage, ctx: StepContext) -> None:
+    """Before `stage`: the offloaded model states it uses (`Stage.uses`) on the devices, the
+    other offloaded ones in host memory (`offload.misplaced`); timed as `timing_s/offload` and
+    `timing_s/onload`, their bytes (summed over devices) in `perf/offload_bytes` and
+    `perf/onload_bytes`. Nothing for a stage that declares no uses, or with no offload key.
+    Host sync: waits for the copies."""
+    offloaded = offloaded_states(ctx.deps.offload)
+    if stage.uses is None or not offloaded:
+        return
+    away, back = misplaced(ctx.models, offloaded, stage.uses)
+    for names, move, name in ((away, offload_to_host, "offload"), (back, load_to_device, "onload")):
+        if names:
+            with timed(ctx.timing, name):
+                ctx.models, nbytes = move_states(ctx.models, names, move)
+            key = f"perf/{name}_bytes"
+            ctx.metrics[key] = ctx.metrics.get(key, 0.0) + float(nbytes)
 
 
 def _sleep(batch, ctx: StepContext):
@@ -456,9 +471,10 @@ def _update_actor_stage(batch, ctx: StepContext):
     return batch
 
 
-OFFLOAD = Stage("offload", _offload)
-GEN = Stage("gen", _gen, writes=GENERATED)
-ONLOAD = Stage("onload", _onload)
+# `uses`: the model states a stage reads; an offloaded one is on the devices only while a stage
+# that uses it runs (`place_offloaded`). `gen` uses none (the rollout has its own weights), so
+# every offloaded state leaves for it; stages that declare nothing leave them where they are
+GEN = Stage("gen", _gen, writes=GENERATED, uses=())
 SLEEP = Stage("sleep", _sleep)
 REWARD = Stage("reward", _reward, reads=ROLLOUT, writes=("token_level_scores",))
 REWARD_WITH_BASELINE = Stage(
@@ -472,16 +488,31 @@ OLD_LOG_PROB = Stage(
     _old_log_prob_stage,
     reads=ROLLOUT,
     writes=("old_log_probs", "rollout_is_weights", "response_mask", "routed_experts"),
+    uses=("actor",),
 )
-REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",))
-TEACHER = Stage("teacher", _teacher_stage, reads=ROLLOUT, writes=("teacher_log_prob",))
-VALUES = Stage("values", _values_stage, reads=ROLLOUT, writes=("values",))
+REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",), uses=("ref",))
+TEACHER = Stage(
+    "teacher", _teacher_stage, reads=ROLLOUT, writes=("teacher_log_prob",), uses=("teacher",)
+)
+VALUES = Stage("values", _values_stage, reads=ROLLOUT, writes=("values",), uses=("critic",))
 ADV = Stage(
     "adv",
     _adv_stage,
     reads=(*ROLLOUT, "token_level_scores"),
     writes=("token_level_rewards", "advantages", "returns"),
 )
-UPDATE_CRITIC = Stage("update_critic", _update_critic_stage, reads=("values", "returns"))
-UPDATE_ACTOR = Stage("update_actor", _update_actor_stage, reads=(*ROLLOUT, "advantages"))
-RESHARD = Stage("reshard", _reshard)
+UPDATE_CRITIC = Stage(
+    "update_critic",
+    _update_critic_stage,
+    reads=("values", "returns"),
+    uses=("critic", "critic_optimizer"),
+)
+UPDATE_ACTOR = Stage(
+    "update_actor",
+    _update_actor_stage,
+    reads=(*ROLLOUT, "advantages"),
+    uses=("actor", "actor_optimizer"),
+)
+RESHARD = Stage("reshard", _reshard, uses=("actor",))
+# every offloaded state back on the devices for what runs between steps (its `uses` does it)
+ONLOAD = Stage("onload", lambda batch, ctx: batch, uses=MODEL_STATES)

@@ -239,3 +239,17 @@ def test_a_judge_holds_its_kv_pool_only_while_it_judges(tiny, free):
     for name in ("gen", "update_actor", "reshard"):
         assert stages[name]["judge params"] == judge.num_params() * F32
         assert ("judge KV pool" in stages[name]) is not free
+
+
+def test_offloaded_states_count_only_in_the_stages_that_use_them(tiny):
+    """`fsdp_config.*_offload` (`hybridjax.rl.offload`): the reference only in `ref`, the
+    actor's optimizer state only in `update_actor`, as the step places them."""
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    c.actor_rollout_ref.ref.fsdp_config.param_offload = True
+    c.actor_rollout_ref.actor.fsdp_config.optimizer_offload = True
+    stages = _planned(c, actor)
+    assert [n for n, s in stages.items() if "ref params" in s] == ["ref"]
+    assert [n for n, s in stages.items() if "actor optimizer state" in s] == ["update_actor"]
+    assert [n for n, s in stages.items() if "actor params" in s] == list(stages)  # not offloaded

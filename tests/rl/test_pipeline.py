@@ -165,8 +165,7 @@ def test_default_pipelines_follow_the_config():
         "algorithm.filter_groups.enable": True,
     })  # fmt: skip
     assert str(step.default_pipeline(grpo)) == (
-        "offload → gen → onload → reward → filter_groups → sleep → ref → adv → update_actor → "
-        "reshard"
+        "gen → reward → filter_groups → sleep → ref → adv → update_actor → reshard → onload"
     )
     kept = _config(**{"actor_rollout_ref.rollout.free_cache_engine": False})
     assert "sleep" not in step.default_pipeline(kept).names

@@ -13,8 +13,8 @@ from hybridjax.rl import step
 from hybridjax.rl.pipeline import StepContext
 
 DIAGRAM = (
-    "offload gen sleep onload reward filter_groups old_log_prob ref teacher values adv "
-    "update_critic update_actor reshard"
+    "gen sleep reward filter_groups old_log_prob ref teacher values adv update_critic "
+    "update_actor reshard onload"
 ).split()
 STAGE_MODULES = ("rl/step.py", "rl/pipeline.py", "rl/dynamic_sampling.py", "rl/reward.py")
 REPO = pathlib.Path(hybridjax.__file__).parents[1]

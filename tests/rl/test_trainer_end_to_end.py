@@ -20,6 +20,7 @@ from hybridjax.rl import build
 from hybridjax.rl import step as step_module
 from hybridjax.rl.pipeline import Stage
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.sharding.offload import host_memory_kind
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -154,8 +155,8 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
 
 def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     """GRPO, n = 4, actor loaded from an HF directory, KL loss to the reference, a (random)
-    reward model, optimizer state and
-    reference offloaded to host memory during generation, one mini-batch per step: every
+    reward model, optimizer state, reference and reward model offloaded (on the devices only in
+    the stages that use them), one mini-batch per step: every
     update is exactly on-policy, so the `old_log_prob` pass is skipped (no timing entry) and
     π_old is the update's own log-probs, detached: ratio 1, ppo_kl and pg_clipfrac exactly 0
     at every step; every other metric (the rollout mismatch included) is present and finite."""
@@ -173,6 +174,7 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
             "reward_model.enable": True,
             "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
             "actor_rollout_ref.ref.fsdp_config.param_offload": True,
+            "reward_model.model.fsdp_config.param_offload": True,
             "reward_model.model.path": str(tmp_path / "rm"),
         },
     )
@@ -205,6 +207,12 @@ def test_grpo_steps_on_policy_ratio_and_kl_loss(data, tmp_path):
     assert 0.0 < metrics[1]["critic/score/max"] < 1.0  # a model score, not a rule's 0 / 1
     assert metrics[2]["actor/kl_loss"] > 0.0
     assert trainer.checkpointer.steps() == [1, 2]
+    # what moved: to host before gen, the reference back for `ref` (and to host after it)
+    ref_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.models.ref_params))
+    assert metrics[2]["perf/onload_bytes"] >= 2 * ref_bytes  # ref, then `onload`
+    assert metrics[2]["perf/offload_bytes"] == metrics[2]["perf/onload_bytes"]
+    rm_kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.models.reward_model[1])}
+    assert rm_kinds == {host_memory_kind()}  # a device copy only while it scores
 
 
 def test_remax_step_scores_a_greedy_baseline(data, tmp_path):

@@ -2,6 +2,7 @@
 side: trajectories, masks, log-probs against the trainer's forward over the whole trajectory,
 reuse of earlier turns' KV pages, and other slots decoding while a tool runs."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -150,3 +151,25 @@ def test_turn_limit_and_errors_are_counted(engine):
     assert np.all(out.response_mask.sum(-1) == [len(t[0][1]) for t in out.turns])
     with pytest.raises(ValueError, match="max_assistant_turns"):
         generate_multi_turn(engine, PROMPTS, sp, Scripted(), max_assistant_turns=0)
+
+
+@pytest.mark.slow  # two engines compiled
+def test_a_pool_too_small_preempts_and_gives_the_same_trajectories():
+    """4 slots over 4 pages of 32 tokens (a group's worst case, 2 × 2 pages, still fits): the
+    trajectories grow past one page each, are preempted in flight (tool tokens included) and
+    recomputed from their tokens on readmission; turns, masks and log-probs equal those of the
+    same engine with every slot's worst case in its pool (8 pages)."""
+    config = dataclasses.replace(CONFIG, max_num_seqs=4)
+    rollout = lambda engine: generate_multi_turn(
+        engine, PROMPTS, SAMPLING, Scripted(), max_assistant_turns=3
+    )
+    big = Engine(make_model(), config)
+    small = Engine(make_model(), dataclasses.replace(config, num_pages=4))
+    want, got = rollout(big), rollout(small)
+    assert big.num_preemptions == 0 and small.num_preemptions > 0
+    assert got.turns == want.turns
+    np.testing.assert_array_equal(got.responses, want.responses)
+    np.testing.assert_array_equal(got.response_mask, want.response_mask)
+    np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
+    assert list(got.finish_reason) == list(want.finish_reason)
+    assert small.num_active == 0 and small.num_free_pages == small.num_pages

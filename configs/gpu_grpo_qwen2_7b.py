@@ -14,9 +14,9 @@ The algorithm is `configs/gsm8k_grpo.py`'s (its docstring says how it differs fr
 GRPO), at verl's 7B scale. Data: `python -m hybridjax.data.gsm8k --output data/gsm8k`.
 
 Planned per device against the 72 GB budget (0.9 × 80 GB): gen 56.61 GB (of it the KV pool
-26.06 GB and the jnp decode path's gathered K/V 11.51 GB), old_log_prob and ref 18.19 GB,
-update_actor 32.57 GB (109.7 GB before the fused head and the engine's sleep, 43.95 GB
-before the vocab-parallel head), reshard 21.49 GB; docs/memory.md has the table. The plan:
+26.06 GB and the jnp decode path's gathered K/V 11.51 GB), old_log_prob 16.28 GB, ref
+18.19 GB, update_actor 30.66 GB (109.7 GB before the fused head and the engine's sleep,
+43.95 GB before the vocab-parallel head), reshard 19.59 GB; docs/memory.md has the table. The plan:
 
     python -m hybridjax.plan --config=configs/gpu_grpo_qwen2_7b.py --devices=8 \
         --device_memory_gb=80 --noxla \

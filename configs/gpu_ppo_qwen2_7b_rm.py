@@ -9,13 +9,14 @@ response each, prompts ≤ 512 and responses ≤ 1,024 tokens, 4 responses per d
 training micro-batch, the reward model scoring 16 rows per device, rollout tensor-parallel 2
 at `gpu_memory_utilization` 0.5; verl's FSDP mapping: parameters sharded over all 8 devices,
 bfloat16 compute and rollout, gradient checkpointing; the reward model frozen in bfloat16; the
-actor's optimizer state and the whole critic on the host while generating. The critic starts
-from the actor's checkpoint with a fresh value head (verl's PPO); GAE with γ = λ = 1.
+actor's optimizer state, the whole critic and the reward model in host memory except in
+the stages that use them. The critic starts from the actor's checkpoint with a fresh value
+head (verl's PPO); GAE with γ = λ = 1.
 
-Planned per device against the 72 GB budget (0.9 × 80 GB): gen 41.18 GB, values 29.01 GB,
-update_critic 41.05 GB, update_actor 37.19 GB (80.9 GB before, 48.61 GB before the
-vocab-parallel head), reshard 31.97 GB;
-docs/memory.md has the table and what still stands above 40 GB. The plan:
+Planned per device against the 72 GB budget (0.9 × 80 GB): gen 39.41 GB, reward 9.26 GB,
+values 12.55 GB, update_critic 31.67 GB, update_actor 24.81 GB (80.9 GB before, 37.19 GB
+before offloaded states stayed in host memory outside the stages that use them), reshard
+11.97 GB; docs/memory.md has the table. The plan:
 
     python -m hybridjax.plan --config=configs/gpu_ppo_qwen2_7b_rm.py --devices=8 \\
         --device_memory_gb=80 --noxla \\
@@ -60,6 +61,7 @@ def get_config():
     c.reward_model.model.path = ""  # set with --config.reward_model.model.path=...
     c.reward_model.micro_batch_size_per_gpu = 16
     c.reward_model.model.dtype = "bfloat16"  # frozen: half the bytes (the seed's RM is FP16)
+    c.reward_model.model.fsdp_config.param_offload = True  # on the devices only to score (verl's)
 
     c.algorithm.adv_estimator = "gae"
     c.algorithm.gamma = 1.0

@@ -1,8 +1,8 @@
 """Rollout routing replay (R3): the engine records the experts every prompt and generated token
-used (`rollout.enable_rollout_routing_replay`), through shared prompt pages, chunked prefill
-and decode; a training forward that replays them routes exactly as the engine did and gives
-the engine's log-probs; when the training router differs from the rollout's, replay shrinks
-`training/rollout_probs_diff_max`."""
+used (`rollout.enable_rollout_routing_replay`), through shared prompt pages, chunked prefill,
+decode and preemption; a training forward that replays them routes exactly as the engine did
+and gives the engine's log-probs; when the training router differs from the rollout's, replay
+shrinks `training/rollout_probs_diff_max`."""
 
 import dataclasses
 
@@ -163,3 +163,17 @@ def test_replay_shrinks_the_rollout_probs_gap_when_the_router_drifts(rollout):
     replayed = _probs_diff_max(graphdef, drifted, batch, "R3")
     print(f"rollout_probs_diff_max: disabled {fresh:.4f}, R3 {replayed:.4f}")
     assert replayed * 2 < fresh
+
+
+@pytest.mark.slow  # a second engine's compiles: ~25 s
+def test_a_preempted_sequence_keeps_a_complete_record(rollout):
+    """A pool of 8 pages preempts running sequences; each is recomputed from its tokens on
+    readmission and its record is that recompute's plus the decode steps after it: the same
+    responses and the same records as the run that never preempts."""
+    model, prompts, out, _ = rollout
+    small = Engine(model, dataclasses.replace(CONFIG, num_pages=8))
+    got = generate(small, prompts, PARAMS)
+    assert small.num_preemptions > 0
+    np.testing.assert_array_equal(got.responses, out.responses)
+    for mine, want in zip(got.routed_experts, out.routed_experts, strict=True):
+        np.testing.assert_array_equal(mine, want)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from rollout_testing import TINY, make_model, make_prompts
+from test_multi_turn import CONFIG as TURNS
+from test_multi_turn import PROMPTS, SAMPLING, Scripted
 
 from hybridjax.models.moe import moe_layers, with_router_stats
 from hybridjax.rl import build, passes
@@ -18,6 +20,7 @@ from hybridjax.rl.batch import make_batch
 from hybridjax.rl.forward import model_log_probs
 from hybridjax.rl.generation import routed_experts_array
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+from hybridjax.rollout.agent_loop import generate_multi_turn
 from tests.rl.tiny_run import load_config_file
 
 MOE = dataclasses.replace(
@@ -177,3 +180,26 @@ def test_a_preempted_sequence_keeps_a_complete_record(rollout):
     np.testing.assert_array_equal(got.responses, out.responses)
     for mine, want in zip(got.routed_experts, out.routed_experts, strict=True):
         np.testing.assert_array_equal(mine, want)
+
+
+@pytest.mark.slow  # its own engine's compiles
+def test_multi_turn_records_cover_tool_tokens():
+    """Multi-turn (`generate_multi_turn`, tools appended by `Engine.extend`): each row's record
+    covers its prompt and every fed model and tool token, equal to the router's choice in a
+    full forward of the trajectory."""
+    model = make_model(MOE)
+    engine = Engine(model, dataclasses.replace(TURNS, enable_rollout_routing_replay=True))
+    out = generate_multi_turn(engine, PROMPTS, SAMPLING, Scripted(), max_assistant_turns=3)
+    forward = with_router_stats(lambda m, ids, mask: m(ids, mask))
+    with_tools = 0
+    for row, record in enumerate(out.routed_experts):
+        turns, prompt = out.turns[row], PROMPTS[row // 2]
+        seq = list(prompt) + [t for _, ids in turns for t in ids]
+        assert 0 < len(record) <= len(seq) - 1
+        with_tools += len(record) > len(prompt) + len(turns[0][1])
+        ids, mask = np.zeros((1, 64), np.int32), np.arange(64)[None] < len(seq)
+        ids[0, : len(seq)] = seq
+        _, stats = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+        fresh = np.moveaxis(np.asarray(stats.expert_ids)[:, 0, : len(record)], 0, 1)
+        np.testing.assert_array_equal(record, fresh)
+    assert with_tools >= 4  # most trajectories fed a tool response and went on

@@ -21,6 +21,7 @@ from hybridjax.rl.forward import model_log_probs
 from hybridjax.rl.generation import routed_experts_array
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 from hybridjax.rollout.agent_loop import generate_multi_turn
+from hybridjax.sharding import MeshConfig, make_meshes
 from tests.rl.tiny_run import load_config_file
 
 MOE = dataclasses.replace(
@@ -203,3 +204,17 @@ def test_multi_turn_records_cover_tool_tokens():
         fresh = np.moveaxis(np.asarray(stats.expert_ids)[:, 0, : len(record)], 0, 1)
         np.testing.assert_array_equal(record, fresh)
     assert with_tools >= 4  # most trajectories fed a tool response and went on
+
+
+@pytest.mark.slow  # its own engine's compiles
+def test_replicas_record_the_same_routing(rollout):
+    """On a generation mesh of 4 replicas × tensor 2 (each replica's rows a block of every
+    call's output) the records are the single engine's."""
+    model, prompts, out, _ = rollout
+    mesh = make_meshes(MeshConfig(generate=(4, 2))).generate
+    engine = Engine(model, dataclasses.replace(CONFIG, max_num_seqs=2), mesh=mesh)
+    got = generate(engine, prompts, PARAMS)
+    assert engine.replicas == 4
+    np.testing.assert_array_equal(got.responses, out.responses)
+    for mine, want in zip(got.routed_experts, out.routed_experts, strict=True):
+        np.testing.assert_array_equal(mine, want)

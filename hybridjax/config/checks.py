@@ -191,6 +191,14 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "actor_rollout_ref.actor.router_replay.mode='R2' records the experts in the "
         "old_log_prob pass: actor_rollout_ref.actor.recompute_old_log_prob must not be 'false'",
     )
+    recorded = a.rollout.enable_rollout_routing_replay
+    need(
+        (replay == "R3") == recorded,
+        "actor_rollout_ref.actor.router_replay.mode='R3' replays the experts the rollout "
+        "engine records, and only it reads them: set both it and "
+        f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True (now mode={replay!r}, "
+        f"enable_rollout_routing_replay={recorded})",
+    )
     if a.actor.recompute_old_log_prob == "false":
         reasons = off_policy_reasons(c)
         need(
@@ -444,7 +452,8 @@ def _raise(problems: list[str]) -> None:
 def model_problems(
     c: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig]
 ) -> list[str]:
-    """Problems of `validate_models` (see there), each naming the pool when there are several."""
+    """Problems of `validate_models` (see there), each naming the pool when there are several;
+    also `router_replay.mode` "R3" with a dense actor."""
     sizes, _ = pool_sizes(c, n_devices)
     if len(sizes) == 1:
         pools = {"": (c, n_devices)}
@@ -460,6 +469,13 @@ def model_problems(
         roles = [r for r, pool in role_pools(c).items() if pool == name]
         prefix = f"resource_pool.{name} ({size} devices, roles {roles}): " if name else ""
         problems += [prefix + p for p in found]
+    actor = model_configs.get("actor_rollout_ref.model")
+    if c.actor_rollout_ref.actor.router_replay.mode == "R3" and actor and not actor.num_experts:
+        problems.append(
+            "actor_rollout_ref.actor.router_replay.mode='R3' replays the experts of a "
+            "mixture-of-experts actor, but actor_rollout_ref.model is dense (num_experts = 0): "
+            "use router_replay.mode='disabled'"
+        )
     if not problems and c.trainer.check_memory:  # compiles each stage
         problems += memory_problems(c, n_devices, model_configs["actor_rollout_ref.model"])
     return problems

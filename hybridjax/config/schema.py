@@ -53,7 +53,7 @@ ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang 
 WARMUP_STYLES = ("constant", "cosine")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
-ROUTER_REPLAY_MODES = ("disabled", "R2")  # actor.router_replay.mode
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode
 
 
 def _optim(lr: float) -> dict[str, Any]:
@@ -176,8 +176,9 @@ def declared_config() -> ConfigDict:
             # 0 = off. HF's config.json router_aux_loss_coef is not read for training
             moe_aux_loss_coeff=at_least(0.0, 0, "0: off"),
             # MoE routing replay (verl's key): "R2" records each token's experts in the
-            # old_log_prob pass and the update reuses them; verl's "R3" (recorded by the
-            # rollout engine) is not implemented. Needs model.use_remove_padding=False
+            # old_log_prob pass and the update reuses them; "R3" replays the experts the
+            # rollout engine recorded (rollout.enable_rollout_routing_replay) in the
+            # old_log_prob pass and the update. Needs model.use_remove_padding=False
             router_replay=dict(mode=one_of("disabled", ROUTER_REPLAY_MODES)),
             optim=_optim(1e-6),
             # host memory while the rollout runs (verl's keys)
@@ -245,6 +246,9 @@ def declared_config() -> ConfigDict:
             # decode calls (verl/vLLM's keys; hybridjax.rollout.batching)
             max_num_batched_tokens=positive(8192),
             enable_chunked_prefill=True,
+            # the engine records each prompt and generated token's experts (a MoE model) into
+            # the batch's routed_experts, for actor.router_replay.mode="R3" (verl's key)
+            enable_rollout_routing_replay=False,
             val_kwargs=dict(n=positive(1), temperature=0.0, top_k=-1, top_p=1.0, do_sample=False),
             # multi-turn rollouts with tools (hybridjax.rollout.agent_loop; verl's keys, plus
             # tool_timeout_s / tool_workers); response_length bounds model + tool tokens

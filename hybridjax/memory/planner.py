@@ -368,6 +368,13 @@ def plan_memory(
     fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
     fields += ["teacher_log_prob"] * sc.distillation.as_loss
     update_batch = abstract_batch(rows, prompt, response, sharding, fields)
+    if sc.router_replay != "disabled" and actor_config.num_experts:  # the replayed experts
+        layers = sum(map(actor_config.is_moe_layer, range(actor_config.num_hidden_layers)))
+        shape = (rows, prompt + response, layers, actor_config.num_experts_per_tok)
+        routed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+        update_batch = update_batch.replace(routed_experts=routed)
+        if sc.router_replay == "R3":  # recorded by the rollout, read by old_log_prob too
+            forward_batch = forward_batch.replace(routed_experts=routed)
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))

@@ -275,8 +275,9 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     t, bs = cfg.trainer, cfg.data.train_batch_size
     run = loop.setup(cfg, overwrite, load_preferences, build_model)
     graphdef, params, train, val, rows = run.graphdef, run.params, run.train, run.val, run.rows
-    ref_train = reference_log_probs(graphdef, params, train, bs, rows)  # before any resume
-    ref_val = None if val is None else reference_log_probs(graphdef, params, val, bs, rows)
+    reference = loop.on_mesh(run.mesh, reference_log_probs)
+    ref_train = reference(graphdef, params, train, bs, rows)  # before any resume
+    ref_val = None if val is None else reference(graphdef, params, val, bs, rows)
 
     def batch_fn(step: int) -> dict[str, jax.Array]:
         idx = batch_indices(len(ref_train), bs, step, t.seed)

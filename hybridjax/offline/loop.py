@@ -31,7 +31,8 @@ from ml_collections import ConfigDict
 from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
 from hybridjax.checkpointing.run_lock import hold_outputs
-from hybridjax.config.roles import batch_sharding
+from hybridjax.config.roles import batch_sharding, data_parallel_size
+from hybridjax.errors import ConfigError
 from hybridjax.metrics import Tracking
 from hybridjax.metrics.console import announce
 from hybridjax.models.lora import (
@@ -43,7 +44,8 @@ from hybridjax.rl.build import checkpointed, init_train_state, restored
 from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.rl.update import TrainState
 from hybridjax.sharding import MeshConfig, make_meshes
-from hybridjax.sharding.mesh import train_tuple
+from hybridjax.sharding.mesh import expert_parallel, train_tuple
+from hybridjax.sharding.validate import expert_problems
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,18 @@ def _train_step(
 # One AdamW step of `loss_fn` (gradients of the trainable part only); `names` = the metric
 # names of (loss, learning rate, gradient norm). The state is donated.
 train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=4)
+
+
+def on_mesh(mesh: Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` called inside `expert_parallel(mesh)`: with `mesh.train.expert` > 1 the MoE layers
+    of the jitted passes it runs split their experts over the `expert` axis (`shard_map`,
+    `hybridjax.models.moe`); otherwise `fn` as it is."""
+
+    def run(*args, **kwargs):
+        with expert_parallel(mesh):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def fit(
@@ -233,9 +247,13 @@ def setup(
     mesh, rows = train_mesh(cfg)
     train = load(cfg.data.train_files, tokenizer, cfg.data)
     val = load(cfg.data.val_files, tokenizer, cfg.data) if cfg.data.val_files else None
-    total = total_steps(cfg, len(train["input_ids"]), mesh.shape["data"])
+    total = total_steps(cfg, len(train["input_ids"]), data_parallel_size(mesh))
     optim = OptimConfig.from_config(cfg.optim, cfg.optim.grad_clip, total)
-    graphdef, params = nnx.split(build_model(cfg, tokenizer, mesh))
+    model = build_model(cfg, tokenizer, mesh)
+    problems = expert_problems(dict(mesh.shape), {"model": model.config})
+    if problems:
+        raise ConfigError("; ".join(problems))
+    graphdef, params = nnx.split(model)
     return Setup(out, tokenizer, mesh, rows, train, val, total, optim, graphdef, params)
 
 
@@ -248,9 +266,12 @@ def train_and_export(
     overwrite: bool,
     name: str,
 ) -> dict[str, Any]:
-    """`fit` from fresh optimizer state (or the checkpoint it resumes), then the HF export of
-    the trained model to `run.out`; returns the last metrics."""
+    """`fit` from fresh optimizer state (or the checkpoint it resumes), the steps and the
+    validation on the expert mesh (`on_mesh`), then the HF export of the trained model to
+    `run.out`; returns the last metrics."""
     state = init_train_state(run.params, run.optim)
+    step_fn = on_mesh(run.mesh, step_fn)
+    validate = None if validate is None else on_mesh(run.mesh, validate)
     state, metrics = fit(cfg, run.graphdef, state, run.total, step_fn, batch_fn, validate)
     model = nnx.merge(run.graphdef, state.params)
     export(model, run.tokenizer, run.out, cfg.model.path, overwrite)

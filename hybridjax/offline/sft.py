@@ -107,7 +107,9 @@ def sft_config() -> ConfigDict:
         max_ckpt_to_keep=1,
         progress_bar=False,
     )
-    c.mesh = dict(train=dict(data=-1, fsdp=1, tensor=1))
+    # expert: expert parallelism of a MoE model (experts split over it; its ranks split the
+    # batch like data), as the RL trainer's mesh.train.expert
+    c.mesh = dict(train=dict(data=-1, expert=1, fsdp=1, tensor=1))
     return c
 
 

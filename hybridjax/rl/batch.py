@@ -31,7 +31,7 @@ FILLED_BY = {
     "values": "values",
     "advantages": "adv",
     "returns": "adv",
-    "routed_experts": "old_log_prob (actor.router_replay.mode R2)",
+    "routed_experts": "old_log_prob (actor.router_replay.mode R2) or gen (R3)",
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -138,8 +139,11 @@ def generate_batch(
         tool_calls=calls,
         tool_errors=errors,
     )
+    routed = None
+    if out.routed_experts is not None:
+        routed = routed_experts_array(out.routed_experts, prompt_mask, out.responses.shape[1])
     parts = allgather(
-        (prompts["input_ids"], prompts["attention_mask"], out.rollout_log_probs, local)
+        (prompts["input_ids"], prompts["attention_mask"], out.rollout_log_probs, local, routed)
     )
     host = HostColumns(
         *(_concat([getattr(p[3], f.name) for p in parts]) for f in dataclasses.fields(local)[:-1])
@@ -157,7 +161,27 @@ def generate_batch(
         put(np.repeat(np.arange(len(prompt_ids), dtype=np.int32), n)),
         put(host.valid_mask.astype(np.float32)),
     )
+    if routed is not None:
+        batch = batch.replace(routed_experts=put(np.concatenate([p[4] for p in parts])))
     return batch, host
+
+
+def routed_experts_array(
+    records: Sequence[np.ndarray], prompt_mask_BxP: np.ndarray, response_width: int
+) -> np.ndarray:
+    """The batch's `routed_experts` B×(P+R)×L×k int32 from the engine's per-row records
+    (`RolloutOutput.routed_experts`: row i's fed tokens from its first prompt token, in
+    order) for left-padded prompts (`prompt_mask_BxP`) and right-padded responses of width
+    R: row i's record starts at its first prompt token, P − prompt_i. Positions no record
+    covers (padding, the last sampled token) are -1, which the replay leaves to the router
+    (`hybridjax.models.moe.MoEMLP`)."""
+    b, p = prompt_mask_BxP.shape
+    shape = next((r.shape[1:] for r in records if r.ndim == 3), (0, 0))
+    out = np.full((b, p + response_width, *shape), -1, np.int32)
+    for i, (record, length) in enumerate(zip(records, prompt_mask_BxP.sum(-1), strict=True)):
+        start = p - int(length)
+        out[i, start : start + len(record)] = record
+    return out
 
 
 def _concat(values: list) -> np.ndarray | list:

@@ -83,7 +83,9 @@ class StageConfig:
     # actor.moe_aux_loss_coeff: weight of the MoE router's load-balancing loss in the update
     moe_aux_loss_coeff: float = 0.0
     # actor.router_replay.mode: "R2" records each token's experts in the old_log_prob pass
-    # (`routed_experts`) and the update replays them; "disabled" routes every pass afresh
+    # (`routed_experts`) and the update replays them; "R3" replays the experts the rollout
+    # engine recorded (`routed_experts` from the rollout) in the old_log_prob pass and the
+    # update; "disabled" routes every pass afresh
     router_replay: str = "disabled"
 
 
@@ -110,18 +112,27 @@ def _fields(batch: RLBatch, cfg: StageConfig, *names: str) -> dict[str, jax.Arra
     return base | dict(zip(names, batch.require(*names), strict=True))
 
 
-def _forward(fn, batch: RLBatch, cfg: StageConfig, packing: PackingConfig | None, micro: int = 0):
-    """`fn(fields)` over the batch: packed buffers, or padded row micro-batches of `micro` rows
-    (0: `log_prob_micro_batch_size`)."""
-    fields = _fields(batch, cfg)
+def _forward(
+    fn,
+    batch: RLBatch,
+    cfg: StageConfig,
+    packing: PackingConfig | None,
+    micro: int = 0,
+    names: tuple[str, ...] = (),
+):
+    """`fn(fields)` over the batch (with the batch fields `names` beside the base ones): packed
+    buffers, or padded row micro-batches of `micro` rows (0: `log_prob_micro_batch_size`)."""
+    fields = _fields(batch, cfg, *names)
     if packing is not None:
         return packed_map(fn, fields, fields["group_ids"], packing)
     return map_micro_batches(fn, fields, micro or cfg.log_prob_micro_batch_size)
 
 
-def _log_probs(graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micro=0) -> jax.Array:
+def _log_probs(
+    graphdef, params, batch: RLBatch, cfg: StageConfig, packing, micro=0, names=()
+) -> jax.Array:
     fn = lambda f: response_log_probs(graphdef, params, f, cfg.temperature, head=cfg.head)[0]
-    return _forward(fn, batch, cfg, packing, micro)
+    return _forward(fn, batch, cfg, packing, micro, names)
 
 
 def _model(graphdef: nnx.GraphDef, params: Any) -> nnx.Module:
@@ -156,11 +167,14 @@ def compute_old_log_prob(
     `response_mask` (verl's rejection sampling: dropped tokens leave every later stage).
     With `actor.router_replay.mode` "R2" the pass runs unpacked and also fills
     `routed_experts` with the experts every token used (a MoE actor), which the update then
-    reuses."""
+    reuses; with "R3" it runs unpacked on the experts the rollout engine recorded
+    (`routed_experts`, required), so π_old routes as the rollout did."""
     mask = batch.response_mask
     if cfg.router_replay == "R2":  # record the experts for the update to replay
         old, routed = _log_probs_and_experts(graphdef, params, batch, cfg)
         batch = batch.replace(routed_experts=routed)
+    elif cfg.router_replay == "R3":  # replay the rollout's experts
+        old = _log_probs(graphdef, params, batch, cfg, None, names=("routed_experts",))
     else:
         old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing)
     old = old * mask
@@ -379,8 +393,11 @@ def update_actor(
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     names += ("rollout_log_probs",) if with_rollout else ()
     names += ("teacher_log_prob",) if cfg.distillation.as_loss else ()
-    replay = cfg.router_replay != "disabled" and batch.routed_experts is not None
-    names += ("routed_experts",) if replay else ()  # None: a dense model recorded nothing
+    # R2 with a dense model recorded nothing (None); R3 requires the rollout's record
+    replay = cfg.router_replay == "R3" or (
+        cfg.router_replay == "R2" and batch.routed_experts is not None
+    )
+    names += ("routed_experts",) if replay else ()
     loss = functools.partial(_actor_loss, graphdef, cfg)
     state, metrics, nan, rows = _update(
         "actor", loss, cfg.actor_optim, cfg.actor_update, state, _fields(batch, cfg, *names), rng

@@ -52,7 +52,7 @@ from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
 from hybridjax.sharding import load_to_device
 from hybridjax.sharding.hosts import allgather
-from hybridjax.sharding.mesh import batch_shards
+from hybridjax.sharding.mesh import batch_shards, expert_parallel
 from hybridjax.sharding.pools import move_rows
 
 
@@ -212,26 +212,7 @@ class RewardStage:
         rule = submit_rewards(self.manager, self.tokenizer, host)
         model, nbytes = None, 0
         if self.reward_model is not None:
-            graphdef, params = self.reward_model
-            # a device copy for this forward only when the model lives in host memory
-            # (`reward_model.model.fsdp_config.param_offload`); no-op on the devices
-            params = load_to_device(params)
-            inputs = (
-                batch.prompts,
-                batch.attention_mask[:, : batch.prompts.shape[1]],
-                batch.responses,
-                batch.response_mask,
-            )
-            dp = _model_data_parallel(self.model_sharding, self.data_parallel)
-            if self.model_sharding is not None:  # the model's own pool (async copy there)
-                inputs, nbytes = move_rows(inputs, self.model_sharding)
-            model, _ = score_responses(
-                graphdef,
-                params,
-                *inputs,
-                micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
-                packing=self.packing,
-            )
+            model, nbytes = self.model_scores(batch)
         elif self.model_client is not None or self.judge is not None:
             # Host sync (small): every process gets the whole batch's prompt ids.
             prompts, mask = process_allgather((batch.prompts, batch.attention_mask), tiled=True)
@@ -241,6 +222,38 @@ class RewardStage:
         pending = PendingScores(rule, model, nbytes)
         self._watch.submit(self._record, pending, step, start)
         return pending
+
+    def model_scores(self, batch: RLBatch) -> tuple[jax.Array, int]:
+        """The reward model's `token_level_scores` (B×R float32, queued: no host sync) on its
+        pool's mesh (the actor's training mesh when it shares it), and the bytes moved there.
+        The forward runs inside `expert_parallel` of that mesh: a MoE reward model's experts
+        split over its `expert` axis, as in the actor's passes. Raises ValueError without a
+        reward model."""
+        if self.reward_model is None:
+            raise ValueError("this reward stage has no reward model (reward_model.model.path)")
+        graphdef, params = self.reward_model
+        # a device copy for this forward only when the model lives in host memory
+        # (`reward_model.model.fsdp_config.param_offload`); no-op on the devices
+        params = load_to_device(params)
+        inputs = (
+            batch.prompts,
+            batch.attention_mask[:, : batch.prompts.shape[1]],
+            batch.responses,
+            batch.response_mask,
+        )
+        dp = _model_data_parallel(self.model_sharding, self.data_parallel)
+        nbytes = 0
+        if self.model_sharding is not None:  # the model's own pool (async copy there)
+            inputs, nbytes = move_rows(inputs, self.model_sharding)
+        with expert_parallel((self.model_sharding or self.sharding).mesh):
+            scores, _ = score_responses(
+                graphdef,
+                params,
+                *inputs,
+                micro_batch_size=forward_micro_batch(self.micro_per_device, batch.batch_size, dp),
+                packing=self.packing,
+            )
+        return scores, nbytes
 
     def _record(self, pending: PendingScores, step: int, start: float) -> None:
         """Waits for both scores (on the watch thread) and records the batch's span; failures

@@ -83,6 +83,7 @@ class _Trajectory:
     calls: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     errors: int = 0
     reason: str = "length"
+    routing: Any = None  # with routing replay: `Engine.routing_of` its slot, when it finished
 
     def add(self, tokens, mask_value: int, log_probs=None) -> None:
         self.tokens += list(tokens)
@@ -128,7 +129,10 @@ def generate_multi_turn(
     steps = engine.config.decode_steps_per_call
 
     def finish(slot: int, reason: str) -> None:
-        rows[owner.pop(slot)].reason = reason
+        traj = rows[owner.pop(slot)]
+        traj.reason = reason
+        if engine.record_routing:
+            traj.routing = engine.routing_of(slot)
         engine.free_resource(slot)
 
     with concurrent.futures.ThreadPoolExecutor(tool_threads, "tools") as pool:
@@ -185,6 +189,7 @@ def generate_multi_turn(
             pad_token_id,
         ),
         finish_reason=tuple(t.reason for t in rows),
+        routed_experts=tuple(t.routing for t in rows) if engine.record_routing else None,
         num_turns=count(lambda t: sum(kind == "assistant" for kind, _ in t.turns)),
         tool_calls=count(lambda t: len(t.calls)),
         tool_errors=count(lambda t: t.errors),

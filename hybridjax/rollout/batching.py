@@ -35,12 +35,16 @@ class RolloutOutput:
     rollout_log_probs: (B·n)×R float32, log-prob of each token under the distribution it was
       sampled from (see `hybridjax.rollout.sampling`), 0 on padding.
     finish_reason: per row, "stop" (EOS or a stop id) or "length" (max_tokens).
+    routed_experts: with rollout routing replay (`Engine.record_routing`), per row the experts
+      each fed token used in each MoE layer (`Engine.routing_of`: (prompt + response −
+      1)×L×k int32, from the prompt's first token), else None.
     """
 
     responses: np.ndarray
     response_mask: np.ndarray
     rollout_log_probs: np.ndarray
     finish_reason: tuple[str, ...]
+    routed_experts: tuple[np.ndarray, ...] | None = None
 
 
 def _prompts(prompt_ids, attention_mask) -> list[tuple[int, ...]]:
@@ -84,6 +88,7 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
     log_probs: list[list[float]] = [[] for _ in range(first_row[-1])]
     reasons = ["length"] * int(first_row[-1])
+    routing: list[np.ndarray] = [np.zeros(0)] * int(first_row[-1])
     queue = collections.deque(requests)
     waiting: collections.deque[Prefix] = collections.deque()
     owner: dict[int, int] = {}  # slot -> output row
@@ -104,11 +109,15 @@ def generate(
             log_probs[row].extend(out.log_probs[slot, valid].tolist())
             if out.finished[slot]:
                 reasons[row] = "stop" if out.stopped[slot] else "length"
+                if engine.record_routing:
+                    routing[row] = engine.routing_of(slot)
                 engine.free_resource(slot)
                 del owner[slot]
 
     masks = [[1] * len(t) for t in tokens]
-    return RolloutOutput(*pad_rows(tokens, masks, log_probs, width, pad_token_id), tuple(reasons))
+    routed = tuple(routing) if engine.record_routing else None
+    padded = pad_rows(tokens, masks, log_probs, width, pad_token_id)
+    return RolloutOutput(*padded, tuple(reasons), routed)
 
 
 def make_requests(

@@ -100,6 +100,9 @@ class RolloutConfig:
       enable_chunked_prefill: a prompt longer than what is left of it is prefilled in chunks
       over several steps, the running sequences decoding in between (else it waits whole for
       a step of its own).
+    enable_rollout_routing_replay: a MoE model's engine records the experts every prompt and
+      generated token used in each MoE layer (`Engine.routing_of`), for the training passes
+      to replay (verl's key; `actor.router_replay.mode` "R3").
     """
 
     page_size: int = 16
@@ -114,6 +117,7 @@ class RolloutConfig:
     page_allocation: str = "on_demand"
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    enable_rollout_routing_replay: bool = False
 
     def __post_init__(self):
         if self.page_allocation not in PAGE_ALLOCATIONS:
@@ -169,4 +173,5 @@ class RolloutConfig:
             page_allocation=str(rollout.get("page_allocation", "on_demand")),
             max_num_batched_tokens=int(rollout.get("max_num_batched_tokens", 8192)),
             enable_chunked_prefill=bool(rollout.get("enable_chunked_prefill", True)),
+            enable_rollout_routing_replay=bool(rollout.get("enable_rollout_routing_replay", False)),
         )

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
+from hybridjax.models.moe import moe_layers
 from hybridjax.rollout import preemption, steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
@@ -70,6 +71,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Prefix", "Request", "StepOutput"]  # re-exported
 
+# One call's share of a sequence's recorded experts (rollout routing replay): (N×T×L×k int32
+# experts of the call's rows, on device or host; the row; its first `count` tokens).
+Routing = tuple[Any, int, int]
+
 
 class Engine:
     """Paged-attention decoder for one `CausalLM` on one (generation) mesh.
@@ -83,6 +88,10 @@ class Engine:
         pools (and the weights' heads/mlp/vocab) over `tensor`.
       param_shardings: optional shardings of `nnx.state(model)`; by default the rollout rule
         table of `hybridjax.sharding.rules`.
+
+    Routing replay (`config.enable_rollout_routing_replay`, a MoE model only): every prefill,
+    extend and decode call also returns the experts each token it computes used in each MoE
+    layer; `routing_of(slot)` hands a sequence's back, one per fed position.
 
     Compiles: one per prefill bucket (batch, length), one per decode variant (rows per replica:
     a power of two up to `max_num_seqs`; decode steps; top-k/p on/off; page-table width: up to
@@ -110,6 +119,16 @@ class Engine:
         window = model.config.sliding_window
         self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
+        layers = len(moe_layers(model))
+        self.record_routing = config.enable_rollout_routing_replay
+        if self.record_routing and not layers:
+            raise ValueError(
+                "rollout.enable_rollout_routing_replay records the experts of a MoE model; "
+                "this model is dense"
+            )
+        self._routing_shape = (
+            (layers, model.config.num_experts_per_tok) if self.record_routing else None
+        )
         self.replicas = self._axis("data")
         self.num_pages = self._pool_size()  # per replica
         self.pages = ReplicaBooks(config, self.replicas, self.num_pages)
@@ -128,13 +147,17 @@ class Engine:
         # prompt + tokens fed or sampled after it; empty: the slot is free (on demand, a slot
         # may hold no page yet)
         self._slot_history: list[list[int]] = [[] for _ in range(num_slots)]
+        # with routing replay: the experts of each slot's fed positions 0 .. len(history) - 2
+        self._slot_routing: list[list[Routing]] = [[] for _ in range(num_slots)]
         self.preempted: list[Preempted] = []  # waiting to be recomputed, oldest first
         self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
         # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
         self._preempted_slots = np.zeros(num_slots, bool)
         pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
-            per_replica(self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), pool),
+            per_replica(
+                self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), (pool, pool, rows)
+            ),
             donate_argnums=(1, 2),
         )
         self._copy_jit = jax.jit(
@@ -142,7 +165,8 @@ class Engine:
         )
         extend_specs = (whole, pool, pool, rows, rows, rows, rows)
         self._extend_jit = jax.jit(
-            per_replica(self._extend_fn, mesh, extend_specs, pool), donate_argnums=(1, 2)
+            per_replica(self._extend_fn, mesh, extend_specs, (pool, pool, rows)),
+            donate_argnums=(1, 2),
         )
         self._decode_jit = jax.jit(
             self._decode_call, donate_argnums=(1, 2), static_argnames=("num_steps", "use_filter")
@@ -346,7 +370,7 @@ class Engine:
 
     def _prefill_fn(self, state, k_pools, v_pools, ids_NxT, mask_NxT, page_table_NxP):
         self._traced(f"prefill{ids_NxT.shape}")
-        k, v = steps.prefill(
+        k, v, routed = steps.prefill(
             self.graphdef,
             state,
             k_pools,
@@ -355,8 +379,9 @@ class Engine:
             mask_NxT,
             page_table_NxP,
             self.model_config.sliding_window,
+            self.record_routing,
         )
-        return self._constrain_pools(k), self._constrain_pools(v)
+        return self._constrain_pools(k), self._constrain_pools(v), routed
 
     def admit(self, request: Request) -> Prefix:
         """Places the request's group on a replica (`place`) and books its pages (host only;
@@ -404,25 +429,34 @@ class Engine:
             for i, take in zip(mine, chunk_sizes(need, total, chunked), strict=True):
                 sizes[i] = take
         first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
+        first_of, rest_of = [], []  # their prefixes
         for p, take in zip(prefixes, sizes, strict=True):
             if not take:
                 continue
             tokens = p.request.prompt[p.prefilled : p.prefilled + take]
             if p.prefilled == 0:
                 first.append((p.replica, tokens, p.pages))
+                first_of.append(p)
             else:
                 rest.append((p.replica, p.prefilled, tokens, p.pages))
+                rest_of.append(p)
             p.prefilled += take
-        self._prefill_rows(first)
-        self._extend_rows(rest)
+        routed = self._prefill_rows(first) + self._extend_rows(rest)
+        for p, chunk in zip(first_of + rest_of, routed, strict=True):
+            if chunk is not None:
+                p.routing.append(chunk)
         return sum(sizes)
 
-    def _prefill_rows(self, rows: list[tuple[int, Sequence[int], list[int]]]) -> None:
+    def _prefill_rows(
+        self, rows: list[tuple[int, Sequence[int], list[int]]]
+    ) -> list[Routing | None]:
         """Writes the keys/values of (replica, token ids at positions 0.., pages) rows in one
-        prefill call, padded to a (batch, length) bucket. Host sync: none."""
+        prefill call, padded to a (batch, length) bucket. Returns, per row, its experts with
+        routing replay (`Routing`), else None (and None for a row without tokens).
+        Host sync: none."""
         todo = [row for row in rows if len(row[1])]
         if not todo:
-            return
+            return [None] * len(rows)
         groups = [[x for x in todo if x[0] == r] for r in range(self.replicas)]
         n = prefill_bucket(max(len(g) for g in groups))
         t = prefill_bucket(max(len(x[1]) for x in todo), self.config.min_prefill_bucket)
@@ -436,12 +470,21 @@ class Engine:
                 table[r, row, : len(pages)] = pages
         self.num_prefill_tokens += int(mask.sum())
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        self.k_pools, self.v_pools = self._prefill_jit(
+        self.k_pools, self.v_pools, routed = self._prefill_jit(
             self.state,
             self.k_pools,
             self.v_pools,
             *self._upload((flat(ids), flat(mask), flat(table))),
         )
+        return self._row_routing(routed, groups, n, rows, lambda row: len(row[1]))
+
+    def _row_routing(self, routed, groups, n: int, rows, length) -> list[Routing | None]:
+        """Each of `rows`' share (`Routing`) of a call's experts `routed` (rows of replica r's
+        `groups[r]` at r·n + their index), None without routing replay or tokens."""
+        if not self.record_routing:
+            return [None] * len(rows)
+        where = {id(x): r * n + i for r, g in enumerate(groups) for i, x in enumerate(g)}
+        return [(routed, where[id(x)], length(x)) if length(x) else None for x in rows]
 
     # ----------------------------------------------------------------------------- insert
 
@@ -476,6 +519,7 @@ class Engine:
         self.slots.assign(slot, row)
         self._slot_pages[slot] = pages
         self._slot_history[slot] = list(r.prompt)
+        self._slot_routing[slot] = list(prefix.routing)
         self._preempted_slots[slot] = False
 
     def free_resource(self, slot: int) -> None:
@@ -484,7 +528,20 @@ class Engine:
         self._slot_pages[slot] = []
         self._slot_tokens[slot] = 0
         self._slot_history[slot] = []
+        self._slot_routing[slot] = []
         self.slots.active[slot] = False
+
+    def routing_of(self, slot: int) -> np.ndarray:
+        """The experts each fed position of the slot's sequence used in each MoE layer, when
+        the engine records them (`enable_rollout_routing_replay`): (prompt + sampled tokens −
+        1)×L×k int32, positions from 0 (the last sampled token is never fed). Call it before
+        `free_resource`. Raises ValueError when the engine does not record routing.
+        Host sync: waits for the calls that computed them."""
+        if not self.record_routing:
+            raise ValueError("this engine does not record routing (enable_rollout_routing_replay)")
+        chunks = [np.asarray(a)[row, :count] for a, row, count in self._slot_routing[slot]]
+        shape = (0, *(self._routing_shape or ()))
+        return np.concatenate(chunks) if chunks else np.zeros(shape, np.int32)
 
     # ----------------------------------------------------------------------------- preemption
 
@@ -569,14 +626,15 @@ class Engine:
             self._preempted_slots[slot] = False
             rows.append((replica, seq.tokens[:-1], pages[: num_pages(len(seq.tokens) - 1, ps)]))
             done.append((slot, seq))
-        self._prefill_rows(rows)
+        for (slot, _), chunk in zip(done, self._prefill_rows(rows), strict=True):
+            self._slot_routing[slot] = [] if chunk is None else [chunk]
         return done
 
     # ----------------------------------------------------------------------------- extend
 
     def _extend_fn(self, state, k_pools, v_pools, ids_NxT, start_N, mask_NxT, page_table_NxP):
         self._traced(f"extend{ids_NxT.shape}")
-        k, v = steps.extend(
+        k, v, routed = steps.extend(
             self.graphdef,
             state,
             k_pools,
@@ -586,8 +644,9 @@ class Engine:
             mask_NxT,
             page_table_NxP,
             self.model_config.sliding_window,
+            self.record_routing,
         )
-        return self._constrain_pools(k), self._constrain_pools(v)
+        return self._constrain_pools(k), self._constrain_pools(v), routed
 
     def extend(self, appends: dict[int, tuple[list[int], int]]) -> None:
         """Continues stopped sequences after appended tokens, in one call for every slot.
@@ -633,14 +692,19 @@ class Engine:
             self._slot_history[slot] += tokens
             s.max_tokens[slot] = s.num_generated[slot] + max_new
             s.active[slot] = True
-        self._extend_rows(rows)
+        for slot, chunk in zip(appends, self._extend_rows(rows), strict=True):
+            if chunk is not None:
+                self._slot_routing[slot].append(chunk)
 
-    def _extend_rows(self, rows: list[tuple[int, int, Sequence[int], list[int]]]) -> None:
+    def _extend_rows(
+        self, rows: list[tuple[int, int, Sequence[int], list[int]]]
+    ) -> list[Routing | None]:
         """Writes the keys/values of (replica, start, token ids at positions start.., pages)
         rows on top of their cached positions 0 .. start-1, in one call padded to a (batch,
-        length) bucket (`steps.extend`). Host sync: none."""
+        length) bucket (`steps.extend`). Returns their experts as `_prefill_rows` does.
+        Host sync: none."""
         if not rows:
-            return
+            return []
         groups = [[x for x in rows if x[0] == r] for r in range(self.replicas)]
         n = prefill_bucket(max(len(g) for g in groups))
         t = prefill_bucket(max(len(x[2]) for x in rows), self.config.min_prefill_bucket)
@@ -655,9 +719,10 @@ class Engine:
                 table[r, row, : len(pages)] = pages
         self.num_prefill_tokens += int(mask.sum())
         flat = [x.reshape(-1, *x.shape[2:]) for x in (ids, start, mask, table)]
-        self.k_pools, self.v_pools = self._extend_jit(
+        self.k_pools, self.v_pools, routed = self._extend_jit(
             self.state, self.k_pools, self.v_pools, *self._upload(flat)
         )
+        return self._row_routing(routed, groups, n, rows, lambda row: len(row[2]))
 
     def _copy_fn(self, k_pools, v_pools, src_C, dst_C):
         self._traced(f"copy_pages{src_C.shape}")
@@ -691,7 +756,7 @@ class Engine:
             functools.partial(self._decode_fn, **static),
             self.mesh,
             (whole, pool, pool, rows_spec, whole),
-            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec),
+            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec),
         )
         return fn(state, k_pools, v_pools, batch, exit_when_done)
 
@@ -703,12 +768,13 @@ class Engine:
             sliding_window=self.model_config.sliding_window,
             mesh=self.mesh,
             constrain_pools=self._constrain_pools,
+            routing_shape=self._routing_shape,
             **static,
         )
-        k, v, dyn, n_steps, out_tok, out_lp = loop(
+        k, v, dyn, n_steps, out_tok, out_lp, out_ex = loop(
             self.graphdef, state, k_pools, v_pools, batch, exit_when_done
         )
-        return k, v, dyn, n_steps[None], out_tok, out_lp
+        return k, v, dyn, n_steps[None], out_tok, out_lp, out_ex
 
     def _table_width(self, num_steps: int) -> int:
         """Page-table columns the next `num_steps` steps can touch (`slots.table_width`)."""
@@ -751,10 +817,15 @@ class Engine:
         limit = np.int32(exit_when_done if exit_when_done is not None else size + 1)
         batch = s.take_rows(index, self._table_width(num_steps))
         static = dict(num_steps=num_steps, use_filter=use_filter)
-        self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp = self._decode_jit(
+        self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp, out_ex = self._decode_jit(
             self.state, self.k_pools, self.v_pools, self._upload(batch), limit, **static
         )
         dyn, n_steps, out_tok, out_lp = jax.device_get((dyn, n_steps, out_tok, out_lp))  # sync
+        if self.record_routing:  # a row's fed tokens: its first steps, while it was active
+            ex = np.asarray(out_ex)
+            for i in np.flatnonzero(index >= 0):
+                count = int(np.sum(out_tok[i] >= 0))
+                self._slot_routing[int(index[i])].append((ex, int(i), count))
         self.slots = s.put(index, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True)))
         self.num_decode_steps += int(np.max(n_steps))
         self.num_decode_rows += int(np.sum(n_steps)) * size

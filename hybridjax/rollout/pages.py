@@ -65,6 +65,9 @@ class Prefix:
     next_sample: int = 0
     replica: int = 0  # the data-parallel replica whose pool holds the pages
     prefilled: int = 0  # positions 0 .. prefilled-1 computed (chunked prefill)
+    # with rollout routing replay: the experts of positions 0 .. prefilled-1, one entry per
+    # prefill chunk (`Engine.routing_of`)
+    routing: list = dataclasses.field(default_factory=list)
 
     @property
     def to_prefill(self) -> int:

@@ -18,11 +18,26 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from hybridjax.models.moe import with_router_stats
 from hybridjax.rollout.paged_cache import PagedKVCache
 from hybridjax.rollout.sampling import sample_tokens, step_uniforms
 from hybridjax.rollout.slots import Slots
 
 Pools = tuple[jax.Array, ...]
+
+
+def _run(model: nnx.Module, method: str, record: bool, *args) -> tuple[Any, jax.Array]:
+    """`getattr(model, method)(*args)` and, with `record`, the experts each token used in each
+    MoE layer: N×T×L×k int32 (L = MoE layers in order; rollout routing replay, see
+    `hybridjax.models.moe.with_router_stats`), else an empty N×T×0×0 array (`args[0]`: the
+    N×T token ids)."""
+    call = lambda m, *a: getattr(m, method)(*a)  # noqa: E731
+    if not record:
+        return call(model, *args), jnp.zeros((*args[0].shape[:2], 0, 0), jnp.int32)
+    out, stats = with_router_stats(call)(model, *args)
+    if stats is None:
+        raise ValueError("recording the routing (rollout routing replay) needs a MoE model")
+    return out, jnp.moveaxis(stats.expert_ids, 0, 2)
 
 
 def prefill(
@@ -34,15 +49,20 @@ def prefill(
     mask_NxT: jax.Array,
     page_table_NxP: jax.Array,
     sliding_window: int | None,
-) -> tuple[Pools, Pools]:
+    record_routing: bool = False,
+) -> tuple[Pools, Pools, jax.Array]:
     """Runs N prompts (right-padded int32 ids, bool mask, positions from 0) through the model
     and writes their keys/values to the pages of `page_table_NxP` (masked tokens write
-    nowhere). Returns the updated pools (per layer K×pages×page_size×D)."""
+    nowhere). Returns the updated pools (per layer K×pages×page_size×D) and, with
+    each token's experts N×T×L×k int32 with `record_routing` (`_run`; garbage on masked
+    tokens), else N×T×0×0."""
     model = nnx.merge(graphdef, state)
     positions_NxT = jnp.broadcast_to(jnp.arange(ids_NxT.shape[1]), ids_NxT.shape)
     cache = PagedKVCache(k_pools, v_pools, page_table_NxP, "prefill", sliding_window=sliding_window)
-    _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
-    return cache.k, cache.v
+    (_, cache), routed = _run(
+        model.model, "__call__", record_routing, ids_NxT, positions_NxT, mask_NxT, cache
+    )
+    return cache.k, cache.v, routed
 
 
 def extend(
@@ -55,19 +75,23 @@ def extend(
     mask_NxT: jax.Array,
     page_table_NxP: jax.Array,
     sliding_window: int | None,
-) -> tuple[Pools, Pools]:
+    record_routing: bool = False,
+) -> tuple[Pools, Pools, jax.Array]:
     """Appends tokens to N sequences whose keys/values are already in their pages: token t of
     row n sits at position start_N[n] + t, is written to the pages and attends to every earlier
     position of its sequence (the cached ones and the appended ones before it; the jnp paged
     attention, causal by position). Only the appended tokens are computed: the cached prefix
-    is read, never recomputed. Masked tokens write nowhere. Returns the updated pools."""
+    is read, never recomputed. Masked tokens write nowhere. Returns the updated pools and the
+    appended tokens' experts as `prefill` does."""
     model = nnx.merge(graphdef, state)
     positions_NxT = start_N[:, None] + jnp.arange(ids_NxT.shape[1])[None]
     cache = PagedKVCache(
         k_pools, v_pools, page_table_NxP, "decode", "jnp", sliding_window=sliding_window
     )
-    _, cache = model.model(ids_NxT, positions_NxT, mask_NxT, cache)
-    return cache.k, cache.v
+    (_, cache), routed = _run(
+        model.model, "__call__", record_routing, ids_NxT, positions_NxT, mask_NxT, cache
+    )
+    return cache.k, cache.v, routed
 
 
 def decode_loop(
@@ -84,6 +108,7 @@ def decode_loop(
     sliding_window: int | None,
     mesh: Mesh | None = None,
     constrain_pools: Callable[[Pools], Pools] = lambda pools: pools,
+    routing_shape: tuple[int, int] | None = None,
 ):
     """Up to `num_steps` decode steps for the B rows of `batch` in one `lax.while_loop`.
 
@@ -99,9 +124,14 @@ def decode_loop(
     `decode_attention.decode_attention`); `constrain_pools` keeps the pools' sharding inside
     the loop.
 
+    `routing_shape` (L MoE layers, k experts per token) records the experts of each step's
+    fed token (rollout routing replay, `_run`); None records nothing.
+
     Returns:
       (k_pools, v_pools, (token, position, active, num_generated) each B, steps run (int32),
-      tokens B×K int32 (-1 where a row was inactive), log_probs B×K float32 (0 there)).
+      tokens B×K int32 (-1 where a row was inactive), log_probs B×K float32 (0 there),
+      experts B×K×L×k int32 of the token fed at each step (-1 where inactive; B×K×0×0 without
+      `routing_shape`)).
     """
     b = batch.token.shape[0]
     base_keys = jax.vmap(
@@ -110,14 +140,19 @@ def decode_loop(
     # Active rows generate one token per step: step i draws token num_generated + i.
     uniform_BxK = step_uniforms(base_keys, batch.num_generated, num_steps)
 
+    record = routing_shape is not None
+
     def cond(carry):
-        i, _, _, _, active, _, _, _, done = carry
+        i, _, _, _, active, _, _, _, _, done = carry
         return (i < num_steps) & jnp.any(active) & (done < exit_when_done)
 
     def body(carry):
-        i, cache, token, position, active, n_gen, out_tok, out_lp, done = carry
+        i, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, done = carry
         model = nnx.merge(graphdef, state)
-        logits, cache = model.decode(token[:, None], position[:, None], active[:, None], cache)
+        (logits, cache), routed = _run(
+            model, "decode", record, token[:, None], position[:, None], active[:, None], cache
+        )
+        out_ex = out_ex.at[:, i].set(jnp.where(active[:, None, None], routed[:, 0], -1))
         new_tok, lp = sample_tokens(
             logits[:, 0], uniform_BxK[:, i], batch.temperature, batch.top_k, batch.top_p, use_filter
         )
@@ -130,7 +165,8 @@ def decode_loop(
         token = jnp.where(active, new_tok, token)
         active = active & ~finish
         cache = dataclasses.replace(cache, k=constrain_pools(cache.k), v=constrain_pools(cache.v))
-        return (i + 1, cache, token, position, active, n_gen, out_tok, out_lp, done + finish.sum())
+        done = done + finish.sum()
+        return (i + 1, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, done)
 
     cache = PagedKVCache(
         k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh
@@ -139,9 +175,10 @@ def decode_loop(
         cache = cache.gathered()  # once per call; the steps keep the copy up to date
     out_tok = jnp.full((b, num_steps), -1, jnp.int32)
     out_lp = jnp.zeros((b, num_steps), jnp.float32)
+    out_ex = jnp.full((b, num_steps, *(routing_shape or (0, 0))), -1, jnp.int32)
     dynamic = (batch.token, batch.position, batch.active, batch.num_generated)
-    carry = (0, cache, *dynamic, out_tok, out_lp, jnp.int32(0))
-    steps, cache, token, position, active, n_gen, out_tok, out_lp, _ = jax.lax.while_loop(
+    carry = (0, cache, *dynamic, out_tok, out_lp, out_ex, jnp.int32(0))
+    steps, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, _ = jax.lax.while_loop(
         cond, body, carry
     )
-    return cache.k, cache.v, (token, position, active, n_gen), steps, out_tok, out_lp
+    return cache.k, cache.v, (token, position, active, n_gen), steps, out_tok, out_lp, out_ex

@@ -113,3 +113,19 @@ def test_expert_axis_is_checked_against_the_models():
     run = resolve(c, moe, steps_per_epoch=1)
     assert dict(run.meshes.train.shape) == {"data": 4, "expert": 2, "fsdp": 1, "tensor": 1}
     assert run.data_parallel == 8
+
+
+def test_router_replay_r3_needs_a_mixture_of_experts_actor():
+    c = _tiny(**{
+        "actor_rollout_ref.actor.router_replay.mode": "R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+        "actor_rollout_ref.model.use_remove_padding": False,
+    })  # fmt: skip
+    validate(c, 8)
+    with pytest.raises(ConfigError, match=r"R3' replays the experts of a mixture-of-experts"):
+        validate_models(c, 8, {"actor_rollout_ref.model": ACTOR})
+    moe = dataclasses.replace(
+        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    validate_models(c, 8, {"actor_rollout_ref.model": moe})

@@ -253,3 +253,29 @@ def test_offloaded_states_count_only_in_the_stages_that_use_them(tiny):
     assert [n for n, s in stages.items() if "ref params" in s] == ["ref"]
     assert [n for n, s in stages.items() if "actor optimizer state" in s] == ["update_actor"]
     assert [n for n, s in stages.items() if "actor params" in s] == list(stages)  # not offloaded
+
+
+def test_routing_replay_stages_compile_with_the_recorded_experts():
+    """R3 on a tiny MoE actor: the planner's old_log_prob and update batches carry the
+    rollout's `routed_experts` (B×(P+R)×L×k int32), which both passes require and replay, so
+    their programs compile and read it (the update's inputs grow by its bytes)."""
+    c = _grpo(2)
+    c.actor_rollout_ref.model.use_remove_padding = False
+    c.actor_rollout_ref.actor.recompute_old_log_prob = "true"
+    c.actor_rollout_ref.model.override_config.update(
+        dict(family="qwen3_moe", attention_bias=False, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=16, mlp_only_layers=(1,))
+    )  # fmt: skip
+    actor = build.actor_model_config(c, build.load_tokenizer(c))
+    plans = {}
+    for mode, record in (("disabled", False), ("R3", True)):
+        c.actor_rollout_ref.actor.router_replay.mode = mode
+        c.actor_rollout_ref.rollout.enable_rollout_routing_replay = record
+        plans[mode] = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu")
+    names = {s.name for s in plans["R3"].stages}
+    assert {"old_log_prob", "update_actor"} <= names
+    layers = sum(map(actor.is_moe_layer, range(actor.num_hidden_layers)))
+    routed = 8 * (16 + 8) * layers * 2 * 4 // 2  # rows × tokens × L × k int32, over 2 shards
+    update = {p: next(s for s in plans[p].stages if s.name == "update_actor") for p in plans}
+    grown = update["R3"].peak - update["disabled"].peak
+    assert grown >= routed, (grown, routed)

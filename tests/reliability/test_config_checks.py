@@ -44,7 +44,7 @@ def test_the_tiny_config_passes():
         ("trainer.resume_mode", "latest", ["trainer.resume_mode", "'auto', 'disable'"]),
         ("data.special_tokens_in_content", "drop", ["'keep', 'escape', 'error'"]),
         ("actor_rollout_ref.actor.clip_ratio", 1.5, ["actor.clip_ratio: must be in (0, 1)"]),
-        ("actor_rollout_ref.actor.router_replay.mode", "R3", ["'disabled', 'R2'"]),
+        ("actor_rollout_ref.actor.router_replay.mode", "R4", ["'disabled', 'R2', 'R3'"]),
         ("actor_rollout_ref.actor.moe_aux_loss_coeff", -0.1, ["actor.moe_aux_loss_coeff"]),
     ],
 )
@@ -205,3 +205,18 @@ def test_router_replay_needs_unpacked_passes_and_the_old_log_prob_pass():
     validate(_config(**unpacked), 8)
     message = _problems(**unpacked, **{"actor_rollout_ref.actor.recompute_old_log_prob": "false"})
     assert "records the experts in the old_log_prob pass" in message
+
+
+def test_router_replay_r3_and_the_engine_recording_go_together():
+    """R3 replays what the engine records (`rollout.enable_rollout_routing_replay`): either
+    key without the other is rejected, naming both; with both (and unpacked passes) the
+    config passes, with the same packing rule as R2."""
+    r3 = {"actor_rollout_ref.actor.router_replay.mode": "R3"}
+    record = {"actor_rollout_ref.rollout.enable_rollout_routing_replay": True}
+    unpacked = {"actor_rollout_ref.model.use_remove_padding": False}
+    for changes in (r3, record):
+        message = _problems(**changes, **unpacked)
+        assert "router_replay.mode='R3'" in message
+        assert "enable_rollout_routing_replay=True" in message
+    assert "use_remove_padding=False" in _problems(**r3, **record)
+    validate(_config(**r3, **record, **unpacked), 8)

@@ -2,7 +2,8 @@
 on 8 CPU devices: every metric finite, gradients non-zero, the rollout engine's log-probs equal
 the trainer's, router metrics reported. The full run is expert-parallel (mesh.train data 4 ×
 expert 2: the MoE layers run in shard_map, the engine gets the experts re-laid out); the LoRA
-run turns on the load-balancing loss and routing replay R2 (unpacked passes)."""
+run turns on the load-balancing loss and routing replay R2 (unpacked passes); the R3 run
+replays the experts the rollout engine recorded, expert-parallel."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ LORA = {
     "actor_rollout_ref.actor.router_replay.mode": "R2",
     "actor_rollout_ref.model.use_remove_padding": False,
 }
+R3 = {
+    "actor_rollout_ref.actor.router_replay.mode": "R3",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+    "actor_rollout_ref.model.use_remove_padding": False,
+    "mesh.train.expert": 2,
+}
 REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
     "    return sum(map(ord, solution_str)) % 7 / 7\n"
@@ -79,3 +86,18 @@ def test_two_grpo_steps_on_qwen3_moe(lora, data, tmp_path):
     actor = nnx.merge(trainer.actor_graphdef, trainer.actor_state.params)
     actor = actor.base if lora else actor
     assert [type(layer.mlp).__name__ for layer in actor.model.layers] == ["MoEMLP", "MLP"]
+
+
+def test_two_grpo_steps_with_rollout_routing_replay(data, tmp_path):
+    """R3: the engine records every token's experts, the update (and the old_log_prob pass,
+    here off: on-policy) replays them; the trainer's log-probs equal the engine's and the
+    on-policy update's ratio is 1 on its first micro-batch step."""
+    config = tiny_config(data, tmp_path, **GRPO, **R3)
+    config.actor_rollout_ref.model.override_config.update(QWEN3_MOE)
+    trainer = _run(config)
+    assert trainer.engine.record_routing
+    metrics = read_metrics(tmp_path)
+    for step in (1, 2):
+        assert all(math.isfinite(v) for v in metrics[step].values()), metrics[step]
+        assert metrics[step]["actor/grad_norm"] > 0.0
+        assert metrics[step]["training/rollout_probs_diff_max"] < 1e-4

@@ -26,7 +26,11 @@ The trainer replaces the pipeline's `gen` stage by one that takes the batch from
 Where the pipeline allows it (`RLTrainer._can_score_ahead`), the thread also starts scoring
 each batch right after generating it (`score`), so rewards of batch k+1 are computed while step
 k trains.
-Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/rollout_gen` (the
+With `trainer.partial_rollout` (`hybridjax.rl.partial_rollout`) each request is one round of a
+generation that continues across steps: `generate` hands back the version of every response
+token, and a sample's version is its oldest token's.
+Metrics: `async/staleness_mean`, `async/staleness_max` (per sample; per token with partial
+rollouts, plus `async/partial_fraction`), `timing_s/rollout_gen` (the
 generation itself, on the rollout pool), `timing_s/wait_rollout` (the trainer blocked on the
 batch), `timing_s/wait_update` (the rollout pool idle, waiting for the next request's weights).
 """

@@ -3,13 +3,16 @@ rollout engine keeps generating across steps, and a step's batch is whatever who
 finished; sequences still running when a batch is handed over carry over to the next one, and
 continue under the weights of the next round.
 
-One round per step. Round k adds step k's prompts (drawn in step order) to the prompts still
-in flight, swaps in the weights the thread was given for step k (`RolloutAhead`: requested at
-the start of step k - lag, so version max(0, k-1-lag)), and decodes until `B` groups of `n`
-samples are finished (the train batch); it then hands over the B finished groups with the
-lowest request indices (oldest prompts first) and leaves the others, finished or not, for the
-next rounds. No new prompt is admitted once enough groups are finished, and a round ends only
-when no admitted prompt waits for slots, so every sample running at the swap is in a slot.
+One round per step. Round k adds the prompts of its request (step k+1's batch, and for the
+first also step 1's: the queue holds one batch beyond the one being filled, so slots freed by
+short responses take new prompts while the long tail runs) to the prompts still in flight,
+swaps in the weights the thread was given for step k (`RolloutAhead`, the request made at the
+start of step k - lag, lag = min(1, threshold - 1): version max(0, k-1-lag)), and decodes
+until `B` groups of `n` samples are finished (the train batch); it then hands over the B
+finished groups with the lowest request indices (oldest prompts first) and leaves the others,
+finished or not, for the next rounds. No new prompt is admitted once enough groups are
+finished, and a round ends only when no admitted prompt waits for slots, so every sample
+running at the swap is in a slot.
 
 Weight swap (between rounds, between two engine calls): every running sequence is preempted
 and recomputed from its tokens (`Engine.recompute_running`, the engine's recompute

@@ -249,8 +249,8 @@ class RLTrainer:
 
     def _partial_rollout(self):
         """(generate, set_weights, lag) of the rollout thread with `trainer.partial_rollout`:
-        one `PartialRollout` round per step, requested staleness_threshold - 1 steps ahead
-        (a carried token lags one version more than a fresh one)."""
+        one `PartialRollout` round per step, requested one step ahead (on demand with
+        staleness_threshold 1: a carried token lags one version more than a fresh one)."""
         if jax.process_count() > 1:
             raise ValueError("trainer.partial_rollout runs in one process; unset it")
         t = self.cfg.trainer
@@ -271,7 +271,7 @@ class RLTrainer:
             prompts, batch, host, versions = partial.batch(n, size)
             return (prompts, batch, host, None), versions
 
-        return generate, partial.set_weights, t.staleness_threshold - 1
+        return generate, partial.set_weights, min(1, t.staleness_threshold - 1)
 
     def _can_score_ahead(self) -> bool:
         """Whether the rollout thread starts scoring each batch right after generating it, so

@@ -11,6 +11,8 @@ from conftest import ENGINE_CONFIG
 from flax import nnx
 from rollout_testing import TINY, make_model, make_prompts, naive_greedy, trainer_log_probs
 
+from hybridjax.algorithms.config import AlgorithmConfig
+from hybridjax.algorithms.rollout_correction import compute_rollout_importance_weights
 from hybridjax.rl.async_rollout import oldest, staleness_metrics
 from hybridjax.rl.partial_rollout import PartialRollout, is_stale
 from hybridjax.rollout import Engine, SamplingParams, generate
@@ -76,6 +78,19 @@ def test_a_running_group_carries_over_and_continues_under_the_new_weights(setup,
             ]
         )
         np.testing.assert_allclose(out.rollout_log_probs[row], want, atol=1e-5)
+    # the truncated IS weight of each token corrects its own lag: π_old (the new weights)
+    # over the policy that sampled it: 1 after the swap, e^(Δ log p) ∧ 2 before
+    pi_old = trainer_log_probs(other, prompt, old + new, 1.0)[None]
+    config = AlgorithmConfig(rollout_is=True, rollout_is_threshold=2.0)
+    weights = np.asarray(
+        compute_rollout_importance_weights(
+            pi_old, out.rollout_log_probs[:1], out.response_mask[:1], config
+        )[0]
+    )[0]
+    np.testing.assert_allclose(weights[before:], 1.0, atol=1e-5)
+    lag_ratio = np.exp(pi_old[0, :before] - trainer_log_probs(eos_model, prompt, old, 1.0))
+    np.testing.assert_allclose(weights[:before], np.minimum(lag_ratio, 2.0), rtol=1e-5)
+    assert np.any(np.abs(lag_ratio - 1) > 1e-2)  # the old tokens do lag
     np.testing.assert_array_equal(oldest(versions), [0, 0])
     m = staleness_metrics(oldest(versions), 2, versions)
     assert m["async/staleness_max"] == 1 and m["async/partial_fraction"] == 1.0

@@ -12,15 +12,20 @@ training on the others, as asynchrony needs):
     sync     rollout_mode=sync
     async    rollout_mode=async, staleness_threshold=1 (each batch requested one step ahead)
     partial  rollout_mode=async, partial_rollout=True, staleness_threshold=`--threshold`
-             (default 6; each round requested one step ahead, as `async`): a long response
+             (default 8; each round requested one step ahead, as `async`): a long response
              spans several rounds, and one older than the bound would be regenerated
 
-Reported per mode (after `--warmup` untimed steps, medians over `--steps` timed steps):
+Reported per mode (after `--warmup` untimed steps — 8 by default: with partial rollouts the
+long responses pile up in flight until the first of them finish, ~7 rounds after they start,
+so earlier batches hold mostly short ones — medians over `--steps` timed steps):
 steps/hour (3600 / median `timing_s/step`), the trainer's wait for the batch
 (`timing_s/wait_rollout`), the `async/*` metrics, and the tail fraction: the fraction of the
 engine's decode wall time (its `generate` calls) spent in calls that start with fewer than a
 quarter of the run's peak number of running sequences — decode time spent waiting for the
-longest sequences while most slots sit idle. Writes
+longest sequences while most slots sit idle — and the same fraction of decode steps
+(`tail_fraction_steps`: what a latency-bound accelerator pays; on this CPU a decode step
+costs about its active rows, and the rollout thread shares the cores with training, so the
+seconds mix in contention). Writes
 `experiments/results/partial_rollout/<timestamp>.json`.
 
     python -m experiments.benchmarks.partial_rollout [--steps 4] [--modes sync,async,partial]
@@ -95,26 +100,28 @@ def force_long_tail(engine) -> None:
     engine.insert = long_insert
 
 
-def record_decode_calls(engine) -> list[tuple[int, float]]:
-    """(running sequences at the start, seconds) of each `engine.generate` call."""
-    calls: list[tuple[int, float]] = []
+def record_decode_calls(engine) -> list[tuple[int, float, int]]:
+    """(running sequences at the start, seconds, decode steps) of each `engine.generate`
+    call."""
+    calls: list[tuple[int, float, int]] = []
     generate = engine.generate
 
     def timed_generate(*args, **kwargs):
-        active, start = engine.num_active, time.perf_counter()
+        active, start, steps = engine.num_active, time.perf_counter(), engine.num_decode_steps
         out = generate(*args, **kwargs)
-        calls.append((active, time.perf_counter() - start))
+        calls.append((active, time.perf_counter() - start, engine.num_decode_steps - steps))
         return out
 
     engine.generate = timed_generate
     return calls
 
 
-def tail_fraction(calls: list[tuple[int, float]]) -> float:
-    """Fraction of decode seconds in calls starting with < TAIL_SHARE × the peak running."""
-    peak = max(active for active, _ in calls)
-    tail = sum(s for active, s in calls if active < TAIL_SHARE * peak)
-    return tail / sum(s for _, s in calls)
+def tail_fraction(calls: list[tuple[int, float, int]], column: int) -> float:
+    """Fraction of decode seconds (`column` 1) or decode steps (2) in calls starting with
+    < TAIL_SHARE × the peak running sequences."""
+    peak = max(call[0] for call in calls)
+    tail = sum(call[column] for call in calls if call[0] < TAIL_SHARE * peak)
+    return tail / max(sum(call[column] for call in calls), 1)
 
 
 def run_mode(name: str, changes: dict, args, work: pathlib.Path) -> dict:
@@ -141,7 +148,9 @@ def run_mode(name: str, changes: dict, args, work: pathlib.Path) -> dict:
         "steps_per_hour": 3600.0 / med("timing_s/step"),
         "wait_rollout_s": med("timing_s/wait_rollout"),
         "gen_s": med("timing_s/rollout_gen") or med("timing_s/gen"),
-        "tail_fraction": tail_fraction(calls[first_timed:]),
+        "tail_fraction": tail_fraction(calls[first_timed:], 1),
+        "tail_fraction_steps": tail_fraction(calls[first_timed:], 2),
+        "decode_steps": sum(c[2] for c in calls[first_timed:]),
         "decode_calls": len(calls) - first_timed,
         "response_length_mean": med("response_length/mean"),
         "response_length_max": max(long) if long else None,
@@ -156,10 +165,10 @@ def run_mode(name: str, changes: dict, args, work: pathlib.Path) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--response_length", type=int, default=64)
-    parser.add_argument("--threshold", type=int, default=6)
+    parser.add_argument("--threshold", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--modes", default="sync,async,partial")
     parser.add_argument("--out", default="")

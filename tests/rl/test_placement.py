@@ -207,7 +207,8 @@ def test_partial_rollouts_carry_running_groups_over_with_their_versions(data, tm
     """async + partial_rollout, staleness 2 (requested one step ahead), n = 3 on 8 slots: the
     groups are admitted staggered, so a batch is full while later groups still run; they carry
     over and finish under newer weights. Tokens record their versions, the bound holds per
-    token, π_old is recomputed and the rollout IS weights apply per token."""
+    token, π_old is recomputed and the rollout IS weights apply per token; a validation between
+    steps leaves the carried sequences to continue."""
     changes = {
         "trainer.rollout_mode": "async",
         "trainer.staleness_threshold": 2,
@@ -216,7 +217,14 @@ def test_partial_rollouts_carry_running_groups_over_with_their_versions(data, tm
         "algorithm.rollout_is": True,
         "algorithm.rollout_is_threshold": 2.0,
     }
-    trainer, metrics, _ = _steps(_config(data, tmp_path / "p", split=True, **changes), 3)
+    trainer = RLTrainer(_config(data, tmp_path / "p", split=True, **changes))
+    try:
+        metrics = [trainer.train_step(1)]
+        accuracy = trainer.validate()  # sets the carried sequences aside, then resumes them
+        metrics += [trainer.train_step(n) for n in (2, 3)]
+    finally:
+        trainer.close()
+    assert any(k.startswith("val-core/") for k in accuracy)
     partial = trainer.partial
     assert partial is not None and partial.num_recomputed > 0  # swapped mid-sequence
     versions = trainer.token_versions  # step 3: B·n × R

@@ -214,6 +214,22 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"trainer.rollout_mode='async' (got {t.rollout_mode!r}; one_step_off lags by exactly 1)",
     )
     need(
+        not t.partial_rollout or (t.rollout_mode == "async" and t.staleness_threshold >= 1),
+        f"trainer.partial_rollout needs trainer.rollout_mode='async' (got {t.rollout_mode!r}) "
+        f"and trainer.staleness_threshold >= 1 (got {t.staleness_threshold}): carried tokens "
+        "lag one version more than fresh ones",
+    )
+    need(
+        not t.partial_rollout or not a.rollout.multi_turn.enable,
+        "trainer.partial_rollout carries single-turn generations over; "
+        "actor_rollout_ref.rollout.multi_turn.enable must be False",
+    )
+    need(
+        not t.partial_rollout or not needs_reward_baseline(algo.adv_estimator),
+        f"trainer.partial_rollout: algorithm.adv_estimator={algo.adv_estimator!r} needs a "
+        "greedy baseline generated with the batch; use another estimator or unset it",
+    )
+    need(
         t.rollout_mode == "sync" or not algo.filter_groups.enable,
         f"algorithm.filter_groups.enable draws more batches within a step; with "
         f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",

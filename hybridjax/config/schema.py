@@ -399,6 +399,10 @@ def declared_config() -> ConfigDict:
         # Both need the rollout on its own pool (hybridjax.rl.async_rollout)
         rollout_mode=one_of("sync", ROLLOUT_MODES),
         staleness_threshold=at_least(1, 0),  # async only: policy versions a sample may lag
+        # async only: generations running when a batch is full carry over to the next one and
+        # continue under the new weights (verl's async_training.partial_rollout); the bound
+        # then applies per token (hybridjax.rl.partial_rollout)
+        partial_rollout=False,
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,

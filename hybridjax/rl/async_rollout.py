@@ -26,7 +26,11 @@ The trainer replaces the pipeline's `gen` stage by one that takes the batch from
 Where the pipeline allows it (`RLTrainer._can_score_ahead`), the thread also starts scoring
 each batch right after generating it (`score`), so rewards of batch k+1 are computed while step
 k trains.
-Metrics: `async/staleness_mean`, `async/staleness_max` (per sample), `timing_s/rollout_gen` (the
+With `trainer.partial_rollout` (`hybridjax.rl.partial_rollout`) each request is one round of a
+generation that continues across steps: `generate` hands back the version of every response
+token, and a sample's version is its oldest token's.
+Metrics: `async/staleness_mean`, `async/staleness_max` (per sample; per token with partial
+rollouts, plus `async/partial_fraction`), `timing_s/rollout_gen` (the
 generation itself, on the rollout pool), `timing_s/wait_rollout` (the trainer blocked on the
 batch), `timing_s/wait_update` (the rollout pool idle, waiting for the next request's weights).
 """
@@ -46,14 +50,16 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """One generated batch: whatever the generate function returned, the policy version of
-    each sample (int64, one per response row), the thread's timings (seconds) and what the
-    score function started for it (None without one)."""
+    each sample (int64, one per response row: its oldest token's), the thread's timings
+    (seconds), what the score function started for it (None without one) and, with partial
+    rollouts, the version of each response token."""
 
     step: int
     output: Any
     versions: np.ndarray
     timing: dict[str, float]
     scoring: Any = None
+    token_versions: np.ndarray | None = None  # B×R int64, -1 past the end (partial rollouts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +74,12 @@ class RolloutAhead:
     """Runs generation requests on a thread, up to `lag` steps ahead of training.
 
     Args:
-      generate: `(prompts, step) -> (output, number of response rows)`: one batch with the
-        engine's current weights (runs on the thread).
-      set_weights: swaps generation-layout weights into the engine (runs on the thread).
+      generate: `(prompts, step) -> (output, rows)`: one batch with the engine's current
+        weights (runs on the thread); `rows` is the number of response rows, or with partial
+        rollouts (`hybridjax.rl.partial_rollout`) the B×R int64 version of each response
+        token (-1 past the end).
+      set_weights: `(params, version)`: swaps generation-layout weights of policy `version`
+        into the engine (runs on the thread, before each request).
       next_prompts: draws the next batch of prompts (runs on the caller's thread, in order).
       lag: how many steps ahead batches are requested (0: generate on demand).
       total_steps: no batch past this step is requested.
@@ -134,7 +143,7 @@ class RolloutAhead:
                 return
             try:
                 with self.engine_lock:
-                    self._set_weights(request.params)
+                    self._set_weights(request.params, request.version)
                     start = time.perf_counter()
                     output, rows = self._generate(request.prompts, request.step)
                     end = time.perf_counter()
@@ -143,9 +152,13 @@ class RolloutAhead:
                 scoring = None
                 if self.score_enabled:
                     scoring = self._score(output, request.step)
-                versions = np.full(rows, request.version, np.int64)
+                tokens = rows if isinstance(rows, np.ndarray) else None
+                versions = (
+                    np.full(rows, request.version, np.int64) if tokens is None else oldest(tokens)
+                )
                 timing = {"gen": gen, "wait_update": wait}
-                self._results.put(Rollout(request.step, output, versions, timing, scoring))
+                rollout = Rollout(request.step, output, versions, timing, scoring, tokens)
+                self._results.put(rollout)
             except BaseException as err:  # handed to the trainer's thread by `take`
                 self._results.put(err)
                 return
@@ -161,8 +174,31 @@ class RolloutAhead:
         self._thread.join()
 
 
-def staleness_metrics(versions: np.ndarray, step: int) -> dict[str, float]:
+def oldest(token_versions: np.ndarray) -> np.ndarray:
+    """Each row's oldest token version (int64, one per row) from B×R token versions (-1 past
+    the end; a row without tokens gets -1)."""
+    valid = token_versions >= 0
+    top = np.iinfo(np.int64).max
+    low = np.where(valid, token_versions, top).min(axis=-1, initial=top)
+    return np.where(valid.any(-1), low, -1).astype(np.int64)
+
+
+def staleness_metrics(
+    versions: np.ndarray, step: int, token_versions: np.ndarray | None = None
+) -> dict[str, float]:
     """`async/staleness_mean|max`: how many updates behind step `step`'s weights (version
-    step-1) each sample's generating policy is."""
-    lag = (step - 1) - versions
-    return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
+    step-1) the policy that generated each sample (int64 `versions`, one per row) is; with
+    `token_versions` (B×R, -1 past the end: partial rollouts) taken over tokens instead, plus
+    `async/partial_fraction`, the fraction of samples whose tokens come from more than one
+    version."""
+    if token_versions is None:
+        lag = (step - 1) - versions
+        return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
+    valid = token_versions >= 0
+    lag = ((step - 1) - token_versions)[valid]
+    newest = np.where(valid, token_versions, -1).max(axis=-1)
+    return {
+        "async/staleness_mean": float(lag.mean()),
+        "async/staleness_max": float(lag.max()),
+        "async/partial_fraction": float(np.mean(newest > oldest(token_versions))),
+    }

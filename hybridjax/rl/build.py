@@ -294,6 +294,8 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
     mode, lag = cfg.trainer.rollout_mode, cfg.trainer.staleness_threshold
     if mode == "one_step_off" or (mode == "async" and lag > 0):  # trainer/async_rollout.py
         reasons.append(f"trainer.rollout_mode={mode!r}: samples come from an older policy")
+    if mode == "async" and cfg.trainer.partial_rollout:
+        reasons.append("trainer.partial_rollout: carried tokens come from an older policy")
     if algo.rollout_is_threshold > 0:
         reasons.append(
             "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "

@@ -113,7 +113,19 @@ def generate_batch(
     run = generate if multi_turn is None else multi_turn.generate
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     out = run(engine, ids, sampling, mask, pad_token_id, first_index=first_index)
-    n = sampling.n
+    return assemble_batch(prompts, out, sampling.n, sharding, multi_turn)
+
+
+def assemble_batch(
+    prompts: dict[str, Any],
+    out: Any,
+    n: int,
+    sharding: NamedSharding,
+    multi_turn: MultiTurn | None = None,
+) -> tuple[RLBatch, HostColumns]:
+    """The step's batch from `prompts` (B rows, as `generate_batch` takes them) and their
+    B·n generated rows `out` (a `RolloutOutput`, or a multi-turn one with `multi_turn`),
+    prompt-major; see `generate_batch` for what it returns and the host sync."""
     repeat = lambda values: [v for v in values for _ in range(n)]
     prompt_mask = np.repeat(prompts["attention_mask"], n, axis=0)
     extra_info = repeat(prompts["extra_info"])

@@ -135,7 +135,10 @@ class StepContext:
       scoring: (PendingScores, greedy PendingScores or None) of this step's batch, started by
         the rollout thread as soon as it generated the batch (None: the `reward` stage starts
         them).
-      policy_versions: per row, the policy version that generated it (rollout ahead only).
+      policy_versions: per row, the policy version that generated it (rollout ahead only;
+        with partial rollouts its oldest token's).
+      token_versions: with partial rollouts, the version of each response token (B×R int64,
+        -1 past the end).
     """
 
     step: int
@@ -152,6 +155,7 @@ class StepContext:
     gen_batches: int = 0
     scoring: Any = None
     policy_versions: Any = None
+    token_versions: Any = None
 
     @property
     def config(self):

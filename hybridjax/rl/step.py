@@ -300,8 +300,8 @@ def _gen(batch, ctx: StepContext):
         rollout = d.rollout_ahead.take(ctx.step, ctx.timing)
         ctx.timing["rollout_gen"] = rollout.timing["gen"]
         ctx.timing["wait_update"] = rollout.timing["wait_update"]
-        ctx.policy_versions = rollout.versions
-        ctx.metrics |= staleness_metrics(rollout.versions, ctx.step)
+        ctx.policy_versions, ctx.token_versions = rollout.versions, rollout.token_versions
+        ctx.metrics |= staleness_metrics(rollout.versions, ctx.step, rollout.token_versions)
         ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
         ctx.scoring = rollout.scoring
     if d.multi_turn is not None:

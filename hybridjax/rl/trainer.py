@@ -43,6 +43,7 @@ from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rl.nan_guard import NanGuard
 from hybridjax.rl.offload import offload_configs
+from hybridjax.rl.partial_rollout import PartialRollout
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
@@ -183,6 +184,7 @@ class RLTrainer:
         )
         self.global_step = 0
         self.policy_versions = None  # per row of the last step: the policy that sampled it
+        self.token_versions = None  # per response token of the last step (partial rollouts)
         self.nan_guard = NanGuard(t.max_consecutive_nan_steps)
         self.reward_guard = RewardFailureGuard.from_config(cfg)
 
@@ -213,6 +215,7 @@ class RLTrainer:
     def _rollout_ahead(self) -> RolloutAhead | None:
         """The rollout thread of `trainer.rollout_mode` one_step_off / async (see async_rollout)."""
         t = self.cfg.trainer
+        self.partial = None
         if t.rollout_mode == "sync":
             return None
         lag = 1 if t.rollout_mode == "one_step_off" else t.staleness_threshold
@@ -220,6 +223,10 @@ class RLTrainer:
         def generate(prompts, n):
             batch, host, greedy = self.sampler.sample(prompts, n)
             return (prompts, batch, host, greedy), len(host.response_lengths)
+
+        set_weights = lambda params, version: self.engine.update_weights(params)  # noqa: E731
+        if t.partial_rollout:  # carried tokens lag one round more (hybridjax.rl.partial_rollout)
+            generate, set_weights, lag = self._partial_rollout()
 
         def score(output, n):  # while the actor trains the step before
             _, batch, host, greedy = output
@@ -230,11 +237,41 @@ class RLTrainer:
 
         def next_prompts():
             self._data_states = self._data_states[-lag:] + [self.train_loader.get_state()]
-            return next(self.train_loader)
+            if self.partial is None:
+                return next(self.train_loader)
+            # partial rollouts queue one batch ahead, so that freed slots take its prompts
+            # while the batch's long tail runs: request k brings batch k+1 (request 1 also 1)
+            first = [next(self.train_loader)] if self.rollout_ahead.requested == 1 else []
+            last = self.rollout_ahead.requested == self.total_steps
+            return first + ([] if last else [next(self.train_loader)])
 
-        return RolloutAhead(
-            generate, self.engine.update_weights, next_prompts, lag, self.total_steps, score
+        return RolloutAhead(generate, set_weights, next_prompts, lag, self.total_steps, score)
+
+    def _partial_rollout(self):
+        """(generate, set_weights, lag) of the rollout thread with `trainer.partial_rollout`:
+        one `PartialRollout` round per step, requested one step ahead (on demand with
+        staleness_threshold 1: a carried token lags one version more than a fresh one)."""
+        if jax.process_count() > 1:
+            raise ValueError("trainer.partial_rollout runs in one process; unset it")
+        t = self.cfg.trainer
+        self.partial = partial = PartialRollout(
+            self.engine,
+            self.cfg.actor_rollout_ref.rollout,
+            t.seed,
+            self.tokenizer.pad_token_id,
+            self.batch_sharding,
+            t.staleness_threshold,
         )
+
+        size = self.cfg.data.train_batch_size
+
+        def generate(batches, n):
+            for prompts in batches:
+                partial.add(prompts, n)
+            prompts, batch, host, versions = partial.batch(n, size)
+            return (prompts, batch, host, None), versions
+
+        return generate, partial.set_weights, min(1, t.staleness_threshold - 1)
 
     def _can_score_ahead(self) -> bool:
         """Whether the rollout thread starts scoring each batch right after generating it, so
@@ -277,11 +314,8 @@ class RLTrainer:
         state = step.StepState(self.models, self.kl_coef)
         preemptions = self.engine.num_preemptions
         state, metrics, ctx = step.train_step(state, prompts, self.deps, n)
-        self.models, self.kl_coef, self.policy_versions = (
-            state.models,
-            state.kl_coef,
-            ctx.policy_versions,
-        )
+        self.models, self.kl_coef = state.models, state.kl_coef
+        self.policy_versions, self.token_versions = ctx.policy_versions, ctx.token_versions
         self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
         self.reward_guard.count(ctx.reward, n)  # raises before a checkpoint of failed steps
         metrics |= {
@@ -305,8 +339,12 @@ class RLTrainer:
             return self._validate(sampling)
         with self.rollout_ahead.engine_lock:  # waits for the batch being generated
             params = self.weights.generation_params(self.actor_state.params)[0]
-            self.engine.update_weights(params)  # each request sets its own
-            return self._validate(sampling)
+            if self.partial is None:
+                self.engine.update_weights(params)  # each request sets its own
+                return self._validate(sampling)
+            with self.partial.paused():  # sequences in flight wait, then come back
+                self.engine.update_weights(params)
+                return self._validate(sampling)
 
     def _validate(self, sampling: SamplingParams) -> dict[str, Any]:
         return validate(

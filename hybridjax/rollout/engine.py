@@ -594,6 +594,39 @@ class Engine:
         )
         return preempted
 
+    def recompute_running(self) -> int:
+        """Preempts every running sequence, so that `resume` recomputes its keys/values from
+        its tokens with the engine's current weights (after `update_weights`: a partial
+        rollout continuing under new weights). Its sampling state is kept (`preemption`).
+        Returns how many were preempted. Host only."""
+        active = np.flatnonzero(self.slots.active)
+        for slot in active:
+            self._preempt(int(slot))
+        return len(active)
+
+    def set_aside(self) -> list[Preempted]:
+        """Preempts every running sequence and hands back every preempted one, leaving the
+        engine idle (for a rollout in between, e.g. validation); `put_back` queues them again
+        for `resume`, which recomputes them with the weights current then. Host only."""
+        self.recompute_running()
+        out, self.preempted = self.preempted, []
+        self._preempted_slots[:] = False
+        return out
+
+    def put_back(self, sequences: list[Preempted]) -> None:
+        """Queues sequences of `set_aside` for `resume` again, oldest first."""
+        self.preempted = sorted(self.preempted + sequences, key=lambda x: x.priority)
+
+    def abort(self, request_indexes: set[int]) -> list[int]:
+        """Drops the samples of the given requests: their running slots are freed, their
+        preempted sequences forgotten. Returns the freed slots. Host only."""
+        busy = [i for i, h in enumerate(self._slot_history) if h]
+        slots = [s for s in busy if int(self.slots.seed[s, 1]) in request_indexes]
+        for slot in slots:
+            self.free_resource(slot)
+        self.preempted = [p for p in self.preempted if p.request_index not in request_indexes]
+        return slots
+
     def resume(self) -> list[tuple[int, Preempted]]:
         """Readmits preempted sequences, oldest first, while a replica has a free slot (not
         promised to a waiting sample) and pages for its tokens and the next decode call's

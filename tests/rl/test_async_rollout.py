@@ -16,7 +16,7 @@ def _run(lag: int, steps: int):
     weights = []
     ahead = RolloutAhead(
         generate=lambda prompts, step: ((prompts, weights[-1]), 2),
-        set_weights=weights.append,
+        set_weights=lambda params, version: weights.append(params),
         next_prompts=lambda: next(drawn),
         lag=lag,
         total_steps=steps,
@@ -50,7 +50,7 @@ def test_an_error_of_the_thread_reaches_take():
     def fail(prompts, step):
         raise RuntimeError("out of pages")
 
-    ahead = RolloutAhead(fail, lambda w: None, lambda: 0, lag=1, total_steps=3)
+    ahead = RolloutAhead(fail, lambda w, v: None, lambda: 0, lag=1, total_steps=3)
     ahead.publish("w0", 0)
     with pytest.raises(RuntimeError, match="out of pages"):
         ahead.take(1, {})
@@ -63,7 +63,7 @@ def test_score_starts_on_the_thread_after_each_generation():
     order = []
     ahead = RolloutAhead(
         generate=lambda prompts, step: (order.append(("gen", step)) or prompts, 1),
-        set_weights=lambda w: None,
+        set_weights=lambda w, v: None,
         next_prompts=lambda: "p",
         lag=1,
         total_steps=3,

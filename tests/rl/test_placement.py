@@ -242,3 +242,39 @@ def test_teacher_on_its_own_pool_gives_the_co_located_step(data, tmp_path):
         np.testing.assert_allclose(b[key], value, rtol=1e-5, atol=1e-5, err_msg=key)
     for x, y in zip(params_a, params_b, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rollouts_carry_running_groups_over_with_their_versions(data, tmp_path):
+    """async + partial_rollout, staleness 2 (requested one step ahead), n = 3 on 8 slots: the
+    groups are admitted staggered, so a batch is full while later groups still run; they carry
+    over and finish under newer weights. Tokens record their versions, the bound holds per
+    token, π_old is recomputed and the rollout IS weights apply per token; a validation between
+    steps leaves the carried sequences to continue."""
+    changes = {
+        "trainer.rollout_mode": "async",
+        "trainer.staleness_threshold": 2,
+        "trainer.partial_rollout": True,
+        "actor_rollout_ref.rollout.n": 3,
+        "algorithm.rollout_is": True,
+        "algorithm.rollout_is_threshold": 2.0,
+    }
+    trainer = RLTrainer(_config(data, tmp_path / "p", split=True, **changes))
+    try:
+        metrics = [trainer.train_step(1)]
+        accuracy = trainer.validate()  # sets the carried sequences aside, then resumes them
+        metrics += [trainer.train_step(n) for n in (2, 3)]
+    finally:
+        trainer.close()
+    assert any(k.startswith("val-core/") for k in accuracy)
+    partial = trainer.partial
+    assert partial is not None and partial.num_recomputed > 0  # swapped mid-sequence
+    versions = trainer.token_versions  # step 3: B·n × R
+    rows = 8 * 3
+    assert versions.shape == (rows, 16) and len(trainer.policy_versions) == rows
+    lag = (3 - 1) - versions[versions >= 0]
+    assert lag.min() >= 0 and lag.max() <= 2  # the bound, per token
+    assert max(m["async/partial_fraction"] for m in metrics) > 0
+    assert all(m["async/staleness_max"] <= 2 for m in metrics)
+    for m in metrics:
+        assert "timing_s/old_log_prob" in m and "mismatch/rollout_is_mean" in m
+        assert all(np.isfinite(v) for v in m.values())

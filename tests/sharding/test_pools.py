@@ -191,3 +191,35 @@ def test_rollout_mode_keys_are_checked():
         "trainer.staleness_threshold (2) is read only with trainer.rollout_mode='async'" in message
     )
     assert "['actor_rollout_ref.actor.fsdp_config.param_offload'] offload" in message
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (
+            {"trainer.rollout_mode": "one_step_off"},
+            "trainer.partial_rollout needs trainer.rollout_mode='async' (got 'one_step_off') "
+            "and trainer.staleness_threshold >= 1",
+        ),
+        (
+            {"trainer.rollout_mode": "async", "trainer.staleness_threshold": 0},
+            "trainer.staleness_threshold >= 1 (got 0)",
+        ),
+        (
+            {"trainer.rollout_mode": "async", "algorithm.adv_estimator": "remax"},
+            "trainer.partial_rollout: algorithm.adv_estimator='remax' needs a greedy baseline",
+        ),
+        (
+            {"trainer.rollout_mode": "async", "actor_rollout_ref.rollout.multi_turn.enable": True},
+            "actor_rollout_ref.rollout.multi_turn.enable must be False",
+        ),
+    ],
+)
+def test_partial_rollout_is_refused_where_it_cannot_apply(changes, expected):
+    c = load_config_file("tiny")
+    c.data.train_files, c.data.val_files = __file__, ""
+    c.trainer.partial_rollout = True
+    c.update_from_flattened_dict(changes)
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert expected in str(err.value)

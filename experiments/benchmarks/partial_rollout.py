@@ -12,6 +12,7 @@ training on the others, as asynchrony needs):
     sync     rollout_mode=sync
     async    rollout_mode=async, staleness_threshold=1 (each batch requested one step ahead)
     partial  rollout_mode=async, partial_rollout=True, staleness_threshold=`--threshold`
+    partial_keep  the same with partial_rollout_kv=keep (no re-prefill at a swap)
              (default 8; each round requested one step ahead, as `async`): a long response
              spans several rounds, and one older than the bound would be regenerated
 
@@ -61,6 +62,12 @@ def modes(threshold: int) -> dict[str, dict]:
             "trainer.rollout_mode": "async",
             "trainer.staleness_threshold": threshold,
             "trainer.partial_rollout": True,
+        },
+        "partial_keep": {  # the carried sequences keep their keys/values at a swap
+            "trainer.rollout_mode": "async",
+            "trainer.staleness_threshold": threshold,
+            "trainer.partial_rollout": True,
+            "trainer.partial_rollout_kv": "keep",
         },
     }
 

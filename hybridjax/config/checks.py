@@ -220,6 +220,11 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "lag one version more than fresh ones",
     )
     need(
+        t.partial_rollout or t.partial_rollout_kv == "recompute",
+        f"trainer.partial_rollout_kv ({t.partial_rollout_kv!r}) is read only with "
+        "trainer.partial_rollout=True",
+    )
+    need(
         not t.partial_rollout or not a.rollout.multi_turn.enable,
         "trainer.partial_rollout carries single-turn generations over; "
         "actor_rollout_ref.rollout.multi_turn.enable must be False",

@@ -53,6 +53,7 @@ ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang 
 WARMUP_STYLES = ("constant", "cosine")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
+PARTIAL_ROLLOUT_KV = ("recompute", "keep")  # trainer.partial_rollout_kv
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode
 
 
@@ -403,6 +404,10 @@ def declared_config() -> ConfigDict:
         # continue under the new weights (verl's async_training.partial_rollout); the bound
         # then applies per token (hybridjax.rl.partial_rollout)
         partial_rollout=False,
+        # what carried sequences keep at a weight swap: "recompute" (their tokens prefilled
+        # again with the new weights: exact) or "keep" (the keys/values the old weights
+        # computed stay: no prefill, the rollout IS weights correct the mismatch)
+        partial_rollout_kv=one_of("recompute", PARTIAL_ROLLOUT_KV),
         # plan per-device memory of every stage before building anything (hybridjax.plan);
         # a config that does not fit is a config error
         check_memory=False,

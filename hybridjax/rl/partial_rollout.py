@@ -14,13 +14,17 @@ finished or not, for the next rounds. No new prompt is admitted once enough grou
 finished, and a round ends only when no admitted prompt waits for slots, so every sample
 running at the swap is in a slot.
 
-Weight swap (between rounds, between two engine calls): every running sequence is preempted
-and recomputed from its tokens (`Engine.recompute_running`, the engine's recompute
-preemption): its prompt and the tokens sampled so far are prefilled again with the new
-weights, its sampling state (seed, tokens drawn so far) kept. So every token after the swap is
-sampled from, and its rollout log-prob is that of, the new policy given the exact prefix —
-exact rather than the cheaper approximation of keeping keys/values computed by the old weights —
-at the price of one prefill of each running sequence per swap.
+Weight swap (between rounds, between two engine calls), with `trainer.partial_rollout_kv`
+"recompute" (the default): every running sequence is preempted and recomputed from its
+tokens (`Engine.recompute_running`, the engine's recompute preemption): its prompt and the
+tokens sampled so far are prefilled again with the new weights, its sampling state (seed,
+tokens drawn so far) kept. So every token after the swap is sampled from, and its rollout
+log-prob is that of, the new policy given the exact prefix, at the price of one prefill of
+each running sequence per swap. With "keep" the running sequences keep their pages and go on
+decoding under the new weights: no prefill, but the keys and values of the tokens before the
+swap are the old weights', so the rollout log-probs after it are the new policy's given a
+stale cache; the trainer's π_old is exact, and `algorithm.rollout_is_*` corrects each token by
+π_old / π_rollout.
 
 Versions: each response token records the policy version that sampled it (`token_versions`,
 B×R int64, -1 past the end). The staleness bound applies per token: at the start of round k
@@ -117,9 +121,13 @@ class PartialRollout:
         pad_token_id: int,
         sharding: NamedSharding,
         threshold: int,
+        kv: str = "recompute",
     ):
         self.engine, self.rollout, self.seed = engine, rollout, seed
         self.pad_token_id, self.sharding, self.threshold = pad_token_id, sharding, threshold
+        if kv not in ("recompute", "keep"):
+            raise ValueError(f"trainer.partial_rollout_kv={kv!r}; expected 'recompute' or 'keep'")
+        self.kv = kv
         self.n = sampling_params(rollout, seed, 0).n
         self.version = 0
         self.groups: dict[int, Group] = {}  # by request index, in flight or finished
@@ -133,12 +141,14 @@ class PartialRollout:
 
     def set_weights(self, params: Any, version: int) -> None:
         """Swaps policy `version`'s weights (generation layout) into the engine; running
-        sequences are recomputed under them (nothing happens if `version` is current)."""
+        sequences are recomputed under them, or keep their keys/values with `kv` "keep"
+        (nothing happens if `version` is current)."""
         if version == self.version and self.engine.state is not None:
             return
         self.engine.update_weights(params)
         self.version = version
-        self.num_recomputed += self.engine.recompute_running()
+        if self.kv == "recompute":
+            self.num_recomputed += self.engine.recompute_running()
 
     @contextlib.contextmanager
     def paused(self):

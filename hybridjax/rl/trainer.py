@@ -261,6 +261,7 @@ class RLTrainer:
             self.tokenizer.pad_token_id,
             self.batch_sharding,
             t.staleness_threshold,
+            kv=t.partial_rollout_kv,
         )
 
         size = self.cfg.data.train_batch_size

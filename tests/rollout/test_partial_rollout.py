@@ -122,3 +122,32 @@ def test_a_rollout_in_between_leaves_the_carried_sequences_as_they_were(setup, e
     want = naive_greedy(eos_model, make_prompts()[1], 8)
     np.testing.assert_array_equal(out.responses[0], want)
     np.testing.assert_array_equal(versions, 0)
+
+
+@pytest.mark.parametrize("same_weights", [True, False], ids=["same", "other"])
+def test_keep_swaps_the_weights_without_a_prefill(setup, eos_model, same_weights):
+    """`trainer.partial_rollout_kv="keep"`: at the swap the running samples keep their pages
+    and go on decoding under the new weights, so nothing is prefilled again and the versions
+    are recorded as with "recompute"; under the same weights as a new version the samples and
+    log-probs are exactly those of a run that never swapped."""
+    engine, _, other = setup
+    stream = PartialRollout(engine, ROLLOUT, 0, 0, None, threshold=1, kv="keep")
+    before = _first_round(stream, eos_model)
+    prefilled = engine.num_prefill_tokens
+    stream.set_weights(nnx.state(eos_model if same_weights else other), version=1)
+    got, out, versions = stream.take(step=2, count=1)
+    assert got["ground_truth"] == ["p1"]
+    assert stream.num_recomputed == 0 and engine.num_prefill_tokens == prefilled
+    prompt = make_prompts()[1]
+    want = naive_greedy(eos_model, prompt, 8)
+    for row in range(2):
+        np.testing.assert_array_equal(versions[row], [0] * before + [1] * (8 - before))
+        if same_weights:
+            np.testing.assert_array_equal(out.responses[row], want)
+            expect = trainer_log_probs(eos_model, prompt, want, 1.0)
+            np.testing.assert_allclose(out.rollout_log_probs[row], expect, atol=1e-5)
+
+
+def test_an_unknown_kv_mode_is_refused(eos_model):
+    with pytest.raises(ValueError, match="partial_rollout_kv='reuse'.*'recompute' or 'keep'"):
+        PartialRollout(Engine(eos_model, ENGINE_CONFIG), ROLLOUT, 0, 0, None, 1, kv="reuse")

@@ -165,8 +165,11 @@ def abstract_train_state(params: Any, optim) -> Any:
     return _with_shardings(shapes, build.train_state_shardings(params, optim))
 
 
-def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -> Any:
-    """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`."""
+def abstract_batch(
+    rows: int, prompt: int, response: int, sharding, fields=(), topk: int = 0
+) -> Any:
+    """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`
+    (and with `topk` > 0 the distillation teacher's B×R×topk log-probs and ids)."""
     from hybridjax.rl.batch import RLBatch
 
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sharding)
@@ -179,7 +182,11 @@ def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -
         position_ids=i32(rows, prompt + response),
         rollout_log_probs=f32(rows, response),
     )
-    return batch.replace(**{name: f32(rows, response) for name in fields})
+    batch = batch.replace(**{name: f32(rows, response) for name in fields})
+    if topk:
+        k = (rows, response, topk)
+        batch = batch.replace(teacher_topk_log_probs=f32(*k), teacher_topk_ids=i32(*k))
+    return batch
 
 
 def compiled_memory(fn, *args) -> dict[str, int]:
@@ -342,7 +349,8 @@ def plan_memory(
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
     fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
     fields += ["teacher_log_prob"] * sc.distillation.as_loss
-    update_batch = abstract_batch(rows, prompt, response, sharding, fields)
+    topk = sc.distillation.topk if sc.distillation.with_topk else 0
+    update_batch = abstract_batch(rows, prompt, response, sharding, fields, topk)
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))

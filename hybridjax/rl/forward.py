@@ -64,6 +64,23 @@ def model_log_probs(
     Raises:
       ValueError: `routed_experts` in a packed pass (replay needs the B×(P+R) layout).
     """
+    log_probs, entropy, _ = model_log_probs_and_hidden(
+        model, fields, temperature, with_entropy, head
+    )
+    return log_probs, entropy
+
+
+def model_log_probs_and_hidden(
+    model: nnx.Module,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    with_entropy: bool = False,
+    head: LogProbConfig = FUSED,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """`model_log_probs`, plus the hidden states that predict each response token, B×R×D in
+    the rows' layout (packed passes gather them from their slots; 0 outside the buffer), for
+    head computations beyond the sampled token (`hybridjax.models.logprobs.top_k_log_probs`,
+    `log_probs_at`)."""
     responses = fields["responses"]
     temperature = temperature if temperature > 0 else 1.0
     replay = fields.get("routed_experts")
@@ -76,7 +93,10 @@ def model_log_probs(
     ids, mask, positions = fields["input_ids"], fields["attention_mask"], fields["position_ids"]
     hidden_BxTxD, _ = model.model(ids, positions, mask, routed_experts_BxTxLxK=replay)
     hidden_BxRxD = hidden_BxTxD[:, -responses.shape[1] - 1 : -1]
-    return token_log_probs(model, hidden_BxRxD, responses, temperature, head, with_entropy)
+    log_probs, entropy = token_log_probs(
+        model, hidden_BxRxD, responses, temperature, head, with_entropy
+    )
+    return log_probs, entropy, hidden_BxRxD
 
 
 def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.Array]) -> jax.Array:
@@ -114,7 +134,8 @@ def _packed_log_probs(model, fields, temperature, with_entropy, head):
     r = fields["responses"].shape[1]
     if with_entropy:
         entropy = packing.gather_response(pl, entropy, k, r)
-    return packing.gather_response(pl, log_probs, k, r), entropy
+    rows_hidden = packing.gather_response(pl, hidden, k, r)
+    return packing.gather_response(pl, log_probs, k, r), entropy, rows_hidden
 
 
 def packed_map(

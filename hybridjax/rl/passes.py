@@ -40,7 +40,7 @@ from hybridjax.algorithms.rollout_correction import (
     compute_rollout_importance_weights,
     rollout_probs_diff_metrics,
 )
-from hybridjax.models.logprobs import LogProbConfig, log_probs_at, top_k_log_probs
+from hybridjax.models.logprobs import LogProbConfig, log_probs_at
 from hybridjax.models.lora import merged_model
 from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
@@ -49,6 +49,7 @@ from hybridjax.rl.forward import (
     map_micro_batches,
     model_log_probs,
     model_log_probs_and_hidden,
+    model_top_k,
     packed_map,
     response_log_probs,
     response_values,
@@ -212,14 +213,8 @@ def compute_teacher_log_prob(
 
     def fn(fields):
         model = nnx.merge(graphdef, params)
-        log_probs, _, hidden = model_log_probs_and_hidden(
-            model, fields, cfg.temperature, head=cfg.head
-        )
-        temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        top, ids = top_k_log_probs(
-            model, hidden, distill.topk, temperature, distill.vocab_limit, cfg.head.chunk_size
-        )
-        return log_probs, top, ids
+        k, limit = distill.topk, distill.vocab_limit
+        return model_top_k(model, fields, cfg.temperature, k, limit, cfg.head)
 
     micro = cfg.ref_log_prob_micro_batch_size
     log_probs, top, ids = _forward(fn, batch, cfg, cfg.ref_packing, micro)

@@ -362,6 +362,7 @@ def plan_memory(
         "actor params": offload["actor"].param_offload,
         "actor optimizer state": offload["actor"].optimizer_offload,
         "ref params": offload["ref"].param_offload,
+        "teacher params": offload["teacher"].param_offload,
         "critic params": offload["critic"].param_offload,
         "critic optimizer state": offload["critic"].optimizer_offload,
     }

@@ -29,7 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from hybridjax.algorithms.config import ActorLossConfig
-from hybridjax.algorithms.distillation import DistillationConfig, distillation_loss_per_token
+from hybridjax.algorithms.distillation import (
+    DistillationConfig,
+    distillation_loss_per_token,
+    top_k_forward_kl,
+)
 from hybridjax.algorithms.kl import kl_penalty
 from hybridjax.algorithms.loss_agg import LossCounts, agg_loss, token_mean
 from hybridjax.algorithms.masked import masked_count, masked_sum, safe_divide
@@ -162,10 +166,14 @@ def compute_actor_loss(
     rollout_is_weights_BxT: jax.Array | None = None,
     teacher_log_prob_BxT: jax.Array | None = None,
     distillation: DistillationConfig | None = None,
+    topk_log_prob_BxTxK: jax.Array | None = None,
+    teacher_topk_log_prob_BxTxK: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The actor's loss: policy loss − entropy_coeff·entropy + kl_loss_coef·KL(π‖π_ref)
     (+ distillation_loss_coef·KL(π‖π_teacher) with a direct distillation loss, `distillation`
-    with `loss_mode` k1/k3 and `teacher_log_prob_BxT`; `hybridjax.algorithms.distillation`).
+    with `loss_mode` k1/k3 and `teacher_log_prob_BxT`; with `forward_kl_topk` the truncated
+    forward KL `top_k_forward_kl` of `topk_log_prob_BxTxK` (log π_θ at the teacher's top-k ids)
+    against `teacher_topk_log_prob_BxTxK`; `hybridjax.algorithms.distillation`).
 
     The policy loss is `config.loss_mode` from the registry; entropy and the KL loss (estimator
     `config.kl_loss_type`) are aggregated with `config.loss_agg_mode`. Needs `entropy_BxT`
@@ -209,9 +217,14 @@ def compute_actor_loss(
         if teacher_log_prob_BxT is None:
             raise ValueError("a distillation loss needs teacher_log_prob_BxT")
         log_prob32_BxT, teacher32_BxT = _float32(log_prob_BxT, teacher_log_prob_BxT)
-        per_token = distillation_loss_per_token(
-            log_prob32_BxT, teacher32_BxT, distillation.loss_mode
-        )
+        if distillation.loss_mode == "forward_kl_topk":
+            if topk_log_prob_BxTxK is None or teacher_topk_log_prob_BxTxK is None:
+                raise ValueError("loss_mode forward_kl_topk needs both top-k log-prob arrays")
+            per_token = top_k_forward_kl(topk_log_prob_BxTxK, teacher_topk_log_prob_BxTxK)
+        else:
+            per_token = distillation_loss_per_token(
+                log_prob32_BxT, teacher32_BxT, distillation.loss_mode
+            )
         distill_loss = aggregate(per_token)
         metrics["actor/distillation_loss"] = distill_loss
         metrics["distill/reverse_kl"] = aggregate(log_prob32_BxT - teacher32_BxT)

@@ -124,6 +124,13 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         if not ok:
             problems.append(message)
 
+    distill = a.distillation
+    need(
+        (distill.loss_mode == "forward_kl_topk") == (distill.topk > 0),
+        f"actor_rollout_ref.distillation.topk={distill.topk} with loss_mode="
+        f"{distill.loss_mode!r}: topk is read only by loss_mode 'forward_kl_topk', which "
+        "needs it >= 1 (the teacher's tokens kept per position)",
+    )
     bsz, dp = d.train_batch_size, _data_parallel_size(c, n_devices)
     roles = [("actor_rollout_ref.actor", a.actor)]
     if c.critic.enable:  # a disabled critic's batch sizes are never used

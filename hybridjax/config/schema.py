@@ -206,6 +206,9 @@ def declared_config() -> ConfigDict:
             loss_mode=one_of("reward", DISTILLATION_LOSS_MODES),
             distillation_loss_coef=at_least(1.0, 0),
             use_policy_loss=False,
+            # teacher tokens kept per response position (B×R×topk log-probs and ids) for
+            # loss_mode "forward_kl_topk" (its only reader; 0 = off, required >= 1 there)
+            topk=at_least(0, 0),
             # HF checkpoint dir; "" = a random model of the actor's shape from trainer.seed
             # (with override_config's fields replaced: the same seed and shape = the student)
             # fsdp_config.param_offload: the teacher's weights in host memory while the rollout

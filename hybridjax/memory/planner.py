@@ -170,8 +170,11 @@ def abstract_train_state(params: Any, optim) -> Any:
     return _with_shardings(shapes, build.train_state_shardings(params, optim))
 
 
-def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -> Any:
-    """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`."""
+def abstract_batch(
+    rows: int, prompt: int, response: int, sharding, fields=(), topk: int = 0
+) -> Any:
+    """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`
+    (and with `topk` > 0 the distillation teacher's B×R×topk log-probs and ids)."""
     from hybridjax.rl.batch import RLBatch
 
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sharding)
@@ -184,7 +187,11 @@ def abstract_batch(rows: int, prompt: int, response: int, sharding, fields=()) -
         position_ids=i32(rows, prompt + response),
         rollout_log_probs=f32(rows, response),
     )
-    return batch.replace(**{name: f32(rows, response) for name in fields})
+    batch = batch.replace(**{name: f32(rows, response) for name in fields})
+    if topk:
+        k = (rows, response, topk)
+        batch = batch.replace(teacher_topk_log_probs=f32(*k), teacher_topk_ids=i32(*k))
+    return batch
 
 
 def compiled_memory(fn, *args) -> dict[str, int]:
@@ -367,7 +374,8 @@ def plan_memory(
     fields += ["old_log_probs"] * sc.recompute_old_log_prob + ["ref_log_prob"] * use_ref
     fields += ["values"] * roles.critic + ["rollout_is_weights"] * sc.algorithm.rollout_is
     fields += ["teacher_log_prob"] * sc.distillation.as_loss
-    update_batch = abstract_batch(rows, prompt, response, sharding, fields)
+    topk = sc.distillation.topk if sc.distillation.with_topk else 0
+    update_batch = abstract_batch(rows, prompt, response, sharding, fields, topk)
     if sc.router_replay != "disabled" and actor_config.num_experts:  # the replayed experts
         layers = sum(map(actor_config.is_moe_layer, range(actor_config.num_hidden_layers)))
         shape = (rows, prompt + response, layers, actor_config.num_experts_per_tok)

@@ -325,3 +325,76 @@ def next_token_log_probs(
     positions = default_positions(attention_mask_BxT)
     hidden_BxTxD, _ = model.model(input_ids_BxT, positions, attention_mask_BxT)
     return token_log_probs(model, hidden_BxTxD[:, :-1], input_ids_BxT[:, 1:], 1.0, config)[0]
+
+
+def top_k_log_probs(
+    model,
+    hidden_BxTxD: jax.Array,
+    k: int,
+    temperature: float = 1.0,
+    vocab_limit: int = 0,
+    chunk_size: int = FUSED_CHUNK_SIZE,
+) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens at each position and their log-probs, without a B×T×V array.
+
+    log π(v) = z_v − lse (z = h · W / temperature, lse over the whole vocabulary); the top k
+    are taken among the ids below `vocab_limit` (0: every id), so a teacher whose vocabulary is
+    padded beyond the student's never names an id the student lacks (the padding still counts
+    in lse). Runs chunk by chunk over positions (`lax.map`): at most one chunk's B×C×V logits
+    exist at a time. Forward only (no gradient).
+
+    Args:
+      model: a `CausalLM` (with `head_weight()`).
+      hidden_BxTxD: the backbone's output for the positions to score.
+      k: tokens kept per position, 1 ≤ k ≤ V (or `vocab_limit`).
+      temperature: logits are divided by it (> 0).
+    Returns:
+      (log-probs B×T×k float32, descending; token ids B×T×k int32).
+    Raises:
+      ValueError: k outside [1, V], or a temperature ≤ 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"top_k_log_probs: temperature must be > 0, got {temperature}")
+    weight, layout = model.head_weight()
+    vocab = weight.shape[0 if layout == "vd" else 1]
+    limit = min(vocab_limit or vocab, vocab)
+    if not 1 <= k <= limit:
+        raise ValueError(f"top_k_log_probs: k must be in [1, {limit}], got {k}")
+    w = weight.astype(hidden_BxTxD.dtype)
+
+    def chunk(h_BxCxD):
+        log_p = jax.nn.log_softmax(_logits(h_BxCxD, w, layout, 1.0 / temperature), axis=-1)
+        values, ids = jax.lax.top_k(log_p[..., :limit], k)
+        return values, ids.astype(jnp.int32)
+
+    t = hidden_BxTxD.shape[1]
+    values, ids = jax.lax.map(chunk, _to_chunks(jax.lax.stop_gradient(hidden_BxTxD), chunk_size))
+    return _from_chunks(values, t), _from_chunks(ids, t)
+
+
+def log_probs_at(
+    model,
+    hidden_BxTxD: jax.Array,
+    ids_BxTxK: jax.Array,
+    targets_BxT: jax.Array,
+    target_log_probs_BxT: jax.Array,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """log π(v) at the given ids, B×T×K float32, differentiable, without a B×T×V array.
+
+    With z = h · W / temperature and the target y's log-prob log π(y) = z_y − lse (from
+    `token_log_probs`, whose fused backward carries the softmax), lse = z_y − log π(y), so
+
+        log π(v) = z_v − z_y + log π(y),
+
+    which needs only the K + 1 head rows of each position (a B×T×(K+1)×D gather of W).
+    `target_log_probs_BxT` must be `token_log_probs(model, hidden_BxTxD, targets_BxT,
+    temperature)` of the same model and hidden states.
+    """
+    weight, layout = model.head_weight()
+    w_vd = (weight if layout == "vd" else weight.T).astype(hidden_BxTxD.dtype)
+    ids = jnp.concatenate([targets_BxT[..., None], ids_BxTxK], axis=-1)
+    z = jnp.einsum(
+        "btd,btkd->btk", hidden_BxTxD, w_vd[ids], preferred_element_type=jnp.float32
+    ) / jnp.float32(temperature)
+    return z[..., 1:] - z[..., :1] + target_log_probs_BxT[..., None].astype(jnp.float32)

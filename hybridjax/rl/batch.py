@@ -28,6 +28,8 @@ FILLED_BY = {
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref",
     "teacher_log_prob": "teacher",
+    "teacher_topk_log_probs": "teacher (distillation.topk)",
+    "teacher_topk_ids": "teacher (distillation.topk)",
     "values": "values",
     "advantages": "adv",
     "returns": "adv",
@@ -54,6 +56,8 @@ class RLBatch:
     old_log_probs: jax.Array | None = None
     ref_log_prob: jax.Array | None = None
     teacher_log_prob: jax.Array | None = None  # B×R, the distillation teacher's log-probs
+    teacher_topk_log_probs: jax.Array | None = None  # B×R×k float32, its top-k (descending)
+    teacher_topk_ids: jax.Array | None = None  # B×R×k int32, their token ids
     values: jax.Array | None = None
     advantages: jax.Array | None = None
     returns: jax.Array | None = None

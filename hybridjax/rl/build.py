@@ -370,7 +370,10 @@ def stage_config(
         old_log_prob_packing=packed["old_log_prob"],
         ref_packing=packed["ref"],
         values_packing=packed["values"],
-        distillation=DistillationConfig.from_dict(a.distillation),
+        distillation=dataclasses.replace(
+            DistillationConfig.from_dict(a.distillation),
+            vocab_limit=actor.vocab_size if actor is not None else 0,
+        ),
         head=LogProbConfig(
             use_fused_kernels=a.model.use_fused_kernels,
             entropy_checkpointing=a.actor.entropy_checkpointing,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybridjax.models import packing
-from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs
+from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs, top_k_log_probs
 
 
 def response_log_probs(
@@ -64,19 +64,69 @@ def model_log_probs(
     Raises:
       ValueError: `routed_experts` in a packed pass (replay needs the B×(P+R) layout).
     """
-    responses = fields["responses"]
+    log_probs, entropy, _ = model_log_probs_and_hidden(
+        model, fields, temperature, with_entropy, head
+    )
+    return log_probs, entropy
+
+
+def model_log_probs_and_hidden(
+    model: nnx.Module,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    with_entropy: bool = False,
+    head: LogProbConfig = FUSED,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """`model_log_probs`, plus the hidden states that predict each response token, B×R×D in
+    the rows' layout (packed passes gather them from their slots; 0 outside the buffer), for
+    head computations beyond the sampled token (`hybridjax.models.logprobs.log_probs_at`)."""
     temperature = temperature if temperature > 0 else 1.0
+    hidden, targets, to_rows = _predicting_hidden(model, fields)
+    log_probs, entropy = token_log_probs(model, hidden, targets, temperature, head, with_entropy)
+    return to_rows(log_probs), None if entropy is None else to_rows(entropy), to_rows(hidden)
+
+
+def model_top_k(
+    model: nnx.Module,
+    fields: dict[str, jax.Array],
+    temperature: float,
+    k: int,
+    vocab_limit: int = 0,
+    head: LogProbConfig = FUSED,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log π(response_t) B×R, the k most likely next tokens' log-probs B×R×k float32 and
+    ids B×R×k int32) at each response position, from one forward; the top k are computed
+    from the head chunk by chunk (`hybridjax.models.logprobs.top_k_log_probs`, ids below
+    `vocab_limit`), on a packed buffer's own slots. Values at padding are garbage."""
+    temperature = temperature if temperature > 0 else 1.0
+    hidden, targets, to_rows = _predicting_hidden(model, fields)
+    log_probs, _ = token_log_probs(model, hidden, targets, temperature, head)
+    top, ids = top_k_log_probs(model, hidden, k, temperature, vocab_limit, head.chunk_size)
+    return to_rows(log_probs), to_rows(top), to_rows(ids)
+
+
+def _predicting_hidden(model, fields) -> tuple[jax.Array, jax.Array, Callable]:
+    """(hidden states, the tokens they predict, a map of per-token outputs to the B×R rows).
+
+    Unpacked: the B×R response positions (the LM head runs on R positions, not P+R). Packed:
+    the buffer's slots, each fed the hidden state that predicts its token (`source_index`: the
+    prompt's last token for the first token of every response of a group); outputs go to the
+    rows by `gather_response` (trailing axes kept, 0 outside the buffer)."""
+    responses = fields["responses"]
     replay = fields.get("routed_experts")
     if "pack_plan" in fields:
         if replay is not None:
             raise ValueError("routing replay needs unpacked passes (model.use_remove_padding)")
-        return _packed_log_probs(model, fields, temperature, with_entropy, head)
-    # The LM head runs on the R response positions only, not all P+R: B·R·D·V multiply-adds
-    # instead of B·(P+R)·D·V, forward and backward (the hidden states are sliced first).
+        pl, k = fields["pack_plan"], fields["pack_buffer"]
+        call = lambda i, p, v, s: model.model(i, p, v, segments=s)
+        (hidden, _), buf = _packed_call(call, fields)
+        src = packing.source_index(pl, k)
+        hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
+        r = responses.shape[1]
+        return hidden, buf["input_ids"], lambda y: packing.gather_response(pl, y, k, r)
     ids, mask, positions = fields["input_ids"], fields["attention_mask"], fields["position_ids"]
     hidden_BxTxD, _ = model.model(ids, positions, mask, routed_experts_BxTxLxK=replay)
-    hidden_BxRxD = hidden_BxTxD[:, -responses.shape[1] - 1 : -1]
-    return token_log_probs(model, hidden_BxRxD, responses, temperature, head, with_entropy)
+    return hidden_BxTxD[:, -responses.shape[1] - 1 : -1], responses, lambda y: y
 
 
 def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.Array]) -> jax.Array:
@@ -98,23 +148,6 @@ def _packed_call(fn, fields):
     buf = packing.buffer(fields["pack_plan"], fields["input_ids"], fields["pack_buffer"])
     segments = (buf["segment_ids"], buf["prefix_ids"])
     return fn(buf["input_ids"], buf["positions"], buf["valid"], segments), buf
-
-
-def _packed_log_probs(model, fields, temperature, with_entropy, head):
-    # The LM head runs on the buffer's slots (capacity per device), each slot fed the hidden
-    # state that predicts its token (`source_index`): the prompt's last token for the first
-    # token of every response of a group.
-    pl, k = fields["pack_plan"], fields["pack_buffer"]
-    (hidden, _), buf = _packed_call(lambda i, p, v, s: model.model(i, p, v, segments=s), fields)
-    src = packing.source_index(pl, k)
-    hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
-    log_probs, entropy = token_log_probs(
-        model, hidden, buf["input_ids"], temperature, head, with_entropy
-    )
-    r = fields["responses"].shape[1]
-    if with_entropy:
-        entropy = packing.gather_response(pl, entropy, k, r)
-    return packing.gather_response(pl, log_probs, k, r), entropy
 
 
 def packed_map(

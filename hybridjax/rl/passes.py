@@ -40,7 +40,7 @@ from hybridjax.algorithms.rollout_correction import (
     compute_rollout_importance_weights,
     rollout_probs_diff_metrics,
 )
-from hybridjax.models.logprobs import LogProbConfig
+from hybridjax.models.logprobs import LogProbConfig, log_probs_at
 from hybridjax.models.lora import merged_model
 from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
@@ -48,6 +48,8 @@ from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.forward import (
     map_micro_batches,
     model_log_probs,
+    model_log_probs_and_hidden,
+    model_top_k,
     packed_map,
     response_log_probs,
     response_values,
@@ -214,8 +216,28 @@ def compute_teacher_log_prob(
     """Fills `teacher_log_prob` (B×R float32, 0 outside `response_mask`) with the distillation
     teacher (`actor_rollout_ref.distillation.teacher_model`): log π_teacher(y_t | prefix) of the
     student's sampled tokens, at the rollout temperature, through the same packed, shared-prompt
-    forward as the reference pass. The teacher's vocabulary must cover the student's tokens."""
-    return batch.replace(teacher_log_prob=_frozen_log_probs(graphdef, params, batch, cfg))
+    forward as the reference pass. The teacher's vocabulary must cover the student's tokens.
+    With `distillation.topk` = k it also fills `teacher_topk_log_probs` (B×R×k float32, 0
+    outside `response_mask`) and `teacher_topk_ids` (B×R×k int32): the teacher's k most likely
+    next tokens at each response position, from the same forward, computed chunk by chunk
+    from the head (`hybridjax.models.logprobs.top_k_log_probs`, no B×R×V array)."""
+    distill = cfg.distillation
+    if not distill.with_topk:
+        return batch.replace(teacher_log_prob=_frozen_log_probs(graphdef, params, batch, cfg))
+
+    def fn(fields):
+        model = nnx.merge(graphdef, params)
+        k, limit = distill.topk, distill.vocab_limit
+        return model_top_k(model, fields, cfg.temperature, k, limit, cfg.head)
+
+    micro = cfg.ref_log_prob_micro_batch_size
+    log_probs, top, ids = _forward(fn, batch, cfg, cfg.ref_packing, micro)
+    mask = batch.response_mask
+    return batch.replace(
+        teacher_log_prob=log_probs * mask,
+        teacher_topk_log_probs=top * mask[..., None],
+        teacher_topk_ids=ids * mask[..., None].astype(ids.dtype),
+    )
 
 
 def compute_values(
@@ -289,9 +311,16 @@ def compute_advantage(
 
 def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
     forward = functools.partial(
-        model_log_probs, temperature=cfg.temperature, with_entropy=True, head=cfg.head
+        model_log_probs_and_hidden, temperature=cfg.temperature, with_entropy=True, head=cfg.head
     )
-    (log_prob, entropy), router = with_router_stats(forward)(_model(graphdef, params), micro)
+    model = _model(graphdef, params)
+    (log_prob, entropy, hidden), router = with_router_stats(forward)(model, micro)
+    student_topk = None
+    if cfg.distillation.with_topk:  # log π_θ at the teacher's top-k ids
+        temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+        student_topk = log_probs_at(
+            model, hidden, micro["teacher_topk_ids"], micro["responses"], log_prob, temperature
+        )
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
     rows = {}
@@ -313,6 +342,8 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         rollout_is_weights_BxT=micro.get("rollout_is_weights"),
         teacher_log_prob_BxT=micro.get("teacher_log_prob"),
         distillation=cfg.distillation,
+        topk_log_prob_BxTxK=student_topk,
+        teacher_topk_log_prob_BxTxK=micro.get("teacher_topk_log_probs"),
     )
     if router is not None:
         loss, router_metrics = _with_aux_loss(loss, router, micro, counts, cfg)
@@ -393,6 +424,7 @@ def update_actor(
     names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
     names += ("rollout_log_probs",) if with_rollout else ()
     names += ("teacher_log_prob",) if cfg.distillation.as_loss else ()
+    names += ("teacher_topk_log_probs", "teacher_topk_ids") if cfg.distillation.with_topk else ()
     # R2 with a dense model recorded nothing (None); R3 requires the rollout's record
     replay = cfg.router_replay == "R3" or (
         cfg.router_replay == "R2" and batch.routed_experts is not None

@@ -418,7 +418,8 @@ def _teacher_stage(batch, ctx: StepContext):
     rows, sc = _rows_for("teacher", batch, ctx)
     with expert_parallel(_train_mesh("teacher", ctx)):
         out = _teacher_log_prob(graphdef, params, rows, sc)
-    return _back("teacher", batch, ctx, teacher_log_prob=out.teacher_log_prob)
+    outputs = {f: getattr(out, f) for f in TEACHER_OUTPUTS if getattr(out, f) is not None}
+    return _back("teacher", batch, ctx, **outputs)
 
 
 def _values_stage(batch, ctx: StepContext):
@@ -491,9 +492,9 @@ OLD_LOG_PROB = Stage(
     uses=("actor",),
 )
 REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",), uses=("ref",))
-TEACHER = Stage(
-    "teacher", _teacher_stage, reads=ROLLOUT, writes=("teacher_log_prob",), uses=("teacher",)
-)
+# the top-k log-probs and ids with distillation.topk
+TEACHER_OUTPUTS = ("teacher_log_prob", "teacher_topk_log_probs", "teacher_topk_ids")
+TEACHER = Stage("teacher", _teacher_stage, reads=ROLLOUT, writes=TEACHER_OUTPUTS, uses=("teacher",))
 VALUES = Stage("values", _values_stage, reads=ROLLOUT, writes=("values",), uses=("critic",))
 ADV = Stage(
     "adv",

@@ -90,3 +90,26 @@ def test_actor_loss_adds_the_coefficient_times_the_distillation_loss():
 def test_unknown_loss_mode_names_the_key_and_choices():
     with pytest.raises(ValueError, match=r"distillation.loss_mode.*'reward', 'k1', 'k3'"):
         DistillationConfig(loss_mode="jsd")
+
+
+def test_top_k_forward_kl_by_hand_and_with_k_equal_v():
+    """π_teacher = [1/2, 1/4, 1/8, 1/8], π_θ uniform over 4: KL(π_teacher ‖ π_θ) =
+    ½ ln 2 + ¼ · 0 + 2 · ⅛ ln ½ = ¼ ln 2; the top 2 alone give ½ ln 2 (not renormalised)."""
+    from hybridjax.algorithms.distillation import top_k_forward_kl
+
+    teacher = jnp.log(jnp.array([[[0.5, 0.25, 0.125, 0.125]]]))
+    student = jnp.log(jnp.full((1, 1, 4), 0.25))
+    np.testing.assert_allclose(top_k_forward_kl(student, teacher), [[0.25 * np.log(2)]], atol=1e-6)
+    top2 = top_k_forward_kl(student[..., :2], teacher[..., :2])
+    np.testing.assert_allclose(top2, [[0.5 * np.log(2)]], atol=1e-6)
+    # k = V on random distributions: the exact KL, whatever the order of the ids
+    rng = np.random.default_rng(0)
+    t = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32), -1)
+    s = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32), -1)
+    exact = np.sum(np.exp(t) * (t - s), -1)
+    order = np.argsort(-np.asarray(t), -1)
+    take = lambda x: jnp.take_along_axis(x, jnp.asarray(order), -1)
+    np.testing.assert_allclose(top_k_forward_kl(take(s), take(t)), exact, atol=1e-5)
+    # the gradient reaches the student only: −π_teacher per kept token
+    grad = jax.grad(lambda x: jnp.sum(top_k_forward_kl(x, teacher)))(student)
+    np.testing.assert_allclose(grad, -jnp.exp(teacher), atol=1e-6)

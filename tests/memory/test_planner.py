@@ -87,6 +87,23 @@ def test_frozen_reference_in_bfloat16_halves_its_bytes(tiny):
     assert 2 * update["ref params"] == update["actor params"]
 
 
+def test_teacher_offload_frees_its_params_during_generation(tiny):
+    """A distillation teacher of the actor's shape holds its parameters in every stage, and
+    with `teacher_model.fsdp_config.param_offload` in host memory while the rollout runs."""
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    c.actor_rollout_ref.distillation.enabled = True
+    both = {}
+    for offload in (False, True):
+        c.actor_rollout_ref.distillation.teacher_model.fsdp_config.param_offload = offload
+        p = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+        both[offload] = {s.name: s.consumers for s in p.stages}
+    on, off = both[False], both[True]
+    assert on["gen"]["teacher params"] == on["update_actor"]["actor params"]
+    assert "teacher params" not in off["gen"]
+    assert off["update_actor"]["teacher params"] == on["gen"]["teacher params"]
+
+
 def test_fsdp_splits_the_states(tiny):
     c, actor, replicated = tiny
     c = _grpo(2, fsdp=2)

@@ -280,3 +280,44 @@ def test_entropy_keys_choose_remat_and_chunks_of_the_full_logit_path(checkpointi
         fused,
         **TOL,
     )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_top_k_and_log_probs_at_equal_the_full_log_softmax(tied):
+    """`top_k_log_probs` (chunks of 3 over 5 positions, ids below a vocabulary limit) and
+    `log_probs_at` (and its gradient) against full logits and `log_softmax`."""
+    from hybridjax.models.logprobs import log_probs_at, top_k_log_probs
+
+    config = ModelConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = CausalLM(config, nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (2, 5)), jnp.int32)
+    full = np.asarray(jax.nn.log_softmax(model.logits(hidden) / 0.7, axis=-1))
+    top, ids = top_k_log_probs(model, hidden, 6, 0.7, vocab_limit=30, chunk_size=3)
+    want_ids = np.argsort(-full[..., :30], axis=-1)[..., :6]
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(top, np.take_along_axis(full, want_ids, -1), atol=1e-5)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 30\]"):
+        top_k_log_probs(model, hidden, 31, vocab_limit=30)
+
+    def at(params):
+        m = nnx.merge(nnx.graphdef(model), params)
+        log_p, _ = token_log_probs(m, hidden, targets, 0.7)
+        return log_probs_at(m, hidden, ids, targets, log_p, 0.7)
+
+    def reference(params):
+        m = nnx.merge(nnx.graphdef(model), params)
+        log_softmax = jax.nn.log_softmax(m.logits(hidden) / 0.7, axis=-1)
+        return jnp.take_along_axis(log_softmax, ids, -1)
+
+    params = nnx.state(model)
+    np.testing.assert_allclose(at(params), reference(params), atol=1e-5)
+    weights = jnp.asarray(rng.normal(size=(2, 5, 6)), jnp.float32)
+    got = jax.grad(lambda p: jnp.sum(weights * at(p)))(params)
+    want = jax.grad(lambda p: jnp.sum(weights * reference(p)))(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

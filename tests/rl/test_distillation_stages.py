@@ -30,14 +30,18 @@ from tests.rl.test_trainer_on_policy import (
 from tests.rl.tiny_run import load_config_file
 
 PURE = {"actor_rollout_ref.distillation.enabled": True}  # loss_mode reward, no task advantage
+TOPK = {"actor_rollout_ref.distillation.loss_mode": "forward_kl_topk"}
 
 
 @functools.cache
-def _run(teacher_seed: int):
+def _run(teacher_seed: int, topk: int = 0):
     """The stages up to `adv` (old_log_prob → teacher → adv) of pure distillation with a teacher
-    of the actor's shape from `teacher_seed` (the actor's is 0); returns (batch, metrics)."""
-    cfg = _config(**GRPO, **PURE)
-    sc = build.stage_config(cfg, total_steps=1, data_parallel=1)
+    of the actor's shape from `teacher_seed` (the actor's is 0); with `topk`, the
+    `forward_kl_topk` loss. Returns (batch, metrics)."""
+    cfg = _config(
+        **GRPO, **PURE, **(TOPK | {"actor_rollout_ref.distillation.topk": topk} if topk else {})
+    )
+    sc = build.stage_config(cfg, total_steps=1, data_parallel=1, actor=MODEL)
     graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
     teacher = nnx.split(CausalLM(MODEL, nnx.Rngs(teacher_seed)))
     models = build.Models(
@@ -48,7 +52,8 @@ def _run(teacher_seed: int):
     ctx = StepContext(step=1, deps=deps, models=models, kl_coef=jnp.float32(0.0))
     pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
     pipeline = pipeline.remove("sleep").remove("reshard").remove("update_actor")
-    assert pipeline.names.index("teacher") == pipeline.names.index("old_log_prob") + 1
+    names = pipeline.names
+    assert topk or names.index("teacher") == names.index("old_log_prob") + 1
     batch = pipeline.run(ctx, _batch(1))
     return batch, {k: float(v) for k, v in ctx.metrics.items()}
 
@@ -138,3 +143,48 @@ def test_teacher_offload_key_moves_the_teacher_alone():
     before, after = jax.tree.leaves(models.teacher[1]), jax.tree.leaves(back.teacher[1])
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _full_log_softmax(seed: int, batch, temperature: float) -> np.ndarray:
+    """B×R×V log π of the tiny model from `seed` at each response position: an independent,
+    padded, unpacked forward with full logits."""
+    model = CausalLM(MODEL, nnx.Rngs(seed))
+    logits = model(batch.input_ids, batch.attention_mask, batch.position_ids) / temperature
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))[:, 3 - 1 : -1]
+
+
+def test_top_k_teacher_pass_and_loss_with_k_equal_v_give_the_exact_forward_kl():
+    """`forward_kl_topk` with k = V = 64 (packed teacher pass): the stored top-k are the
+    teacher's whole sorted distribution, and the update's `actor/distillation_loss` is the
+    exact token-mean KL(π_teacher ‖ π_θ) of the full-vocabulary distributions."""
+    v = MODEL.vocab_size
+    batch, _ = _run(teacher_seed=3, topk=v)
+    cfg = _config(**GRPO, **PURE, **TOPK, **{"actor_rollout_ref.distillation.topk": v})
+    sc = build.stage_config(cfg, total_steps=1, data_parallel=1, actor=MODEL)
+    assert sc.ref_packing is not None  # the packed, shared-prompt forward
+    teacher = _full_log_softmax(3, batch, sc.temperature)
+    top, ids = np.asarray(batch.teacher_topk_log_probs), np.asarray(batch.teacher_topk_ids)
+    assert top.shape == ids.shape == (4, 4, v) and ids.dtype == np.int32
+    want = -np.sort(-teacher, axis=-1) * MASK_BxR[..., None]
+    np.testing.assert_allclose(top, want, atol=1e-5)
+    picked = np.take_along_axis(teacher, ids, -1) * MASK_BxR[..., None]
+    np.testing.assert_allclose(picked, top, atol=1e-5)  # the ids name those log-probs
+    np.testing.assert_array_equal(np.asarray(batch.advantages), 0)  # pure distillation
+    graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
+    state = build.init_train_state(params, sc.actor_optim)
+    _, metrics, _ = passes.update_actor(graphdef, state, batch, jax.random.key(0), sc)
+    student = _full_log_softmax(0, batch, sc.temperature)
+    kl = np.sum(np.exp(teacher) * (teacher - student), -1)
+    want_loss = (kl * MASK_BxR).sum() / MASK_BxR.sum()  # actor.loss_agg_mode token-mean
+    assert want_loss > 1e-3  # two random models, near uniform: they differ a little
+    np.testing.assert_allclose(
+        float(metrics["actor/distillation_loss"]), want_loss, rtol=1e-5, atol=1e-7
+    )
+
+
+def test_top_k_key_and_loss_mode_go_together():
+    with pytest.raises(ValueError, match="distillation.topk must be >= 1 exactly when"):
+        build.stage_config(_config(**GRPO, **PURE, **TOPK), 1, 1)
+    topk = {"actor_rollout_ref.distillation.topk": 4}
+    with pytest.raises(ValueError, match="distillation.topk must be >= 1 exactly when"):
+        build.stage_config(_config(**GRPO, **PURE, **topk), 1, 1)

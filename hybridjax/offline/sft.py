@@ -36,9 +36,10 @@ from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.config.roles import data_parallel_size
+from hybridjax.config.run import dtype_of
 from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
-from hybridjax.models.config import DTYPE_NAMES, ModelConfig
+from hybridjax.models.config import DTYPE_CHOICES, ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.logprobs import FUSED, LogProbConfig, next_token_log_probs
@@ -72,7 +73,7 @@ def sft_config() -> ConfigDict:
     c.model = dict(
         path="",
         override_config=ConfigDict(),
-        dtype="float32",
+        dtype="auto",  # compute dtype; auto: bfloat16 on GPU/TPU, float32 on CPU
         lora_rank=0,  # > 0: train LoRA adapters only (hybridjax.models.lora)
         lora_alpha=16.0,
         target_modules="all-linear",  # or projection names, e.g. "q_proj,v_proj"
@@ -106,6 +107,8 @@ def sft_config() -> ConfigDict:
         resume_mode="auto",  # auto | disable
         max_ckpt_to_keep=1,
         progress_bar=False,
+        # JAX's persistent compilation cache, as the RL trainer's (hybridjax.compilation_cache)
+        compilation_cache_dir="auto",
     )
     c.mesh = dict(train=dict(data=-1, fsdp=1, tensor=1))
     return c
@@ -335,7 +338,7 @@ def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM | LoRAM
     """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`;
     wrapped in fresh LoRA adapters when `model.lora_rank` > 0."""
     lora = LoRAConfig.from_config(cfg.model, "model")
-    overrides = {"dtype": cfg.model.dtype} | dict(cfg.model.override_config)
+    overrides = {"dtype": dtype_of(cfg.model.dtype)} | dict(cfg.model.override_config)
     if cfg.model.path:
         shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
         model = load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
@@ -368,7 +371,7 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     for key, value, choices in (
         ("trainer.resume_mode", t.resume_mode, ("auto", "disable")),
         ("data.truncation", cfg.data.truncation, ("error", "right")),
-        ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
+        ("model.dtype", cfg.model.dtype, DTYPE_CHOICES),
     ):
         if value not in choices:
             raise ConfigError(f"{key}: one of {choices} (got {value!r})")

@@ -406,13 +406,15 @@ def declared_config() -> ConfigDict:
     )
     c.mesh = dict(
         train=dict(
-            # training mesh ("data", "expert", "fsdp", "tensor"); sizes multiply to the devices
-            data=-1,
+            # training mesh ("data", "expert", "fsdp", "tensor"); sizes multiply to the devices,
+            # one of them may be -1 (the rest). Default: verl's FSDP, parameters, gradients and
+            # optimizer states sharded over every device (fsdp=-1); data=-1 fsdp=1 replicates
+            data=1,
             # expert parallelism of a MoE model: experts split num_experts/expert per device
             # (must divide num_experts; > 1 needs a MoE model); its ranks split the batch like
             # data, so batch rows split over data × expert × fsdp (docs/model-families.md)
             expert=positive(1),
-            fsdp=1,
+            fsdp=-1,
             tensor=1,
         ),
         generate=dict(data=-1, tensor=1),

@@ -111,7 +111,7 @@ def test_expert_axis_is_checked_against_the_models():
     )  # fmt: skip
     validate_models(c, 8, {"actor_rollout_ref.model": moe})
     run = resolve(c, moe, steps_per_epoch=1)
-    assert dict(run.meshes.train.shape) == {"data": 4, "expert": 2, "fsdp": 1, "tensor": 1}
+    assert dict(run.meshes.train.shape) == {"data": 1, "expert": 2, "fsdp": 4, "tensor": 1}
     assert run.data_parallel == 8
 
 

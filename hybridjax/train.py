@@ -16,6 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from hybridjax.allocator import set_allocator_fraction
+from hybridjax.compilation_cache import set_compilation_cache
 from hybridjax.errors import ConfigError, cli_errors, run_main
 from hybridjax.metrics.console import configure_logging
 
@@ -47,6 +48,7 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
         set_allocator_fraction(config.trainer.device_memory_fraction)  # before JAX starts
+        set_compilation_cache(config.trainer.compilation_cache_dir)  # before the first compile
         initialize(DistributedConfig.from_config(config))  # before any other JAX call
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -27,6 +27,7 @@ from hybridjax.algorithms.advantages import (
 )
 from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
 from hybridjax.config import fields
+from hybridjax.config.run import dtype_of
 from hybridjax.config.schema import base_config, declared_checks
 from hybridjax.data.dataset import as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
@@ -247,7 +248,7 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
     )
     need(
-        a.model.lora_rank == 0 or a.ref.fsdp_config.model_dtype == "float32",
+        a.model.lora_rank == 0 or dtype_of(a.ref.fsdp_config.model_dtype) == "float32",
         f"{REF_DTYPE}={a.ref.fsdp_config.model_dtype!r}: with LoRA the reference is the "
         "actor's own base weights (adapters off); leave it 'float32'",
     )

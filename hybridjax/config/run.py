@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.config.roles import Roles, batch_sharding, data_parallel_size
-from hybridjax.models.config import ModelConfig
+from hybridjax.models.config import AUTO_DTYPE, ModelConfig, auto_dtype
 from hybridjax.sharding.mesh import HybridMeshes
 from hybridjax.sharding.pools import make_placement
 
@@ -64,6 +64,41 @@ class RunConfig:
         """The `StageConfig` of `role`'s pool (`ref`, `teacher`, `critic`): micro-batches and
         packing follow that pool's data parallelism; the actor's `stage_cfg` when they share one."""
         return self.role_stage_cfgs.get(role, self.stage_cfg)
+
+
+# the config's dtype keys that accept `auto` (`resolve_dtypes`)
+DTYPE_KEYS = (
+    "actor_rollout_ref.model.dtype",
+    "actor_rollout_ref.rollout.dtype",
+    "actor_rollout_ref.ref.fsdp_config.model_dtype",
+    "reward_model.model.dtype",
+)
+
+
+def dtype_of(name: str, backend: str | None = None) -> str:
+    """`name`, or for `auto` the compute dtype of `backend` (default `jax.default_backend()`):
+    bfloat16 on GPU and TPU, float32 on CPU (`hybridjax.models.config.auto_dtype`)."""
+    if name != AUTO_DTYPE:
+        return name
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return auto_dtype(backend)
+
+
+def resolve_dtypes(cfg: ConfigDict, backend: str | None = None) -> ConfigDict:
+    """Replaces, in place, every `auto` among `DTYPE_KEYS` by `dtype_of(auto, backend)`, so
+    the checks, the models, the engine and the planner all read the dtype the run uses; returns
+    `cfg`. The trainer calls it on its own backend before checking the config, the planner on
+    the backend it plans for (`--target`)."""
+    for key in DTYPE_KEYS:
+        *path, leaf = key.split(".")
+        node = cfg
+        for part in path:
+            node = node[part]
+        node[leaf] = dtype_of(node[leaf], backend)
+    return cfg
 
 
 def total_steps(cfg: ConfigDict, steps_per_epoch: int) -> int:

@@ -43,7 +43,7 @@ from hybridjax.config.fields import (
 )
 from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT
 from hybridjax.metrics.tracking import LOGGERS
-from hybridjax.models.config import DTYPE_NAMES
+from hybridjax.models.config import DTYPE_CHOICES
 from hybridjax.rewards.genrm import DEFAULT_TEMPLATE, VERDICT_PARSERS
 from hybridjax.rewards.manager import COMBINE, ON_ERROR_POLICIES, REWARD_MANAGERS
 from hybridjax.rollout.config import ATTENTION_IMPLS, PAGE_ALLOCATIONS
@@ -127,7 +127,8 @@ def declared_config() -> ConfigDict:
             path="",  # HF checkpoint dir; "" = random init from override_config
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
-            dtype=one_of("float32", DTYPE_NAMES),  # compute dtype of training matmuls
+            # compute dtype of training matmuls; auto: bfloat16 on GPU/TPU, float32 on CPU
+            dtype=one_of("auto", DTYPE_CHOICES),
             # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is
             # "all-linear" (every attention and MLP projection) or names, e.g. "q_proj,v_proj"
             lora_rank=0,
@@ -190,9 +191,9 @@ def declared_config() -> ConfigDict:
             log_prob_use_dynamic_bsz=False,
             log_prob_max_token_len_per_gpu=16384,
             use_prefix_sharing=True,
-            # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; not with LoRA,
-            # whose reference is the actor's base weights)
-            fsdp_config=dict(param_offload=False, model_dtype=one_of("float32", DTYPE_NAMES)),
+            # model_dtype: the frozen copy's parameter dtype (bfloat16 halves it; auto as
+            # model.dtype; not with LoRA, whose reference is the actor's base weights)
+            fsdp_config=dict(param_offload=False, model_dtype=one_of("float32", DTYPE_CHOICES)),
         ),
         # on-policy distillation (verl's keys; hybridjax.algorithms.distillation): a frozen
         # teacher scores the student's sampled tokens in a `teacher` stage beside `ref` (on
@@ -228,8 +229,8 @@ def declared_config() -> ConfigDict:
             do_sample=True,
             prompt_length=512,
             response_length=512,
-            # generation-layout dtype (update_weights casts to it)
-            dtype=one_of("float32", DTYPE_NAMES),
+            # generation-layout dtype (update_weights casts to it); auto as model.dtype
+            dtype=one_of("auto", DTYPE_CHOICES),
             gpu_memory_utilization=within(0.5, 0, 1, low_open=True),
             # release the KV pool and the generation weights after gen (hybridjax.rl.residency)
             free_cache_engine=True,
@@ -295,11 +296,11 @@ def declared_config() -> ConfigDict:
     )
     c.reward_model = dict(
         enable=False,
-        # dtype: its params
+        # dtype: its params and compute (auto as actor_rollout_ref.model.dtype)
         model=dict(
             path="",
             use_remove_padding=True,
-            dtype=one_of("float32", DTYPE_NAMES),
+            dtype=one_of("float32", DTYPE_CHOICES),
             # its weights in host memory except while it scores (`reward`)
             fsdp_config=dict(param_offload=False),
         ),
@@ -417,6 +418,9 @@ def declared_config() -> ConfigDict:
         # fraction of each GPU JAX's allocator takes (hybridjax.allocator); set before JAX
         # starts, XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; CPU ignores it
         device_memory_fraction=within(0.9, 0, 1, low_open=True),
+        # JAX's persistent compilation cache (hybridjax.compilation_cache): auto = jax/ under
+        # the user's cache directory, "" = off, or a path; JAX_COMPILATION_CACHE_DIR wins
+        compilation_cache_dir="auto",
         # edits of the default step (hybridjax.rl.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"
         stages=(),
@@ -432,13 +436,15 @@ def declared_config() -> ConfigDict:
     )
     c.mesh = dict(
         train=dict(
-            # training mesh ("data", "expert", "fsdp", "tensor"); sizes multiply to the devices
-            data=-1,
+            # training mesh ("data", "expert", "fsdp", "tensor"); sizes multiply to the devices,
+            # one of them may be -1 (the rest). Default: verl's FSDP, parameters, gradients and
+            # optimizer states sharded over every device (fsdp=-1); data=-1 fsdp=1 replicates
+            data=1,
             # expert parallelism of a MoE model: experts split num_experts/expert per device
             # (must divide num_experts; > 1 needs a MoE model); its ranks split the batch like
             # data, so batch rows split over data × expert × fsdp (docs/model-families.md)
             expert=positive(1),
-            fsdp=1,
+            fsdp=-1,
             tensor=1,
         ),
         generate=dict(data=-1, tensor=1),

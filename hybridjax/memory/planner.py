@@ -262,8 +262,10 @@ def plan_memory(
     """Plans `cfg` on the first `devices` devices of this process (all by default).
 
     Args:
-      cfg: a full trainer config (validated).
-      actor_config: the actor's ModelConfig (`hybridjax.rl.build.actor_model_config`).
+      cfg: a full trainer config (validated); its `auto` dtypes are resolved, in place, for
+        `target` (`hybridjax.config.run.resolve_dtypes`: bfloat16 on GPU).
+      actor_config: the actor's ModelConfig (`hybridjax.rl.build.actor_model_config`), built
+        from `cfg` with its dtypes resolved for `target`.
       devices: how many of `jax.devices()` the meshes span.
       capacity_bytes: memory of one device; None = the device's `bytes_limit`, else (CPU) the
         host's physical memory split over its local devices.
@@ -278,7 +280,7 @@ def plan_memory(
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
-    from hybridjax.config.run import resolve
+    from hybridjax.config.run import resolve, resolve_dtypes
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
@@ -297,6 +299,7 @@ def plan_memory(
         REWARD_MODEL_RULES,
     )
 
+    resolve_dtypes(cfg, target)
     available = jax.devices()
     devices = devices or len(available)
     if devices > len(available):
@@ -628,10 +631,11 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_num_cpu_devices", f.devices)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from hybridjax.allocator import ENV, memory_fraction
+    from hybridjax.config.run import resolve_dtypes
     from hybridjax.rl import build
     from hybridjax.sharding import check_parallelism
 
-    cfg = _CONFIG.value
+    cfg = resolve_dtypes(_CONFIG.value, f.target)  # `auto`: the planned devices' dtype
     if cfg.actor_rollout_ref.model.path:
         actor_config = build.actor_model_config(cfg, tokenizer=None)
     else:

@@ -40,6 +40,16 @@ QWEN_WINDOW_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_NAMES = tuple(sorted(_DTYPES))  # the dtype names `to_dtype` accepts
+AUTO_DTYPE = "auto"  # a config's compute dtype chosen for the backend (`auto_dtype`)
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPE_NAMES)  # what the config's dtype keys accept
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")  # backends whose matmuls run bfloat16 natively
+
+
+def auto_dtype(backend: str) -> str:
+    """The compute dtype `auto` means on `backend` (`jax.default_backend()`, or the planner's
+    `--target`): "bfloat16" on a GPU or TPU (their matrix units' native input type, as
+    verl's bf16 FSDP default), "float32" on CPU (exact, and what the CPU tests check)."""
+    return "bfloat16" if backend in ACCELERATORS else "float32"
 
 
 def to_dtype(name: str | Any) -> Any:

@@ -51,6 +51,7 @@ from hybridjax.offline.sft import (
     read_rows,
     sft_config,
     tokenize_pairs,
+    training_head,
 )
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,9 @@ def sequence_log_probs(
     return (token_NxT * mask_NxT).sum(-1), mask_NxT.sum(-1)
 
 
-def _pair_terms(graphdef, params, batch, config: DPOConfig):
+def _pair_terms(graphdef, params, batch, config: DPOConfig, head: LogProbConfig = FUSED):
     """Rows are [chosen (B); rejected (B)]; `ref_logps` (2B) the reference's log-probs."""
-    logps, lengths = sequence_log_probs(graphdef, params, batch)
+    logps, lengths = sequence_log_probs(graphdef, params, batch, head)
     b = logps.shape[0] // 2
     ref = batch["ref_logps"]
     loss, chosen_r, rejected_r = pair_losses(
@@ -175,18 +176,20 @@ def _pair_terms(graphdef, params, batch, config: DPOConfig):
 
 @dataclasses.dataclass(frozen=True)
 class DPOObjective:
-    """The loss of `loop.train_step` (hashable: a static argument)."""
+    """The loss of `loop.train_step` (hashable: a static argument); `head` as
+    `models.logprobs` (`sft.training_head`: vocab-parallel on the training mesh)."""
 
     config: DPOConfig
+    head: LogProbConfig = FUSED
 
     def __call__(self, graphdef, params, batch):
-        terms = _pair_terms(graphdef, params, batch, self.config)
+        terms = _pair_terms(graphdef, params, batch, self.config, self.head)
         metrics = dpo_metrics(*terms)
         return metrics.pop("loss"), metrics
 
 
-_pair_terms_jit = jax.jit(_pair_terms, static_argnums=(0, 3))
-_sequence_log_probs = jax.jit(sequence_log_probs, static_argnums=0)
+_pair_terms_jit = jax.jit(_pair_terms, static_argnums=(0, 3, 4))
+_sequence_log_probs = jax.jit(sequence_log_probs, static_argnums=(0, 3))
 
 
 # ---------------------------------------------------------------------------------- data
@@ -229,24 +232,29 @@ def _batches(num_pairs: int, bs: int):
         yield np.concatenate([idx, np.zeros(bs - len(idx), int)]), len(idx)
 
 
-def reference_log_probs(graphdef, params, pairs, bs: int, rows) -> np.ndarray:
+def reference_log_probs(
+    graphdef, params, pairs, bs: int, rows, head: LogProbConfig = FUSED
+) -> np.ndarray:
     """The reference's sequence log-probs, P×2 float32 (the model as given; LoRA adapters off).
     One forward pass over the pairs; host sync per batch."""
     params = adapters_off(params)
     out = np.zeros(pairs["input_ids"].shape[:2], np.float32)
     for idx, n in _batches(len(out), bs):
-        logps, _ = _sequence_log_probs(graphdef, params, loop.place(_rows(pairs, idx), rows))
+        placed = loop.place(_rows(pairs, idx), rows)
+        logps, _ = _sequence_log_probs(graphdef, params, placed, head)
         logps = np.asarray(logps)
         out[idx[:n], 0], out[idx[:n], 1] = logps[:bs][:n], logps[bs:][:n]
     return out
 
 
-def evaluate(graphdef, params, pairs, ref, bs, rows, config: DPOConfig) -> dict[str, float]:
+def evaluate(
+    graphdef, params, pairs, ref, bs, rows, config: DPOConfig, head: LogProbConfig = FUSED
+) -> dict[str, float]:
     """`eval_*` metrics over every validation pair."""
     terms = [[] for _ in range(5)]
     for idx, n in _batches(len(ref), bs):
         batch = _rows(pairs, idx) | {"ref_logps": np.concatenate([ref[idx, 0], ref[idx, 1]])}
-        out = _pair_terms_jit(graphdef, params, loop.place(batch, rows), config)
+        out = _pair_terms_jit(graphdef, params, loop.place(batch, rows), config, head)
         for acc, value in zip(terms, out, strict=True):
             acc.append(np.asarray(value)[:n])
     arrays = [jnp.asarray(np.concatenate(t)) for t in terms]
@@ -275,9 +283,10 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     t, bs = cfg.trainer, cfg.data.train_batch_size
     run = loop.setup(cfg, overwrite, load_preferences, build_model)
     graphdef, params, train, val, rows = run.graphdef, run.params, run.train, run.val, run.rows
+    head = training_head(run.mesh)  # vocab-parallel on the training mesh, as the RL passes
     reference = loop.on_mesh(run.mesh, reference_log_probs)
-    ref_train = reference(graphdef, params, train, bs, rows)  # before any resume
-    ref_val = None if val is None else reference(graphdef, params, val, bs, rows)
+    ref_train = reference(graphdef, params, train, bs, rows, head)  # before any resume
+    ref_val = None if val is None else reference(graphdef, params, val, bs, rows, head)
 
     def batch_fn(step: int) -> dict[str, jax.Array]:
         idx = batch_indices(len(ref_train), bs, step, t.seed)
@@ -286,9 +295,9 @@ def run_dpo(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
 
     validate = None
     if val is not None:
-        validate = lambda p: evaluate(graphdef, p, val, ref_val, bs, rows, config)  # noqa: E731
+        validate = lambda p: evaluate(graphdef, p, val, ref_val, bs, rows, config, head)  # noqa: E731
     step_fn = functools.partial(
-        loop.train_step, graphdef, run.optim, DPOObjective(config), TRL_METRIC_NAMES
+        loop.train_step, graphdef, run.optim, DPOObjective(config, head), TRL_METRIC_NAMES
     )
     return loop.train_and_export(cfg, run, step_fn, batch_fn, validate, overwrite, "DPO")
 

@@ -31,6 +31,7 @@ from ml_collections import ConfigDict
 from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
 from hybridjax.checkpointing.run_lock import hold_outputs
+from hybridjax.compilation_cache import set_compilation_cache
 from hybridjax.config.roles import batch_sharding, data_parallel_size
 from hybridjax.errors import ConfigError
 from hybridjax.metrics import Tracking
@@ -240,6 +241,7 @@ def setup(
       ExportError: `trainer.output_dir` is not empty and `overwrite` is False.
     """
     t = cfg.trainer
+    set_compilation_cache(t.compilation_cache_dir)  # before the first compile
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     check_export_target(os.path.abspath(out), overwrite)
     hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)

@@ -22,6 +22,7 @@ covers the assistant turns only (`response_tokens`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -36,9 +37,10 @@ from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
 from hybridjax.config.roles import data_parallel_size
+from hybridjax.config.run import dtype_of
 from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
-from hybridjax.models.config import DTYPE_NAMES, ModelConfig
+from hybridjax.models.config import DTYPE_CHOICES, ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.logprobs import FUSED, LogProbConfig, next_token_log_probs
@@ -72,7 +74,7 @@ def sft_config() -> ConfigDict:
     c.model = dict(
         path="",
         override_config=ConfigDict(),
-        dtype="float32",
+        dtype="auto",  # compute dtype; auto: bfloat16 on GPU/TPU, float32 on CPU
         lora_rank=0,  # > 0: train LoRA adapters only (hybridjax.models.lora)
         lora_alpha=16.0,
         target_modules="all-linear",  # or projection names, e.g. "q_proj,v_proj"
@@ -106,6 +108,8 @@ def sft_config() -> ConfigDict:
         resume_mode="auto",  # auto | disable
         max_ckpt_to_keep=1,
         progress_bar=False,
+        # JAX's persistent compilation cache, as the RL trainer's (hybridjax.compilation_cache)
+        compilation_cache_dir="auto",
     )
     # expert: expert parallelism of a MoE model (experts split over it; its ranks split the
     # batch like data), as the RL trainer's mesh.train.expert
@@ -295,20 +299,30 @@ def sft_loss(
     return -(log_probs * mask_BxT).sum(), mask_BxT.sum()
 
 
-def sft_objective(graphdef, params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+def sft_objective(
+    graphdef, params, batch: dict[str, jax.Array], head: LogProbConfig = FUSED
+) -> tuple[jax.Array, dict]:
     """Token-mean response NLL (the loss of `loop.train_step`), no extra metrics."""
-    total, count = sft_loss(graphdef, params, batch)
+    total, count = sft_loss(graphdef, params, batch, head)
     return total / jnp.maximum(count, 1.0), {}
 
 
 SFT_METRIC_NAMES = ("train/loss", "train/lr", "train/grad_norm")  # verl's SFT names
-_eval_loss = jax.jit(sft_loss, static_argnums=0)
+_eval_loss = jax.jit(sft_loss, static_argnums=(0, 3))
 
 
-def packed_sft_gradients(graphdef, trainable, frozen, batch, config: packing.PackingConfig):
+def packed_sft_gradients(
+    graphdef,
+    trainable,
+    frozen,
+    batch,
+    config: packing.PackingConfig,
+    head: LogProbConfig = FUSED,
+):
     """((token-mean response NLL, {}), its gradient w.r.t. `trainable`) over packed buffers of
     the batch: each pair is one sequence (no shared prompt), buffers summed in a
-    `lax.while_loop`; equal to `value_and_grad` of the padded `sft_objective`."""
+    `lax.while_loop`; equal to `value_and_grad` of the padded `sft_objective`; `head` as
+    `models.logprobs`."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     b, length = ids.shape
     target_mask = batch["loss_mask"].at[:, 0].set(0.0)  # token 0 has no prediction
@@ -318,7 +332,8 @@ def packed_sft_gradients(graphdef, trainable, frozen, batch, config: packing.Pac
 
     def loss_k(t, step_plan, k):
         f = dict(fields, pack_plan=step_plan, pack_buffer=k)
-        log_probs, _ = response_log_probs(graphdef, merge_trainable(t, frozen), f, 1.0)
+        params = merge_trainable(t, frozen)
+        log_probs, _ = response_log_probs(graphdef, params, f, 1.0, head=head)
         return -(log_probs * target_mask).sum() / count
 
     def body(step_plan, k, acc):
@@ -333,11 +348,18 @@ def packed_sft_gradients(graphdef, trainable, frozen, batch, config: packing.Pac
 # ---------------------------------------------------------------------------------- the run
 
 
+def training_head(mesh) -> LogProbConfig:
+    """The fused head on the training mesh, as the RL passes run it (`LogProbConfig.mesh`):
+    vocab-parallel when `mesh.train.tensor` / `fsdp` split the vocabulary, so the LM head
+    and its gradient are never gathered (docs/memory.md)."""
+    return dataclasses.replace(FUSED, mesh=mesh)
+
+
 def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM | LoRAModel:
     """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`;
     wrapped in fresh LoRA adapters when `model.lora_rank` > 0."""
     lora = LoRAConfig.from_config(cfg.model, "model")
-    overrides = {"dtype": cfg.model.dtype} | dict(cfg.model.override_config)
+    overrides = {"dtype": dtype_of(cfg.model.dtype)} | dict(cfg.model.override_config)
     if cfg.model.path:
         shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
         model = load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
@@ -370,18 +392,19 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     for key, value, choices in (
         ("trainer.resume_mode", t.resume_mode, ("auto", "disable")),
         ("data.truncation", cfg.data.truncation, ("error", "right")),
-        ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
+        ("model.dtype", cfg.model.dtype, DTYPE_CHOICES),
     ):
         if value not in choices:
             raise ConfigError(f"{key}: one of {choices} (got {value!r})")
     run = loop.setup(cfg, overwrite, load_split, build_model)
     graphdef, train, val, rows = run.graphdef, run.train, run.val, run.rows
     bs = cfg.data.train_batch_size
-    objective = sft_objective
+    head = training_head(run.mesh)
+    objective = functools.partial(sft_objective, head=head)
     if cfg.model.use_remove_padding:  # rows of max_length; budget = the padded batch's tokens
         pieces = data_parallel_size(run.mesh)
         packed = packing.PackingConfig(cfg.data.max_length, max(bs // pieces, 1), pieces, False)
-        objective = loop.WithGradients(packed_sft_gradients, packed)
+        objective = loop.WithGradients(functools.partial(packed_sft_gradients, head=head), packed)
     step_fn = functools.partial(loop.train_step, graphdef, run.optim, objective, SFT_METRIC_NAMES)
     num_rows = len(train["input_ids"])
     batch_fn = lambda step: loop.place(  # noqa: E731
@@ -389,11 +412,13 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     )
     validate = None
     if val is not None:
-        validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows)}  # noqa: E731
+        validate = lambda p: {"val/loss": validation_loss(graphdef, p, val, bs, rows, head)}  # noqa: E731
     return loop.train_and_export(cfg, run, step_fn, batch_fn, validate, overwrite, "SFT")
 
 
-def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows) -> float:
+def validation_loss(
+    graphdef, params, val: dict[str, np.ndarray], bs: int, rows, head: LogProbConfig = FUSED
+) -> float:
     """Token-mean response NLL over the validation rows (the last partial batch padded with
     rows whose loss mask is zero, so every batch has one compiled shape)."""
     total = count = 0.0
@@ -403,7 +428,8 @@ def validation_loss(graphdef, params, val: dict[str, np.ndarray], bs: int, rows)
         short = bs - len(batch["input_ids"])
         if short:
             batch = {k: np.concatenate([v, np.zeros_like(v[:short])]) for k, v in batch.items()}
-        s, c = _eval_loss(graphdef, params, {k: jax.device_put(v, rows) for k, v in batch.items()})
+        placed = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        s, c = _eval_loss(graphdef, params, placed, head)
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
 

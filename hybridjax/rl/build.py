@@ -21,6 +21,7 @@ from hybridjax.algorithms.config import (
     OverlongBufferConfig,
 )
 from hybridjax.algorithms.distillation import DistillationConfig
+from hybridjax.config.run import dtype_of
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
@@ -94,7 +95,7 @@ def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
 
 def _overrides(cfg: ConfigDict) -> dict[str, Any]:
     model = cfg.actor_rollout_ref.model
-    out = {"remat": model.enable_gradient_checkpointing, "dtype": model.dtype}
+    out = {"remat": model.enable_gradient_checkpointing, "dtype": dtype_of(model.dtype)}
     return out | dict(model.override_config)
 
 
@@ -159,7 +160,7 @@ def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Seque
 def build_reward_model(cfg: ConfigDict, mesh) -> SequenceClassifier:
     """The reward model (`reward_model.model.path`, an HF `*ForSequenceClassification`),
     forward-only, in the reward-model layout of the training mesh."""
-    dtype = cfg.reward_model.model.dtype  # parameters and compute (`reward_model.model.dtype`)
+    dtype = dtype_of(cfg.reward_model.model.dtype)  # parameters and compute
     return load_pretrained(
         cfg.reward_model.model.path,
         kind="classifier",
@@ -180,7 +181,8 @@ def build_judge(cfg: ConfigDict, mesh, seed: int = 0):
         return None
     config = dataclasses.replace(genrm.JudgeConfig.from_dict(rm.generative), seed=seed)
     engine_config = genrm.judge_engine_config(rm.generative)
-    return genrm.load_judge(rm.model.path, config, engine_config, mesh, rm.model.dtype).score
+    dtype = dtype_of(rm.model.dtype)
+    return genrm.load_judge(rm.model.path, config, engine_config, mesh, dtype).score
 
 
 def teacher_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
@@ -420,7 +422,7 @@ def restored(state: TrainState, saved: TrainState) -> TrainState:
 def frozen_copy(params: Any, cfg: ConfigDict) -> Any:
     """A copy of `params` (same shardings) for the reference model, floating leaves in
     `ref.fsdp_config.model_dtype` (verl's key: bfloat16 halves a frozen model's bytes)."""
-    dtype = jnp.dtype(cfg.actor_rollout_ref.ref.fsdp_config.model_dtype)
+    dtype = jnp.dtype(dtype_of(cfg.actor_rollout_ref.ref.fsdp_config.model_dtype))
     floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
     return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else jnp.copy(x), params)
 

@@ -28,7 +28,7 @@ from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.checkpointing.run_lock import hold_run_directory
 from hybridjax.config import checks
-from hybridjax.config.run import resolve
+from hybridjax.config.run import resolve, resolve_dtypes
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
 from hybridjax.metrics.console import announce
@@ -71,7 +71,7 @@ class RLTrainer:
     """
 
     def __init__(self, cfg: ConfigDict, pipeline: Pipeline | None = None, read_only: bool = False):
-        self.cfg = cfg
+        self.cfg = resolve_dtypes(cfg)  # `auto` dtypes for this backend, before any check
         num_compiles()  # starts counting: `perf/num_compiles` includes this run's first compiles
         self.n_devices = jax.device_count()
         checks.validate(cfg, self.n_devices)  # before any file is read or model built

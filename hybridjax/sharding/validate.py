@@ -32,6 +32,13 @@ BATCH_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
+# mesh.train.fsdp is -1 by default: a config that sets data=-1 has two
+TWO_FREE_HINT = (
+    "mesh.train.fsdp=-1 is the default, parameters sharded over every device; "
+    "mesh.train.data=-1 mesh.train.fsdp=1 replicates them instead"
+)
+
+
 def _get(config: Any, key: str) -> Any:
     """`config["a"]["b"]` for `key="a.b"`, or None when any part is missing."""
     node = config
@@ -54,7 +61,16 @@ def _mesh_problems(
             resolved[layout] = dict(zip(names, resolve_sizes(sizes, num_devices), strict=True))
         except ValueError:
             given = ", ".join(f"mesh.{layout}.{a}={s}" for a, s in zip(names, sizes, strict=True))
-            problems.append(f"{given}: must multiply to the {num_devices} devices (at most one -1)")
+            free = [f"mesh.{layout}.{a}" for a, s in zip(names, sizes, strict=True) if s == -1]
+            if len(free) > 1:
+                problems.append(
+                    f"{given}: only one axis may be -1 (the rest of the devices), not "
+                    f"{' and '.join(free)}; give the others a size ({TWO_FREE_HINT})"
+                )
+            else:
+                problems.append(
+                    f"{given}: must multiply to the {num_devices} devices (at most one -1)"
+                )
     return problems, resolved.get("train"), resolved.get("generate")
 
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec
 
 from hybridjax.config.checks import ConfigError, validate, validate_models
 from hybridjax.config.roles import Roles
-from hybridjax.config.run import resolve, total_steps
+from hybridjax.config.run import dtype_of, resolve, resolve_dtypes, total_steps
 from hybridjax.models.config import ModelConfig
 from tests.rl.tiny_run import load_config_file
 
@@ -111,7 +111,7 @@ def test_expert_axis_is_checked_against_the_models():
     )  # fmt: skip
     validate_models(c, 8, {"actor_rollout_ref.model": moe})
     run = resolve(c, moe, steps_per_epoch=1)
-    assert dict(run.meshes.train.shape) == {"data": 4, "expert": 2, "fsdp": 1, "tensor": 1}
+    assert dict(run.meshes.train.shape) == {"data": 1, "expert": 2, "fsdp": 4, "tensor": 1}
     assert run.data_parallel == 8
 
 
@@ -129,3 +129,34 @@ def test_router_replay_r3_needs_a_mixture_of_experts_actor():
         num_experts_per_tok=2, moe_intermediate_size=8,
     )  # fmt: skip
     validate_models(c, 8, {"actor_rollout_ref.model": moe})
+
+
+@pytest.mark.parametrize(
+    "backend, dtype",
+    [("gpu", "bfloat16"), ("cuda", "bfloat16"), ("rocm", "bfloat16"), ("tpu", "bfloat16"),
+     ("cpu", "float32")],
+)  # fmt: skip
+def test_auto_is_the_backends_compute_dtype(backend, dtype):
+    assert dtype_of("auto", backend) == dtype
+    assert dtype_of("float16", backend) == "float16"  # a named dtype stays
+
+
+def test_resolve_dtypes_replaces_every_auto_in_place():
+    c = _tiny(**{"actor_rollout_ref.ref.fsdp_config.model_dtype": "auto"})
+    assert c.actor_rollout_ref.model.dtype == c.actor_rollout_ref.rollout.dtype == "auto"
+    assert resolve_dtypes(c, "gpu") is c
+    a = c.actor_rollout_ref
+    assert a.model.dtype == a.rollout.dtype == a.ref.fsdp_config.model_dtype == "bfloat16"
+    assert c.reward_model.model.dtype == "float32"  # its default stays float32
+    c = resolve_dtypes(_tiny(), "cpu")  # the CPU tests' float32
+    assert c.actor_rollout_ref.model.dtype == c.actor_rollout_ref.rollout.dtype == "float32"
+    assert dtype_of("auto") == "float32"  # this process's backend: the test suite's CPU
+
+
+def test_auto_reference_with_lora_is_checked_as_it_resolves():
+    c = _tiny(**{"actor_rollout_ref.model.lora_rank": 4})
+    c.actor_rollout_ref.ref.fsdp_config.model_dtype = "auto"  # float32 on this CPU backend
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    validate(c, 8)
+    with pytest.raises(ConfigError, match="base weights"):
+        validate(resolve_dtypes(c, "gpu"), 8)

@@ -11,6 +11,7 @@ import pytest
 import hybridjax
 from configs.tiny import get_config
 from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.run import resolve_dtypes
 from hybridjax.memory import planner as plan
 from hybridjax.rl import build
 from hybridjax.sharding import MeshConfig, make_meshes
@@ -296,3 +297,26 @@ def test_routing_replay_stages_compile_with_the_recorded_experts():
     update = {p: next(s for s in plans[p].stages if s.name == "update_actor") for p in plans}
     grown = update["R3"].peak - update["disabled"].peak
     assert grown >= routed, (grown, routed)
+
+
+def _gpu_plan(**dtypes):
+    c = _grpo(2)
+    c.update_from_flattened_dict(dtypes)
+    c.actor_rollout_ref.actor.use_kl_loss = True  # a reference, in its own dtype
+    resolve_dtypes(c, "gpu")  # as `python -m hybridjax.plan --target=gpu` does
+    actor = build.actor_model_config(c, build.load_tokenizer(c))
+    return plan.plan_memory(c, actor, 2, 10**9, target="gpu", compile_stages=False).to_dict()
+
+
+def test_auto_dtypes_plan_a_gpu_run_in_bfloat16():
+    """Planned from this CPU for GPUs, `auto` (the default of model.dtype and rollout.dtype)
+    counts as bfloat16, not as the host's float32."""
+    ref = "actor_rollout_ref.ref.fsdp_config.model_dtype"
+    auto = _gpu_plan(**{ref: "auto"})
+    keys = ["actor_rollout_ref.model.dtype", "actor_rollout_ref.rollout.dtype", ref]
+    assert auto == _gpu_plan(**dict.fromkeys(keys, "bfloat16"))
+    f32 = _gpu_plan(**dict.fromkeys(keys, "float32"))
+    gen, gen32 = auto["stages"]["gen"], f32["stages"]["gen"]
+    assert 2 * gen["rollout weights"] == gen32["rollout weights"]
+    assert 2 * gen["ref params"] == gen32["ref params"]
+    assert 2 * auto["kv_page_bytes"] == f32["kv_page_bytes"]  # the pool in the compute dtype

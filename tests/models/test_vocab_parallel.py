@@ -11,6 +11,7 @@ and the embedding is never gathered; without the mesh (GSPMD's own choice) they 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -170,3 +171,61 @@ def test_embedding_lookup_is_local_and_summed(partitioned):
     d, v = CONFIG.hidden_size, VOCAB
     for shape in (f"[{v},{d}]", f"[{v // 2},{d}]", f"[{v // 4},{d}]"):
         assert not re.search(rf"{re.escape(shape)}[^ ]* all-gather\(", hlo), shape
+
+
+def _sft_gradients(mesh, head):
+    """(loss, gradients, partitioned HLO) of the step of `python -m hybridjax.sft` (packed
+    rows, `packed_sft_gradients`) for a 1-layer model on `mesh` with `head`."""
+    from hybridjax.models.lora import split_trainable
+    from hybridjax.offline import loop
+    from hybridjax.offline.sft import packed_sft_gradients
+    from hybridjax.rl.packing import PackingConfig
+
+    config = dataclasses.replace(CONFIG, vocab_size=VOCAB, num_hidden_layers=1)
+    graphdef, params = nnx.split(init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed=0))
+    rng = np.random.default_rng(5)
+    lengths = np.array([12, 2, 7, 5, 3, 9, 4, 6])
+    attention = (np.arange(12)[None] < lengths[:, None]).astype(np.int32)
+    ids = (rng.integers(1, VOCAB, (8, 12)) * attention).astype(np.int32)
+    loss_mask = (attention * (np.arange(12)[None] >= lengths[:, None] // 2)).astype(np.float32)
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    batch = loop.place(batch, NamedSharding(mesh, PartitionSpec(("data", "expert", "fsdp"))))
+    pieces = math.prod(mesh.shape[a] for a in ("data", "expert", "fsdp"))
+    packed = PackingConfig(12, max(8 // pieces, 1), pieces, False)
+    trainable, frozen = split_trainable(params)
+    fn = lambda t: packed_sft_gradients(graphdef, t, frozen, batch, packed, head)  # noqa: E731
+    compiled = jax.jit(fn).lower(trainable).compile()
+    (loss, _), grads = compiled(trainable)
+    return loss, grads, compiled.as_text()
+
+
+def logits_sized_collectives(hlo: str) -> list[str]:
+    """`head_sized_collectives`, and those whose result includes rows × positions × V or V/2
+    logits (GSPMD's partial logits summed over the FSDP-split hidden dimension)."""
+    found = head_sized_collectives(hlo)
+    for match in COLLECTIVE.finditer(hlo):
+        shapes = re.findall(r"\[([0-9,]*)\]", match.group(1))
+        if any(s.count(",") >= 2 and s.endswith((f",{VOCAB}", f",{VOCAB // 2}")) for s in shapes):
+            found.append(f"{match.group(2)} {match.group(1)[:80]}")
+    return found
+
+
+@pytest.mark.slow  # three compiles of the SFT gradient: about 90 s on two cores
+def test_sft_step_runs_the_vocab_parallel_head():
+    """`hybridjax.sft` passes its training mesh to the fused head (`training_head`): on
+    2 × 2 × 2 its step's loss and gradients equal the one-device step's (float32, 1e-5), and
+    its partitioned HLO holds no collective of the head's D × V/2 (or D × V) size nor of
+    B × T × V/2 logits; GSPMD's own partitioning of the same step all-reduces such partial
+    logits (the check can fail)."""
+    from hybridjax.offline.sft import training_head
+
+    mesh = _train_mesh((2, 2, 2))
+    one = make_meshes(MeshConfig(train=(1, 1, 1, 1), generate=(1, 1)), jax.devices()[:1]).train
+    loss, grads, hlo = _sft_gradients(mesh, training_head(mesh))
+    ref_loss, ref_grads, _ = _sft_gradients(one, training_head(one))
+    np.testing.assert_allclose(loss, ref_loss, **TOL)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+    assert logits_sized_collectives(hlo) == []
+    gspmd = logits_sized_collectives(_sft_gradients(mesh, LogProbConfig())[2])
+    assert any(c.startswith("all-reduce") for c in gspmd), gspmd

@@ -29,6 +29,11 @@ def data(tmp_path_factory):
 
 def _config(data, run_dir, split: bool, **changes):
     c = tiny_config(data, run_dir, **{"trainer.test_freq": -1, "trainer.save_freq": -1})
+    # data parallelism, replicated parameters (not the default FSDP): the pools' meshes then
+    # differ in their data size alone, and every placement sums the same gradient; FSDP over
+    # 8, 4 or 2 devices would sum the shards in other orders, which AdamW's first steps
+    # amplify past 1e-6 where a gradient is near zero
+    c.mesh.train.data, c.mesh.train.fsdp = -1, 1
     c.actor_rollout_ref.rollout.max_num_seqs = 8
     if split:  # the training pool keeps the name global_pool: every other role stays there
         c.resource_pool = dict(rollout_pool=dict(n_devices=4), global_pool=dict(n_devices=4))

@@ -1,9 +1,10 @@
 """Two GRPO steps on a tiny random Qwen3-MoE (4 experts, top-2; layer 1 dense), LoRA off and on,
 on 8 CPU devices: every metric finite, gradients non-zero, the rollout engine's log-probs equal
-the trainer's, router metrics reported. The full run is expert-parallel (mesh.train data 4 ×
-expert 2: the MoE layers run in shard_map, the engine gets the experts re-laid out); the LoRA
-run turns on the load-balancing loss and routing replay R2 (unpacked passes); the R3 run
-replays the experts the rollout engine recorded, expert-parallel."""
+the trainer's, router metrics reported. The full run is expert-parallel (mesh.train expert 2 ×
+fsdp 4, the default FSDP taking the rest: the MoE layers run in shard_map, the engine gets the
+experts re-laid out); the LoRA run turns on the load-balancing loss and routing replay R2
+(unpacked passes); the R3 run replays the experts the rollout engine recorded,
+expert-parallel."""
 
 from __future__ import annotations
 

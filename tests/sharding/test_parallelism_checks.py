@@ -93,3 +93,25 @@ def test_expert_axis_needs_a_moe_model_whose_experts_it_divides():
         "mesh.train.data × mesh.train.expert × mesh.train.fsdp = 1 × 4 × 1 = 4" in p
         for p in parallelism_problems(config, 8, {"actor_rollout_ref.model": moe})
     )
+
+
+def test_two_free_axes_are_named_with_the_default_that_made_them():
+    """mesh.train.fsdp is -1 by default: a config that also sets data=-1 is told which two
+    axes are free and how to ask for replicated data parallelism."""
+    config = _config(train=dict(data=-1, fsdp=-1, tensor=1))
+    problems = parallelism_problems(config, 8, {"actor_rollout_ref.model": TINY})
+    assert problems == [
+        "mesh.train.data=-1, mesh.train.expert=1, mesh.train.fsdp=-1, mesh.train.tensor=1: only "
+        "one axis may be -1 (the rest of the devices), not mesh.train.data and mesh.train.fsdp; "
+        "give the others a size (mesh.train.fsdp=-1 is the default, parameters sharded over "
+        "every device; mesh.train.data=-1 mesh.train.fsdp=1 replicates them instead)"
+    ]
+
+
+def test_the_default_training_mesh_shards_parameters_over_every_device():
+    from hybridjax.config.schema import base_config
+    from hybridjax.sharding import MeshConfig
+
+    mesh = MeshConfig.from_config(base_config())
+    assert mesh.train_sizes(8) == {"data": 1, "expert": 1, "fsdp": 8, "tensor": 1}
+    assert mesh.train_sizes(1) == {"data": 1, "expert": 1, "fsdp": 1, "tensor": 1}

@@ -58,7 +58,7 @@ def test_split_pools_take_consecutive_devices():
     assert list(meshes.generate.devices.flat) == devices[:4]
     assert list(meshes.train.devices.flat) == devices[4:]
     assert dict(meshes.generate.shape) == {"data": 2, "tensor": 2}
-    assert dict(meshes.train.shape) == {"data": 4, "expert": 1, "fsdp": 1, "tensor": 1}
+    assert dict(meshes.train.shape) == {"data": 1, "expert": 1, "fsdp": 4, "tensor": 1}
     assert not placement.co_located
 
 

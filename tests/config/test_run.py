@@ -98,6 +98,14 @@ def test_head_counts_are_checked_once_on_their_own():
     )
 
 
+def _moe_actor():
+    """The tiny actor as a 4-expert, top-2 Qwen3-MoE."""
+    return dataclasses.replace(
+        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+
+
 def test_expert_axis_is_checked_against_the_models():
     """`mesh.train.expert=2` from the config: a dense actor is rejected, a MoE one whose
     experts it divides is accepted, and batch rows split over data × expert × fsdp."""
@@ -105,10 +113,7 @@ def test_expert_axis_is_checked_against_the_models():
     validate(c, 8)
     with pytest.raises(ConfigError, match=r"mesh.train.expert = 2 needs a mixture-of-experts"):
         validate_models(c, 8, {"actor_rollout_ref.model": ACTOR})
-    moe = dataclasses.replace(
-        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=8,
-    )  # fmt: skip
+    moe = _moe_actor()
     validate_models(c, 8, {"actor_rollout_ref.model": moe})
     run = resolve(c, moe, steps_per_epoch=1)
     assert dict(run.meshes.train.shape) == {"data": 1, "expert": 2, "fsdp": 4, "tensor": 1}
@@ -124,10 +129,7 @@ def test_router_replay_r3_needs_a_mixture_of_experts_actor():
     validate(c, 8)
     with pytest.raises(ConfigError, match=r"R3' replays the experts of a mixture-of-experts"):
         validate_models(c, 8, {"actor_rollout_ref.model": ACTOR})
-    moe = dataclasses.replace(
-        ACTOR, family="qwen3_moe", attention_bias=False, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=8,
-    )  # fmt: skip
+    moe = _moe_actor()
     validate_models(c, 8, {"actor_rollout_ref.model": moe})
 
 

@@ -248,6 +248,11 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"trainer.rollout_mode={t.rollout_mode!r} batches are drawn ahead: use 'sync'",
     )
     need(
+        a.model.enable_gradient_checkpointing or a.model.remat_policy == "full",
+        f"actor_rollout_ref.model.remat_policy={a.model.remat_policy!r} is read only with "
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    )
+    need(
         a.model.lora_rank == 0 or dtype_of(a.ref.fsdp_config.model_dtype) == "float32",
         f"{REF_DTYPE}={a.ref.fsdp_config.model_dtype!r}: with LoRA the reference is the "
         "actor's own base weights (adapters off); leave it 'float32'",

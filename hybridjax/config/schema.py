@@ -43,7 +43,7 @@ from hybridjax.config.fields import (
 )
 from hybridjax.data.dataset import SPECIAL_TOKENS_IN_CONTENT
 from hybridjax.metrics.tracking import LOGGERS
-from hybridjax.models.config import DTYPE_CHOICES
+from hybridjax.models.config import DTYPE_CHOICES, REMAT_POLICIES
 from hybridjax.rewards.genrm import DEFAULT_TEMPLATE, VERDICT_PARSERS
 from hybridjax.rewards.manager import COMBINE, ON_ERROR_POLICIES, REWARD_MANAGERS
 from hybridjax.rollout.config import ATTENTION_IMPLS, PAGE_ALLOCATIONS
@@ -127,6 +127,13 @@ def declared_config() -> ConfigDict:
             path="",  # HF checkpoint dir; "" = random init from override_config
             override_config=ConfigDict(),  # ModelConfig fields that replace config.json's
             enable_gradient_checkpointing=False,
+            # what a checkpointed layer saves: "full" (its input only) or
+            # "dots_with_no_batch_dims" (also its weight matmuls' outputs, MaxText's "minimal");
+            # read with enable_gradient_checkpointing=True (ModelConfig.remat_policy)
+            remat_policy=one_of("full", REMAT_POLICIES),
+            # the training passes run the decoder layers as one lax.scan (compiled once);
+            # dense models only (ModelConfig.scan_layers), also the critic's
+            scan_layers=False,
             # compute dtype of training matmuls; auto: bfloat16 on GPU/TPU, float32 on CPU
             dtype=one_of("auto", DTYPE_CHOICES),
             # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is

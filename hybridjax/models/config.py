@@ -52,6 +52,13 @@ def auto_dtype(backend: str) -> str:
     return "bfloat16" if backend in ACCELERATORS else "float32"
 
 
+# What a rematerialised layer keeps for the backward pass: "full" only its input (everything
+# else recomputed); "dots_with_no_batch_dims" also the outputs of matmuls without a batch
+# dimension (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`: the projections,
+# not attention's scores), MaxText's "minimal".
+REMAT_POLICIES = ("full", "dots_with_no_batch_dims")
+
+
 def to_dtype(name: str | Any) -> Any:
     """Turns 'float32' / 'bfloat16' / 'float16' (or a dtype) into a jnp dtype; raises ValueError."""
     if not isinstance(name, str):
@@ -166,6 +173,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    # what `remat` saves of each layer for the backward pass (`REMAT_POLICIES`)
+    remat_policy: str = "full"
+    # run the decoder layers of a full-sequence forward as one `jax.lax.scan` (`Transformer`)
+    scan_layers: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -192,6 +203,15 @@ class ModelConfig:
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"unknown remat_policy {self.remat_policy!r}; expected one of {REMAT_POLICIES}"
+            )
+        if self.scan_layers and self.num_experts:
+            raise ValueError(
+                "scan_layers=True is not supported for mixture-of-experts models "
+                f"(num_experts={self.num_experts}); set actor_rollout_ref.model.scan_layers=False"
+            )
 
     @property
     def qk_norm(self) -> bool:

@@ -212,6 +212,49 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(x), cache
 
 
+def remat(fn, config: ModelConfig):
+    """`jax.checkpoint(fn)` under `config.remat_policy`: "full" saves nothing inside `fn`,
+    "dots_with_no_batch_dims" saves its matmul outputs without a batch dimension
+    (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)."""
+    policies = {
+        "full": None,
+        "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    return jax.checkpoint(fn, policy=policies[config.remat_policy])
+
+
+def stack_layers(layers) -> tuple[nnx.GraphDef, nnx.State]:
+    """(the shared GraphDef, the layers' states stacked on a new leading layer axis L).
+
+    Raises ValueError when the layers differ in structure (a dense / MoE mix, differing
+    attributes): such a stack cannot run as one scan (`ModelConfig.scan_layers`)."""
+    splits = [nnx.split(layer) for layer in layers]
+    graphdef = splits[0][0]
+    for i, (other, _) in enumerate(splits[1:], start=1):
+        if other != graphdef:
+            raise ValueError(
+                f"scan_layers needs identical decoder layers; layer {i} differs from layer 0 "
+                "(set actor_rollout_ref.model.scan_layers=False)"
+            )
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(st for _, st in splits))
+    return graphdef, stacked
+
+
+def scan_layers(layers, h_BxTxD: jax.Array, args: tuple) -> jax.Array:
+    """The layers applied in order to h (B×T×D) as one `jax.lax.scan` over their stacked
+    parameters (`stack_layers`): one layer body is traced and compiled whatever the depth.
+    `args`: (positions, token mask, rope tables, `SelfAttentionMask`), shared by every layer.
+    Each step is rematerialised under the config's `remat_policy` when `config.remat`."""
+    graphdef, stacked = stack_layers(layers)
+    config = layers[0].self_attn.config
+
+    def body(h, state):
+        return nnx.merge(graphdef, state)(h, *args)[0], None
+
+    step = remat(body, config) if config.remat else body
+    return jax.lax.scan(step, h_BxTxD, stacked)[0]
+
+
 class Transformer(nnx.Module):
     """The backbone (HF `model.`): embeddings, decoder layers, final norm → hidden states."""
 
@@ -237,6 +280,11 @@ class Transformer(nnx.Module):
     ):
         """Hidden states B×T×D in the compute dtype, and the updated cache (or None).
 
+        With `config.scan_layers` a full-sequence forward runs the layers as one scan over
+        their parameters stacked inside the forward (`scan_layers`); the parameters stay one
+        module per layer (HF names, sharding rules, LoRA and the rollout's re-layout unchanged)
+        and incremental decoding (a cache) stays a per-layer loop.
+
         `routed_experts_BxTxLxK` (int32, L = MoE layers in order, k = experts per token): the
         experts each token uses in each MoE layer instead of the router's choice (routing
         replay; negative ids: the router's own choice, see `MoEMLP`).
@@ -254,6 +302,9 @@ class Transformer(nnx.Module):
         if cache is None:
             window = self.config.sliding_window
             mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window)
+        if self.config.scan_layers and cache is None:
+            h = scan_layers(self.layers, h, (positions_BxT, token_mask_BxT, rope, mask))
+            return self.norm(h), cache
         moe_index = 0
         for i, layer in enumerate(self.layers):
             replay = None
@@ -271,7 +322,7 @@ class Transformer(nnx.Module):
                     y = copy(x, positions_BxT, token_mask_BxT, rope, mask, replay=replay)[0]
                     return y, nnx.state(copy, nnx.Intermediate)
 
-                h, sown = jax.checkpoint(run)(state, h, replay)
+                h, sown = remat(run, self.config)(state, h, replay)
                 nnx.update(layer, sown)
             else:
                 h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i, replay)

@@ -95,7 +95,12 @@ def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
 
 def _overrides(cfg: ConfigDict) -> dict[str, Any]:
     model = cfg.actor_rollout_ref.model
-    out = {"remat": model.enable_gradient_checkpointing, "dtype": dtype_of(model.dtype)}
+    out = {
+        "remat": model.enable_gradient_checkpointing,
+        "remat_policy": model.remat_policy,
+        "scan_layers": model.scan_layers,
+        "dtype": dtype_of(model.dtype),
+    }
     return out | dict(model.override_config)
 
 
@@ -141,7 +146,8 @@ def build_critic(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> Seque
     fresh LoRA adapters, the new value head trained in full (peft's `modules_to_save`)."""
     path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
     if path:
-        overrides = {"num_labels": 1, "remat": config.remat, "dtype": config.dtype}
+        names = ("remat", "remat_policy", "scan_layers", "dtype")
+        overrides = {"num_labels": 1} | {name: getattr(config, name) for name in names}
         critic = load_pretrained(
             path,
             kind="classifier",

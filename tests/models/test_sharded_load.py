@@ -77,3 +77,16 @@ def test_save_from_sharded_model_writes_the_same_tensors(mesh, hf_checkpoints, t
     assert written.keys() == original.keys()
     for name, value in original.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_scanned_layers_over_sharded_parameters_equal_single_device(
+    mesh, hf_checkpoints, padded_batch
+):
+    """`scan_layers` stacks parameters sharded over fsdp × tensor inside the forward."""
+    path, _ = hf_checkpoints["qwen2"]
+    scan = {"scan_layers": True, "remat": True}
+    sharded = load_pretrained(path, shardings=simple_shardings(mesh), config_overrides=scan)
+    single = load_pretrained(path)
+    mask = padded_batch[1]
+    sharded_out = our_logits(sharded, padded_batch)
+    assert max_valid_diff(sharded_out, our_logits(single, padded_batch), mask) <= 1e-5

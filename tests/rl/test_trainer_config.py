@@ -109,6 +109,18 @@ def test_micro_batches_must_tile_the_mini_batch_over_devices(tmp_path):
         validate(config, 8, ACTOR)
 
 
+def test_remat_policy_needs_gradient_checkpointing_and_a_known_name(tmp_path):
+    config = _load("tiny", tmp_path)
+    config.actor_rollout_ref.model.remat_policy = "dots_with_no_batch_dims"
+    with pytest.raises(ConfigError, match="enable_gradient_checkpointing=True"):
+        validate(config, 8, ACTOR)
+    config.actor_rollout_ref.model.enable_gradient_checkpointing = True
+    validate(config, 8, ACTOR)
+    config.actor_rollout_ref.model.remat_policy = "minimal"
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.remat_policy"):
+        validate(config, 8, ACTOR)
+
+
 def test_command_line_overrides_reach_validation():
     """`--config.a.b=x` overrides through config_flags; bad values exit naming the keys."""
     out = subprocess.run(

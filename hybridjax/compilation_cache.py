@@ -3,9 +3,13 @@
 JAX compiles every jitted program of a run when it first runs (for a 7B model, minutes of the
 first step). With a cache directory set, XLA's executables are written there, keyed on the
 program, the JAX version, the devices and the flags, and a later run of the same config loads
-them instead of compiling. `trainer.compilation_cache_dir` (default `auto`: `jax/` under the
-user's cache directory, `platformdirs.user_cache_dir("hybridjax")` when platformdirs is
-installed, else `~/.cache/hybridjax`; `""` turns the cache off) is applied through
+them instead of compiling. `trainer.compilation_cache_dir` (default `auto`: on a GPU or TPU
+backend `jax/` under the user's cache directory, `platformdirs.user_cache_dir("hybridjax")`
+when platformdirs is installed, else `~/.cache/hybridjax`; on CPU off, because XLA's CPU
+executable serializer (JAX 0.10) crashed the process with a segfault in
+`executable.serialize()` while writing entries, twice in our test suite, and CPU programs of
+our sizes compile in seconds; `""` turns the cache off, a path turns it on anywhere) is
+applied through
 `jax.config.update("jax_compilation_cache_dir", ...)` before the first compile, by
 `python -m hybridjax.train`, `hybridjax.sft` and `hybridjax.dpo`. A `JAX_COMPILATION_CACHE_DIR`
 the user already put in the environment wins (JAX read it when it was imported). JAX's own
@@ -33,21 +37,27 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jax")
 
 
-def cache_dir(configured: str) -> str:
+def cache_dir(configured: str, backend: str | None = None) -> str:
     """The cache directory in effect: the environment's `JAX_COMPILATION_CACHE_DIR` if set,
-    else `configured` (`auto`: `default_cache_dir()`; `""`: none, the cache is off; a path,
-    `~` expanded)."""
+    else `configured` (`auto`: `default_cache_dir()` on a GPU or TPU `backend`, "" on CPU;
+    `""`: none, the cache is off; a path, `~` expanded). `backend` defaults to
+    `jax.default_backend()` (which starts JAX's backends: call after `jax.distributed`)."""
     if ENV in os.environ:
         return os.environ[ENV]
     if configured == AUTO:
-        return default_cache_dir()
+        import jax
+
+        from hybridjax.models.config import ACCELERATORS
+
+        backend = backend or jax.default_backend()
+        return default_cache_dir() if backend in ACCELERATORS else ""
     return os.path.expanduser(configured)
 
 
 def set_compilation_cache(configured: str) -> str:
     """Points JAX's persistent compilation cache at `cache_dir(configured)` unless the user's
     environment already did; returns the directory in effect ("" = off). Call before the first
-    compile: JAX opens the cache once."""
+    compile (JAX opens the cache once) and, with `auto`, after `jax.distributed.initialize`."""
     import jax
 
     path = cache_dir(configured)

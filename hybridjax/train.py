@@ -48,8 +48,8 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     configure_logging(None)  # quiet console while JAX starts (its backend INFO lines)
     try:
         set_allocator_fraction(config.trainer.device_memory_fraction)  # before JAX starts
-        set_compilation_cache(config.trainer.compilation_cache_dir)  # before the first compile
         initialize(DistributedConfig.from_config(config))  # before any other JAX call
+        set_compilation_cache(config.trainer.compilation_cache_dir)  # before the first compile
     except ValueError as err:
         raise ConfigError(str(err)) from err
     # console: progress bar, step lines, warnings; INFO (compiles, resume) to the log file

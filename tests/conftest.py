@@ -3,11 +3,13 @@
 `HYBRIDJAX_TEST_PLATFORMS` (default `cpu`) sets `jax_platforms`; `experiments/gpu/check.sh` runs
 the `gpu`-marked tests with `cuda,cpu`. Those tests are skipped where JAX has no GPU.
 
-Compiled programs go to JAX's persistent compilation cache (`.jax_cache/` at the repository root,
-or `HYBRIDJAX_TEST_JAX_CACHE`), through environment variables so the runs the tests start as
-subprocesses share it: most tests build the same tiny models, so a program that took a second
-or more to compile is loaded by every later test, process and suite. The cache is keyed on the
-program, the JAX version and the flags, so a stale entry is never used.
+JAX's persistent compilation cache is off unless `HYBRIDJAX_TEST_JAX_CACHE` names a folder (a
+developer's warm reruns: a second run of the same tests then compiles little). It is off by
+default, CI included, because XLA's CPU executable serializer (JAX 0.10) crashed the slow suite
+with a segfault in `executable.serialize()` while writing entries, twice in fresh clones, and a
+cold run (every CI run) gained nothing measurable from it. When on, it goes through environment
+variables, so the runs the tests start as subprocesses share it; it is keyed on the program,
+the JAX version and the flags, so a stale entry is never used.
 """
 
 import os
@@ -15,18 +17,13 @@ import os
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.environ.get("HYBRIDJAX_TEST_JAX_CACHE", _CACHE)
-)
-# only programs that took a second or more to compile (JAX's default): writing every one
-# (threshold 0, about 10,000 entries a CI run) once crashed XLA's CPU executable serializer
-# (a segfault in `executable.serialize()` in the slow suite), and fewer writes make it rarer
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# a size limit turns on the cache's file lock: parallel test workers and the runs they start
-# read and write it at once (least recently used entries go past 4 GiB)
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+if os.environ.get("HYBRIDJAX_TEST_JAX_CACHE"):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["HYBRIDJAX_TEST_JAX_CACHE"])
+    # programs that took a second or more to compile (JAX's default), of any size; a size
+    # limit turns on the cache's file lock (parallel workers and their runs share it)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

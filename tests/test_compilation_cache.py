@@ -51,7 +51,8 @@ def test_auto_is_under_the_user_cache_directory(monkeypatch, tmp_path):
     monkeypatch.delenv(cc.ENV, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cc.cache_dir("auto") == cc.default_cache_dir()
+    assert cc.cache_dir("auto", "gpu") == cc.cache_dir("auto", "tpu") == cc.default_cache_dir()
+    assert cc.cache_dir("auto", "cpu") == cc.cache_dir("auto") == ""  # this suite runs on CPU
     assert cc.default_cache_dir().startswith(str(tmp_path))
     assert cc.default_cache_dir().endswith(os.path.join("hybridjax", "jax"))
     assert cc.cache_dir("~/here") == os.path.join(str(tmp_path), "here")
@@ -97,6 +98,7 @@ def test_the_train_command_applies_the_key_before_it_builds_anything(tmp_path):
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(line[0].removeprefix("RESULTS"))
     home = str(tmp_path / "home")
-    assert got["default"].startswith(home) and got["default"].endswith("jax"), got
+    assert got["default"] is None, got  # auto is off on CPU (GPU/TPU: under `home`)
+    assert not os.path.exists(os.path.join(home, ".cache", "hybridjax"))
     assert got["path"] == str(tmp_path / "mine")
     assert got["off"] is None

@@ -426,7 +426,8 @@ def declared_config() -> ConfigDict:
         # starts, XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; CPU ignores it
         device_memory_fraction=within(0.9, 0, 1, low_open=True),
         # JAX's persistent compilation cache (hybridjax.compilation_cache): auto = jax/ under
-        # the user's cache directory, "" = off, or a path; JAX_COMPILATION_CACHE_DIR wins
+        # the user's cache directory on GPU/TPU (off on CPU), "" = off, or a path;
+        # JAX_COMPILATION_CACHE_DIR wins
         compilation_cache_dir="auto",
         # edits of the default step (hybridjax.rl.pipeline): "after <stage>: <file.py or
         # module>:<function>" (or before / replace), or "remove <stage>"

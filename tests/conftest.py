@@ -12,6 +12,7 @@ variables, so the runs the tests start as subprocesses share it; it is keyed on 
 the JAX version and the flags, so a stale entry is never used.
 """
 
+import gc
 import os
 
 import pytest
@@ -44,3 +45,14 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a GPU (experiments/gpu/check.sh runs these)")
         for item in gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test file, drop JAX's compiled programs and tracing caches: one process runs
+    the whole slow suite (and an xdist worker half the fast one), and XLA's CPU compiler
+    segfaulted twice, at the same point of the slow suite, in a test that passes alone, after
+    25 minutes of programs accumulating in the process."""
+    yield
+    jax.clear_caches()
+    gc.collect()

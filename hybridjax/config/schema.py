@@ -53,6 +53,7 @@ ROLLOUT_NAMES = ("hybridjax",)  # the built-in paged engine; verl's vllm/sglang 
 WARMUP_STYLES = ("constant", "cosine")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_prob
+SCAN_LAYERS = ("auto", "true", "false")  # model.scan_layers
 PARTIAL_ROLLOUT_KV = ("recompute", "keep")  # trainer.partial_rollout_kv
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode
 
@@ -131,9 +132,10 @@ def declared_config() -> ConfigDict:
             # "dots_with_no_batch_dims" (also its weight matmuls' outputs, MaxText's "minimal");
             # read with enable_gradient_checkpointing=True (ModelConfig.remat_policy)
             remat_policy=one_of("full", REMAT_POLICIES),
-            # the training passes run the decoder layers as one lax.scan (compiled once);
-            # dense models only (ModelConfig.scan_layers), also the critic's
-            scan_layers=False,
+            # the decoder layers' parameters stored stacked and run as one lax.scan (compiled
+            # once) in training, log-prob and decode passes (ModelConfig.scan_layers), also the
+            # critic's: "auto" on for dense models, off for MoE; "true" refuses MoE models
+            scan_layers=one_of("auto", SCAN_LAYERS, "strings"),
             # compute dtype of training matmuls; auto: bfloat16 on GPU/TPU, float32 on CPU
             dtype=one_of("auto", DTYPE_CHOICES),
             # LoRA (hybridjax.models.lora): rank 0 = full fine-tuning; target_modules is

@@ -13,6 +13,11 @@ A KV cache is any pytree with the method
 that stores the new keys/values of `layer` at their positions and attends the queries to every
 cached key at a position <= the query's. `DenseKVCache` below is the simple one (a slot per
 position); the rollout engine brings a paged one with the same method.
+
+A cache stores its layers either one array each (`k`, `v` tuples; `layer` a Python int) or
+stacked, one array with a leading layer axis L (`stacked_cache`): then `layer` may be a traced
+int32 scalar, and a scanned model (`ModelConfig.scan_layers`) runs its decode as one scan with
+the cache in the carry. `layer_slice` / `layer_update` read and write either form.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from hybridjax.models.blocked_attention import blocked_attention
 
@@ -215,24 +221,56 @@ def dot_product_attention(
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
+def stacked_cache(cache) -> bool:
+    """Whether `cache` stores its layers stacked (`cache.k` one array with a leading layer
+    axis, not a tuple of per-layer arrays), so that `attend` takes a traced layer index."""
+    return not isinstance(cache.k, tuple | list)
+
+
+def layer_slice(layers, layer) -> jax.Array:
+    """Layer `layer` of per-layer storage: a tuple of arrays (`layer` an int), or one array
+    with a leading layer axis (`layer` an int or a traced int32 scalar)."""
+    if isinstance(layers, tuple | list):
+        return layers[layer]
+    return lax.dynamic_index_in_dim(layers, layer, axis=0, keepdims=False)
+
+
+def layer_update(layers, layer, value: jax.Array):
+    """`layers` (as in `layer_slice`) with layer `layer` replaced by `value`; pure."""
+    if isinstance(layers, tuple | list):
+        return (*layers[:layer], value, *layers[layer + 1 :])
+    return lax.dynamic_update_index_in_dim(layers, value.astype(layers.dtype), layer, axis=0)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
     """A dense cache: slot `p` of row `b` holds the key/value of position `p`.
 
-    k, v: per layer, B×S×K×D.  valid: B×S bool, True where a slot holds a token.
+    k, v: per layer B×S×K×D, a tuple of L arrays, or stacked as one L×B×S×K×D array
+      (`stacked_cache`: what a scanned model decodes with).
+    valid: B×S bool, True where a slot holds a token (shared by the layers).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     valid: jax.Array
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> DenseKVCache:
-        """An empty cache for `config` (a ModelConfig), `batch` rows of `max_len` positions."""
+    def create(
+        cls, config, batch: int, max_len: int, dtype=jnp.float32, stacked: bool | None = None
+    ) -> DenseKVCache:
+        """An empty cache for `config` (a ModelConfig), `batch` rows of `max_len` positions;
+        stacked (one L×B×S×K×D array each for k and v) when `stacked`, by default when the
+        model scans its layers (`config.scan_layers`)."""
+        stacked = config.scan_layers if stacked is None else stacked
         shape = (batch, max_len, config.num_key_value_heads, config.resolved_head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        layers = config.num_hidden_layers
+        if stacked:
+            zeros: tuple[jax.Array, ...] | jax.Array = jnp.zeros((layers, *shape), dtype)
+        else:
+            zeros = tuple(jnp.zeros(shape, dtype) for _ in range(layers))
         return cls(
             k=zeros,
             v=zeros,
@@ -245,16 +283,17 @@ class DenseKVCache:
         # Padding tokens write nowhere (index s is out of bounds and dropped).
         idx = jnp.where(token_mask, positions, s)
         rows = jnp.arange(b)[:, None]
-        k_cache = self.k[layer].at[rows, idx].set(k.astype(self.k[layer].dtype), mode="drop")
-        v_cache = self.v[layer].at[rows, idx].set(v.astype(self.v[layer].dtype), mode="drop")
+        k_cache, v_cache = layer_slice(self.k, layer), layer_slice(self.v, layer)
+        k_cache = k_cache.at[rows, idx].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, idx].set(v.astype(v_cache.dtype), mode="drop")
         valid = self.valid.at[rows, idx].set(True, mode="drop")
         k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
         mask = attention_mask(positions, k_pos, valid, self.sliding_window)
         out = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
         new = dataclasses.replace(
             self,
-            k=self.k[:layer] + (k_cache,) + self.k[layer + 1 :],
-            v=self.v[:layer] + (v_cache,) + self.v[layer + 1 :],
+            k=layer_update(self.k, layer, k_cache),
+            v=layer_update(self.v, layer, v_cache),
             valid=valid,
         )
         return out, new

@@ -57,6 +57,9 @@ def auto_dtype(backend: str) -> str:
 # dimension (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`: the projections,
 # not attention's scores), MaxText's "minimal".
 REMAT_POLICIES = ("full", "dots_with_no_batch_dims")
+# `ModelConfig.scan_layers`: True, False, or "auto" (resolved at construction: on for dense
+# models, off for mixture-of-experts ones, whose dense / MoE layers do not stack uniformly).
+AUTO_SCAN = "auto"
 
 
 def to_dtype(name: str | Any) -> Any:
@@ -144,6 +147,10 @@ class ModelConfig:
     for the HF round trip only: training reads its coefficient from
     `actor_rollout_ref.actor.moe_aux_loss_coeff` (Megatron's name; 0, off, by default).
 
+    `scan_layers` (True, False or "auto": on unless `num_experts`) stores the decoder layers'
+    parameters stacked on a leading layer axis and runs them as one scan (`decoder.Transformer`);
+    after construction it is a bool.
+
     `param_dtype` is the dtype parameters are stored in; `dtype` the dtype matmuls run in.
     Attention softmax, RMSNorm statistics and RoPE tables are always computed in float32.
     """
@@ -175,8 +182,9 @@ class ModelConfig:
     remat: bool = False
     # what `remat` saves of each layer for the backward pass (`REMAT_POLICIES`)
     remat_policy: str = "full"
-    # run the decoder layers of a full-sequence forward as one `jax.lax.scan` (`Transformer`)
-    scan_layers: bool = False
+    # store the decoder layers' parameters stacked and run them as one `jax.lax.scan`
+    # (`Transformer`); "auto" (AUTO_SCAN) becomes True for dense models, False for MoE
+    scan_layers: bool | str = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -207,10 +215,17 @@ class ModelConfig:
             raise ValueError(
                 f"unknown remat_policy {self.remat_policy!r}; expected one of {REMAT_POLICIES}"
             )
+        if self.scan_layers == AUTO_SCAN:  # frozen: resolved once, so readers see a bool
+            object.__setattr__(self, "scan_layers", not self.num_experts)
+        if self.scan_layers not in (True, False):
+            raise ValueError(
+                f"scan_layers must be True, False or {AUTO_SCAN!r}, got {self.scan_layers!r}"
+            )
         if self.scan_layers and self.num_experts:
             raise ValueError(
                 "scan_layers=True is not supported for mixture-of-experts models "
-                f"(num_experts={self.num_experts}); set actor_rollout_ref.model.scan_layers=False"
+                f"(num_experts={self.num_experts}); set actor_rollout_ref.model.scan_layers to "
+                "'auto' or 'false'"
             )
 
     @property

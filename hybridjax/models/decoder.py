@@ -7,7 +7,13 @@ The module tree mirrors HF's parameter names (`model.layers.3.self_attn.q_proj`,
 axis names of its dimensions in its `axes` metadata; `hybridjax.sharding` maps them to mesh axes.
 
 Logical axes: `vocab`, `embed` (model width), `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`
-(RMSNorm scales, always replicated), `label` (classifier outputs) and `expert` (MoE experts).
+(RMSNorm scales, always replicated), `label` (classifier outputs), `expert` (MoE experts) and
+`layers` (the leading axis of a scanned model's stacked layer parameters, replicated).
+
+Scanned layers (`ModelConfig.scan_layers`): `model.layers` is one `DecoderLayer` whose every
+parameter holds the L layers' values stacked (`model.layers.self_attn.q_proj` of shape
+(L, D, H, Dh)), drawn as the per-layer model's from the same `nnx.Rngs`; `stack_layer_state` /
+`unstack_layer_state` convert states between the two forms, and `scan_layers` runs them.
 
 Two call paths share one implementation:
   * full sequences with a padding mask and position ids (training, log-probs, values), whose
@@ -21,12 +27,13 @@ Two call paths share one implementation:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridjax.models.attention import SelfAttentionMask, self_attention
+from hybridjax.models.attention import SelfAttentionMask, self_attention, stacked_cache
 from hybridjax.models.config import ModelConfig, to_dtype
 from hybridjax.models.moe import MoEMLP
 
@@ -223,12 +230,32 @@ def remat(fn, config: ModelConfig):
     return jax.checkpoint(fn, policy=policies[config.remat_policy])
 
 
-def stack_layers(layers) -> tuple[nnx.GraphDef, nnx.State]:
-    """(the shared GraphDef, the layers' states stacked on a new leading layer axis L).
+LAYER_AXIS = "layers"  # logical name of the leading axis of stacked layer parameters
 
-    Raises ValueError when the layers differ in structure (a dense / MoE mix, differing
+
+def _with_layer_axis(variable: nnx.Variable, value: jax.Array) -> nnx.Variable:
+    """`variable` holding `value` (its L stacked copies), `layers` prepended to its `axes`."""
+    axes = variable.get_metadata().get("axes")
+    if axes is None:
+        return variable.replace(value)
+    return variable.replace(value, axes=(LAYER_AXIS, *axes))
+
+
+def _without_layer_axis(variable: nnx.Variable, value: jax.Array) -> nnx.Variable:
+    """`variable` holding `value` (one of its layers), the leading `layers` axis name dropped."""
+    axes = variable.get_metadata().get("axes")
+    if axes is None or axes[:1] != (LAYER_AXIS,):
+        return variable.replace(value)
+    return variable.replace(value, axes=axes[1:])
+
+
+def stack_modules(modules) -> nnx.Module:
+    """One module of the same structure as each of `modules` whose variables hold theirs stacked
+    on a new leading axis (L = len(modules)), `layers` prepended to their `axes` metadata.
+
+    Raises ValueError when the modules differ in structure (a dense / MoE mix, differing
     attributes): such a stack cannot run as one scan (`ModelConfig.scan_layers`)."""
-    splits = [nnx.split(layer) for layer in layers]
+    splits = [nnx.split(m) for m in modules]
     graphdef = splits[0][0]
     for i, (other, _) in enumerate(splits[1:], start=1):
         if other != graphdef:
@@ -236,23 +263,84 @@ def stack_layers(layers) -> tuple[nnx.GraphDef, nnx.State]:
                 f"scan_layers needs identical decoder layers; layer {i} differs from layer 0 "
                 "(set actor_rollout_ref.model.scan_layers=False)"
             )
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(st for _, st in splits))
-    return graphdef, stacked
+    flats = [dict(nnx.to_flat_state(state)) for _, state in splits]
+    stacked = {
+        path: _with_layer_axis(var, jnp.stack([f[path].get_value() for f in flats]))
+        for path, var in flats[0].items()
+    }
+    return nnx.merge(graphdef, nnx.from_flat_state(stacked))
 
 
-def scan_layers(layers, h_BxTxD: jax.Array, args: tuple) -> jax.Array:
-    """The layers applied in order to h (B×T×D) as one `jax.lax.scan` over their stacked
-    parameters (`stack_layers`): one layer body is traced and compiled whatever the depth.
-    `args`: (positions, token mask, rope tables, `SelfAttentionMask`), shared by every layer.
-    Each step is rematerialised under the config's `remat_policy` when `config.remat`."""
-    graphdef, stacked = stack_layers(layers)
-    config = layers[0].self_attn.config
+def module_at(stacked: nnx.Module, index) -> nnx.Module:
+    """Layer `index` (an int or a traced int32 scalar) of a `stack_modules` module."""
+    graphdef, state = nnx.split(stacked)
+    one = jax.tree.map(
+        lambda v: _without_layer_axis(v, v.get_value()[index]),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return nnx.merge(graphdef, one)
 
-    def body(h, state):
-        return nnx.merge(graphdef, state)(h, *args)[0], None
 
-    step = remat(body, config) if config.remat else body
-    return jax.lax.scan(step, h_BxTxD, stacked)[0]
+def _layer_path(path: tuple) -> int | None:
+    """Where the layer index goes in a decoder-layer parameter's path (right after `layers`),
+    or None for a parameter outside the layers."""
+    return path.index(LAYER_AXIS) + 1 if LAYER_AXIS in path else None
+
+
+def stack_layer_state(state: nnx.State) -> nnx.State:
+    """A per-layer model's state (`model.layers.{i}.…`) in the stacked form of a scanned
+    model's (`model.layers.…` with a leading L axis, `ModelConfig.scan_layers`): pure, the
+    other variables kept as they are. Inverse of `unstack_layer_state`."""
+    flat = dict(nnx.to_flat_state(state))
+    out, groups = {}, {}
+    for path, var in flat.items():
+        at = _layer_path(path)
+        if at is None:
+            out[path] = var
+        else:
+            groups.setdefault((*path[:at], *path[at + 1 :]), {})[path[at]] = var
+    for path, by_layer in groups.items():
+        layers = [by_layer[i] for i in range(len(by_layer))]
+        out[path] = _with_layer_axis(layers[0], jnp.stack([v.get_value() for v in layers]))
+    return nnx.from_flat_state(out)
+
+
+def unstack_layer_state(state: nnx.State) -> nnx.State:
+    """A scanned model's state in the per-layer form (inverse of `stack_layer_state`)."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        at = _layer_path(path)
+        if at is None:
+            out[path] = var
+            continue
+        for i, value in enumerate(var.get_value()):
+            out[(*path[:at], i, *path[at:])] = _without_layer_axis(var, value)
+    return nnx.from_flat_state(out)
+
+
+def scan_layers(stacked, h_BxTxD: jax.Array, args: tuple, cache=None) -> tuple[jax.Array, Any]:
+    """The L layers of `stacked` (a `stack_modules` DecoderLayer) applied in order to h
+    (B×T×D) as one `jax.lax.scan` over their stored stacked parameters: one layer body is
+    traced and compiled whatever the depth. `args`: (positions, token mask, rope tables,
+    `SelfAttentionMask` or None), shared by every layer.
+
+    Without a cache each step is rematerialised under the config's `remat_policy` when
+    `config.remat`. With a cache (one storing its layers stacked, `attention.stacked_cache`)
+    the cache rides in the carry and each step calls `cache.attend` with its layer index, a
+    traced int32 scalar. Returns (h B×T×D, the updated cache or None)."""
+    graphdef, state = nnx.split(stacked)
+    config = stacked.self_attn.config
+
+    def body(carry, xs):
+        h, cache = carry
+        layer_state, index = xs
+        h, cache = nnx.merge(graphdef, layer_state)(h, *args, cache, index)
+        return (h, cache), None
+
+    step = remat(body, config) if config.remat and cache is None else body
+    layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+    return jax.lax.scan(step, (h_BxTxD, cache), (state, layers))[0]
 
 
 class Transformer(nnx.Module):
@@ -264,9 +352,9 @@ class Transformer(nnx.Module):
         self.embed_tokens = _param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
-        self.layers = nnx.List(
-            [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
-        )
+        layers = [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
+        # scanned: ONE DecoderLayer holding the L layers' parameters stacked (the same draws)
+        self.layers = stack_modules(layers) if config.scan_layers else nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
 
     def __call__(
@@ -280,10 +368,10 @@ class Transformer(nnx.Module):
     ):
         """Hidden states B×T×D in the compute dtype, and the updated cache (or None).
 
-        With `config.scan_layers` a full-sequence forward runs the layers as one scan over
-        their parameters stacked inside the forward (`scan_layers`); the parameters stay one
-        module per layer (HF names, sharding rules, LoRA and the rollout's re-layout unchanged)
-        and incremental decoding (a cache) stays a per-layer loop.
+        With `config.scan_layers` the layers' parameters are stored stacked (`self.layers` is
+        one DecoderLayer whose parameters have a leading L axis, logical axis `layers`) and
+        the layers run as one scan over them (`scan_layers`), with or without a cache; a
+        cache that stores its layers one array each (a tuple) is run layer by layer instead.
 
         `routed_experts_BxTxLxK` (int32, L = MoE layers in order, k = experts per token): the
         experts each token uses in each MoE layer instead of the router's choice (routing
@@ -302,11 +390,12 @@ class Transformer(nnx.Module):
         if cache is None:
             window = self.config.sliding_window
             mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window)
-        if self.config.scan_layers and cache is None:
-            h = scan_layers(self.layers, h, (positions_BxT, token_mask_BxT, rope, mask))
+        if self.config.scan_layers and (cache is None or stacked_cache(cache)):
+            args = (positions_BxT, token_mask_BxT, rope, mask)
+            h, cache = scan_layers(self.layers, h, args, cache)
             return self.norm(h), cache
         moe_index = 0
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layer_list()):
             replay = None
             if routed_experts_BxTxLxK is not None and isinstance(layer.mlp, MoEMLP):
                 replay = routed_experts_BxTxLxK[:, :, moe_index]
@@ -327,6 +416,13 @@ class Transformer(nnx.Module):
             else:
                 h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i, replay)
         return self.norm(h), cache
+
+    def layer_list(self) -> list[DecoderLayer]:
+        """The decoder layers one module each: the modules themselves, or views of the stored
+        stack's layers when scanned (`module_at`)."""
+        if isinstance(self.layers, DecoderLayer):
+            return [module_at(self.layers, i) for i in range(self.config.num_hidden_layers)]
+        return list(self.layers)
 
 
 class CausalLM(nnx.Module):

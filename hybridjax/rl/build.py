@@ -93,12 +93,18 @@ def load_tokenizer(cfg: ConfigDict) -> Tokenizer:
     return Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
 
 
+def scan_layers(value: str) -> bool | str:
+    """`ModelConfig.scan_layers` from `actor_rollout_ref.model.scan_layers`: "true" / "false"
+    as bools, "auto" kept (the config resolves it: on for dense models, off for MoE)."""
+    return {"true": True, "false": False}.get(value, value)
+
+
 def _overrides(cfg: ConfigDict) -> dict[str, Any]:
     model = cfg.actor_rollout_ref.model
     out = {
         "remat": model.enable_gradient_checkpointing,
         "remat_policy": model.remat_policy,
-        "scan_layers": model.scan_layers,
+        "scan_layers": scan_layers(model.scan_layers),
         "dtype": dtype_of(model.dtype),
     }
     return out | dict(model.override_config)

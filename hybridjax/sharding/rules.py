@@ -1,8 +1,10 @@
 """Per-role rule tables: logical axis names → mesh axes, and models initialised in their sharding.
 
 The model names each parameter dimension logically (`vocab`, `embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `norm`, `label`, `expert`; activations use `batch` and `length`). A rule table
-maps each name to a mesh axis, a tuple of mesh axes, or None (replicated). One table per role:
+`head_dim`, `mlp`, `norm`, `label`, `expert`, and `layers`, the leading axis of a scanned
+model's stacked layer parameters, replicated in every table; activations use `batch` and
+`length`). A rule table maps each name to a mesh axis, a tuple of mesh axes, or None
+(replicated). One table per role:
 
 | role                    | mesh     | weights                              | batch                |
 |-------------------------|----------|--------------------------------------|----------------------|
@@ -51,6 +53,9 @@ ACTOR_TRAIN_RULES: Rules = (
     ("mlp", ("tensor", "fsdp")),
     ("norm", None),
     ("label", None),
+    # the leading axis of stacked decoder-layer parameters (`ModelConfig.scan_layers`): a scan
+    # steps along it, so every device holds every layer's slice of its shard
+    ("layers", None),
     # MoE experts: over `expert` (expert parallelism, models/moe.py), then fsdp
     ("expert", ("expert", "fsdp")),
 )
@@ -66,6 +71,7 @@ ACTOR_GENERATE_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("label", None),
+    ("layers", None),
     ("expert", None),
 )
 

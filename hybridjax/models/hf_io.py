@@ -17,6 +17,11 @@ Our layout differs from HF's only by transposes and reshapes of the same numbers
   embeddings, norm weights, MoE router `mlp.gate.weight` (E, D)   unchanged
   `*.mlp.experts.{e}.gate_proj.weight` (F, D), e < E   `mlp.experts.gate_proj` (E, D, F)
                                                (stacked; up_proj alike, down_proj (E, F, D))
+  `model.layers.{i}.<name>`, i < L, of a scanned model   `model.layers.<name>` (L, ...)
+                                               (stacked: `ModelConfig.scan_layers`)
+
+A stacked parameter is read one HF tensor at a time into one host array of its full shape,
+and written back one layer (one expert) at a time.
 """
 
 from __future__ import annotations
@@ -76,30 +81,52 @@ def _stacked_experts(path: tuple[Any, ...]) -> bool:
     return len(path) > 1 and str(path[-2]) == "experts"
 
 
+def _stacked_layers(path: tuple[Any, ...]) -> bool:
+    """Whether `path` is a scanned model's stacked layer parameter (`model.layers.self_attn.…`
+    with a leading dim L, one HF tensor per layer: `ModelConfig.scan_layers`)."""
+    at = path.index("layers") + 1 if "layers" in path else 0
+    return 0 < at < len(path) and not isinstance(path[at], int) and not str(path[at]).isdigit()
+
+
+def _pieces(path: tuple[Any, ...], shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple]]:
+    """(HF name, index of the piece in our array, the piece's shape) of every checkpoint tensor
+    our parameter at `path` is made of: the whole array, or one piece per stacked layer
+    (`model.layers.{i}.…`) and per stacked expert (`….experts.{e}.gate_proj.weight`)."""
+    if _stacked_layers(path):
+        at = path.index("layers") + 1
+        return [
+            (name, (i, *index), piece)
+            for i in range(shape[0])
+            for name, index, piece in _pieces((*path[:at], i, *path[at:]), shape[1:])
+        ]
+    if _stacked_experts(path):
+        *prefix, leaf = (str(p) for p in path)
+        names = (".".join([*prefix, str(e), leaf, "weight"]) for e in range(shape[0]))
+        return [(name, (e,), shape[1:]) for e, name in enumerate(names)]
+    return [(hf_name(path), (), shape)]
+
+
 def hf_tensors(path: tuple[Any, ...], shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape of every checkpoint tensor our parameter at `path` is made of: one,
-    or E for stacked experts (`...mlp.experts.{e}.gate_proj.weight`)."""
-    if not _stacked_experts(path):
-        return {hf_name(path): hf_shape(path, shape)}
-    *prefix, leaf = (str(p) for p in path)
-    one = hf_shape(path, shape[1:])
-    return {".".join([*prefix, str(e), leaf, "weight"]): one for e in range(shape[0])}
+    or one per stacked layer and expert (`_pieces`)."""
+    return {name: hf_shape(path, piece) for name, _, piece in _pieces(path, shape)}
 
 
-def _read_param(reader, path: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
-    """Our parameter at `path` from the checkpoint, in our layout (experts stacked)."""
-    names = list(hf_tensors(path, shape))
-    if not _stacked_experts(path):
-        return from_hf_layout(reader.get(names[0]), path, shape)
-    return np.stack([from_hf_layout(reader.get(n), path, shape[1:]) for n in names])
+def _read_param(reader, path: tuple[Any, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Our parameter at `path` from the checkpoint, in our layout (layers and experts
+    stacked) and `dtype`, read one HF tensor at a time into one host array."""
+    pieces = _pieces(path, shape)
+    if len(pieces) == 1 and not pieces[0][1]:
+        return from_hf_layout(reader.get(pieces[0][0]), path, shape).astype(dtype, copy=False)
+    out = np.empty(shape, dtype)
+    for name, index, piece in pieces:
+        out[index] = from_hf_layout(reader.get(name), path, piece)
+    return out
 
 
 def _hf_param_tensors(array: np.ndarray, path: tuple[Any, ...]) -> dict[str, np.ndarray]:
     """Our parameter's HF tensors by name (inverse of `_read_param`)."""
-    names = list(hf_tensors(path, array.shape))
-    if not _stacked_experts(path):
-        return {names[0]: to_hf_layout(array, path)}
-    return {n: to_hf_layout(a, path) for n, a in zip(names, array, strict=True)}
+    return {name: to_hf_layout(array[index], path) for name, index, _ in _pieces(path, array.shape)}
 
 
 def _input_dims(path: tuple[Any, ...]) -> int | None:
@@ -353,10 +380,10 @@ def load_pretrained(
         dtype = to_dtype(config.param_dtype)
         for p, var in params:
             shape = var.get_value().shape
-            name = hf_name(p)
-            if name in reader.files or _stacked_experts(p):
-                value = _read_param(reader, p, shape)
+            if all(name in reader.files for name in hf_tensors(p, shape)):
+                value = _read_param(reader, p, shape, dtype)
             else:  # only a fresh score head gets here
+                name = hf_name(p)
                 log.warning("%s has no %s: initialising a new head of shape %s", path, name, shape)
                 value = INIT_STD * np.random.default_rng(seed).standard_normal(shape)
             axes = var.get_metadata()["axes"]

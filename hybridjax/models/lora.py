@@ -49,8 +49,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
-from hybridjax.models.decoder import CausalLM
-from hybridjax.models.hf_io import _input_dims, _stacked_experts, hf_name
+from hybridjax.models.decoder import CausalLM, stack_modules
+from hybridjax.models.hf_io import _input_dims, _stacked_experts, _stacked_layers, hf_name
 
 # peft's "all-linear" on these models: every projection of attention and MLP, not the LM head.
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,13 +109,46 @@ class LoRAScale(nnx.Variable):
 
 
 def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
-    """W + scale · reshape(A @ B, W.shape), summed in float32, returned in W's dtype."""
-    delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) * scale
+    """W + scale · reshape(A @ B, W.shape), summed in float32, returned in W's dtype. A stacked
+    weight (L, ...) takes stacked adapters A (L, in, rank), B (L, rank, out): one product per
+    layer."""
+    delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)) * scale
     return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
 
 
 def _key(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
+
+
+def _adapter(path: tuple, shape: tuple[int, ...], dtype, rank: int, rngs: nnx.Rngs) -> nnx.LoRA:
+    """A fresh adapter pair for one weight of `shape` (our layout) at `path`."""
+    n_in = _input_dims(path)
+    fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    return nnx.LoRA(fan_in, rank, fan_out, param_dtype=dtype, rngs=rngs)
+
+
+def _adapters(base: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> dict[str, nnx.LoRA]:
+    """Target weight key -> its adapters. A scanned model's stacked layer weight (L, ...)
+    gets L adapters stacked on a leading axis (`decoder.stack_modules`), drawn layer by layer
+    in the per-layer model's order, so both models start from the same adapters. Stacked MoE
+    experts (E, in, out) are not adapted: one adapter per expert is not implemented;
+    attention and dense MLPs of an MoE model are."""
+    targets = [
+        (path, var.get_value())
+        for path, var in nnx.to_flat_state(nnx.state(base, nnx.Param))
+        if str(path[-1]) in config.target_modules and not _stacked_experts(path)
+    ]
+    out = {
+        _key(p): _adapter(p, w.shape, w.dtype, config.rank, rngs)
+        for p, w in targets
+        if not _stacked_layers(p)
+    }
+    stacked = [(p, w) for p, w in targets if _stacked_layers(p)]
+    per_layer: dict[str, list[nnx.LoRA]] = {_key(p): [] for p, _ in stacked}
+    for _ in range(stacked[0][1].shape[0] if stacked else 0):
+        for p, w in stacked:
+            per_layer[_key(p)].append(_adapter(p, w.shape[1:], w.dtype, config.rank, rngs))
+    return out | {key: stack_modules(layers) for key, layers in per_layer.items()}
 
 
 class LoRAModel(nnx.Module):
@@ -133,19 +166,7 @@ class LoRAModel(nnx.Module):
         self.base = base
         self.config = base.config
         self.lora = config
-        adapters = {}
-        for path, var in nnx.to_flat_state(nnx.state(base, nnx.Param)):
-            # Stacked MoE experts (E, in, out) are not adapted: one adapter per expert is not
-            # implemented; attention and dense MLPs of an MoE model are.
-            if str(path[-1]) in config.target_modules and not _stacked_experts(path):
-                n_in = _input_dims(path)
-                shape = var.get_value().shape
-                fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-                dtype = var.get_value().dtype
-                adapters[_key(path)] = nnx.LoRA(
-                    fan_in, config.rank, fan_out, param_dtype=dtype, rngs=rngs
-                )
-        self.adapters = nnx.Dict(adapters)
+        self.adapters = nnx.Dict(_adapters(base, config, rngs))
         for name in vars(base).copy():
             var = getattr(base, name)
             if isinstance(var, nnx.Param) and name.removesuffix("_bias") in config.modules_to_save:
@@ -259,20 +280,31 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _per_layer(path: tuple, adapter: nnx.LoRA) -> list[tuple[tuple, np.ndarray, np.ndarray]]:
+    """(target path, A in × rank, B rank × out) on the host for each layer an adapter serves:
+    itself, or each layer of a scanned model's stacked adapter (`model.layers.{i}.…`)."""
+    a, b = _host(adapter.lora_a[...]), _host(adapter.lora_b[...])
+    if not _stacked_layers(path):
+        return [(path, a, b)]
+    at = path.index("layers") + 1
+    return [((*path[:at], str(i), *path[at:]), a[i], b[i]) for i in range(a.shape[0])]
+
+
 def save_peft_adapter(
     model: LoRAModel, path: str | pathlib.Path, base_model_name_or_path: str = ""
 ) -> None:
     """Writes the adapters as peft does (`adapter_model.safetensors` + `adapter_config.json`),
     so `peft.PeftModel.from_pretrained(hf_base, path)` rebuilds the same model. Tensor names are
-    peft's (`base_model.model.<module>.lora_A.weight`: rank × in, `lora_B.weight`: out × rank);
-    the scale is `lora_alpha / r` (no rsLoRA). Only process 0 writes."""
+    peft's (`base_model.model.<module>.lora_A.weight`: rank × in, `lora_B.weight`: out × rank),
+    one pair per layer also for a scanned model's stacked adapters; the scale is
+    `lora_alpha / r` (no rsLoRA). Only process 0 writes."""
     path = pathlib.Path(path)
     tensors = {}
     for key, adapter in model.adapters.items():
-        module = hf_name(tuple(key.split("."))).removesuffix(".weight")
-        prefix = f"base_model.model.{module}"
-        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(_host(adapter.lora_a[...]).T)
-        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(_host(adapter.lora_b[...]).T)
+        for target, a, b in _per_layer(tuple(key.split(".")), adapter):
+            prefix = f"base_model.model.{hf_name(target).removesuffix('.weight')}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -36,13 +36,16 @@ def _report():
     print("\nmax |Δlogit| vs transformers:", {k: f"{v:.2e}" for k, v in MEASURED.items()})
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("family", ["qwen2", "llama", "mistral"])
-def test_logits_match_transformers(family, hf_checkpoints, loaded, padded_batch):
-    _, hf_model = hf_checkpoints[family]
+def test_logits_match_transformers(family, scan, hf_checkpoints, loaded, padded_batch):
+    """Per-layer and scanned (stored-stacked layers, `scan_layers`) models alike."""
+    path, hf_model = hf_checkpoints[family]
+    model = load_pretrained(path, config_overrides={"scan_layers": True}) if scan else None
     ref = hf_logits(hf_model, *padded_batch)
-    ours = our_logits(loaded[family], padded_batch)
+    ours = our_logits(model or loaded[family], padded_batch)
     err = max_valid_diff(ours, ref, padded_batch[1])
-    MEASURED[family] = err
+    MEASURED[family + ("/scan" if scan else "")] = err
     assert np.abs(ref).max() > 1.0  # logits are not trivially small
     assert err <= PARITY_TOL
 

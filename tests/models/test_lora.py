@@ -1,6 +1,8 @@
 """LoRA: merged forward = base + (alpha/rank)·A·B, gradients reach adapters only, the reference
 is the base, the re-layout merges, and peft loads our adapter with the same logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,10 +34,13 @@ CONFIG = ModelConfig(
     pad_token_id=0,
 )
 LORA = LoRAConfig(rank=4, alpha=8.0)
+SCAN = pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
 
 
-def _model(seed=0, lora=LORA):
-    model = apply_lora(CausalLM(CONFIG, nnx.Rngs(seed)), lora, seed=seed + 1)
+def _model(seed=0, lora=LORA, scan=False):
+    """Adapted model; `scan`: on a scanned base (stacked layers, stacked adapters)."""
+    config = dataclasses.replace(CONFIG, scan_layers=scan)
+    model = apply_lora(CausalLM(config, nnx.Rngs(seed)), lora, seed=seed + 1)
     for adapter in model.adapters.values():  # B starts at 0; make the adapters do something
         key = jax.random.key(hash(id(adapter)) % 2**31)
         adapter.lora_b[...] = 0.1 * jax.random.normal(key, adapter.lora_b[...].shape)
@@ -49,8 +54,9 @@ def _batch():
     return jnp.asarray(rng.integers(1, 97, (2, 9)) * mask), jnp.asarray(mask)
 
 
-def test_merged_forward_is_base_plus_scaled_low_rank():
-    model = _model()
+@SCAN
+def test_merged_forward_is_base_plus_scaled_low_rank(scan):
+    model = _model(scan=scan)
     ids, mask = _batch()
     graphdef, state = nnx.split(model.base)
     flat = dict(nnx.to_flat_state(state))
@@ -63,7 +69,7 @@ def test_merged_forward_is_base_plus_scaled_low_rank():
     hand = nnx.merge(graphdef, nnx.from_flat_state(expected))
     np.testing.assert_allclose(model(ids, mask), hand(ids, mask), atol=1e-5)
     assert not np.allclose(model(ids, mask), model.base(ids, mask), atol=1e-3)
-    assert len(model.adapters) == len(LINEAR_MODULES) * CONFIG.num_hidden_layers
+    assert len(model.adapters) == len(LINEAR_MODULES) * (1 if scan else CONFIG.num_hidden_layers)
 
 
 def test_target_modules_and_config_errors():
@@ -96,8 +102,9 @@ def test_gradients_reach_adapters_only_and_reference_is_base():
     np.testing.assert_array_equal(ref(ids, mask), model.base(ids, mask))
 
 
-def test_relayout_merges_and_turns_the_copy_adapters_off():
-    model = _model()
+@SCAN
+def test_relayout_merges_and_turns_the_copy_adapters_off(scan):
+    model = _model(scan=scan)
     ids, mask = _batch()
     graphdef, state = nnx.split(model)
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -108,12 +115,14 @@ def test_relayout_merges_and_turns_the_copy_adapters_off():
     assert nbytes > 0
 
 
-def test_peft_loads_exported_adapter_with_same_logits(tmp_path):
+@SCAN
+def test_peft_loads_exported_adapter_with_same_logits(tmp_path, scan):
+    """Also from a scanned model: its stacked adapters are exported one pair per layer."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     import transformers
 
-    model = _model()
+    model = _model(scan=scan)
     save_pretrained(model.base, tmp_path / "base")
     save_peft_adapter(model, tmp_path / "adapter", str(tmp_path / "base"))
     save_pretrained(merged_model(model), tmp_path / "merged")

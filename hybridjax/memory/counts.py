@@ -6,7 +6,8 @@ the loop step the stage runs (one packed buffer or one padded micro-batch), the 
 compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its peak:
 
 * gathered weights: FSDP all-gathers one layer's weights (and the embedding / LM head) in the
-  parameter dtype, casts them to the compute dtype, and in an update holds their gradient in
+  parameter dtype (a scanned model's stacked weights one layer's slice per scan step: the
+  same bytes), casts them to the compute dtype, and in an update holds their gradient in
   the compute dtype and, unsharded, in float32 until it is reduce-scattered. Only the copies
   that exist are counted (no gather without FSDP, no cast when the dtypes agree); weights stay
   split over `tensor`, and MoE experts over `expert` (E/ep experts per device). With the
@@ -92,15 +93,24 @@ class LoopStep:
         return cls(rows * (prompt + response), rows * response, rows, prompt + response)
 
 
+def _in_layers(path) -> bool:
+    """Whether the leaf at `path` (a jax key path) belongs to the decoder layers: one layer's
+    weight (`model.layers.3.…`), a scanned model's stack of all L layers' (`model.layers.…`,
+    leading axis `layers`, replicated: the scan gathers one layer's slice at a time), or a
+    LoRA adapter of either. Either way the layers' bytes sum to L layers'."""
+    return "layers" in jax.tree_util.keystr(path)
+
+
 def _gathered(
     params: Any, mesh_shape: dict[str, int], vocab_axes: tuple[str, ...] = ()
 ) -> tuple[int, int]:
-    """(bytes of all decoder layers' weights, of the embedding, LM head and final norm) per
-    device once gathered over FSDP: each weight split only over its `tensor` and `expert` mesh
-    axes, the non-layer weights also over `vocab_axes` (the vocab-parallel head: never gathered)."""
+    """(bytes of all decoder layers' weights (per-layer or stacked, `_in_layers`), of the
+    embedding, LM head and final norm) per device once gathered over FSDP: each weight split
+    only over its `tensor` and `expert` mesh axes, the non-layer weights also over
+    `vocab_axes` (the vocab-parallel head: never gathered)."""
     layers, outer = 0, 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
-        in_layers = "layers" in jax.tree_util.keystr(path)
+        in_layers = _in_layers(path)
         kept = {"tensor", "expert"} | (set() if in_layers else set(vocab_axes))
         spec = x.sharding.spec if x.sharding is not None else ()
         split = 1

@@ -139,3 +139,18 @@ def test_fused_head_holds_one_chunk_of_logits():
     assert update["logits"] == 2 * 16 * V * F32 * 3
     whole = stage_bytes("forward", MODEL, params, shape, step, "fused", head_chunk=256)
     assert whole["logits"] == 80 * V * F32 * 2
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_stacked_layers_count_as_the_per_layer_model(fsdp):
+    """A scanned model's stacked layer weights (`scan_layers`) count as L layers: the same
+    per-layer gathered weights and activations as the per-layer model's."""
+    step = LoopStep(tokens=48, head_tokens=40, rows=2, row_length=24)
+    model = dataclasses.replace(MODEL, dtype="bfloat16")
+    counts = {}
+    for scan in (False, True):
+        config = dataclasses.replace(model, scan_layers=scan)
+        params, shape = _params(config, 1, fsdp)
+        counts[scan] = stage_bytes("update", config, params, shape, step, "fused", True, 8)
+    assert counts[True] == counts[False]
+    assert counts[True]["gathered weights"] > 0

@@ -1,5 +1,7 @@
 """update_weights: training ⇄ generation layout, casts, bytes moved, donation, memory bound."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +9,11 @@ import pytest
 from flax import nnx
 from sharding_testing import TINY
 
+from hybridjax.models.decoder import CausalLM
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     ACTOR_TRAIN_RULES,
+    init_sharded,
     move_memory_bytes,
     state_shardings,
     update_weights,
@@ -105,3 +109,22 @@ def test_mismatched_shardings_are_rejected(actor, gen_shardings):
     _, params = actor
     with pytest.raises(ValueError, match="do not match the parameter tree"):
         update_weights(params["model"], gen_shardings)
+
+
+def test_stacked_layers_move_like_any_leaf(meshes, actor):
+    """A scanned actor's stacked layer weights (leading `layers` axis, replicated) re-lay to the
+    generation mesh and back bit for bit, and give the per-layer actor's logits there."""
+    config = dataclasses.replace(TINY, scan_layers=True)
+    graphdef, params = nnx.split(init_sharded(CausalLM, config, meshes.train, ACTOR_TRAIN_RULES))
+    q = params["model"]["layers"]["self_attn"]["q_proj"].get_value()
+    assert q.shape[0] == TINY.num_hidden_layers and q.sharding.spec[0] is None
+    gen, _ = update_weights(params, state_shardings(params, meshes.generate, ACTOR_GENERATE_RULES))
+    back, _ = update_weights(gen, state_shardings(params, meshes.train, ACTOR_TRAIN_RULES))
+    for before, after in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        assert after.sharding == before.sharding
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+    ids_BxT = jax.random.randint(jax.random.key(1), (4, 12), 0, TINY.vocab_size)
+    mask_BxT = jnp.ones((4, 12), bool).at[1, :5].set(False)
+    scanned = jax.jit(lambda s: nnx.merge(graphdef, s)(ids_BxT, mask_BxT))(gen)
+    loop = jax.jit(lambda s: nnx.merge(actor[0], s)(ids_BxT, mask_BxT))(actor[1])
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=1e-5)

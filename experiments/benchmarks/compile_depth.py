@@ -2,7 +2,8 @@
 
     python -m experiments.benchmarks.compile_depth [--layers 4,8,16,28] [--repeats 2] [--out DIR]
 
-For each depth and `scan_layers` off / on, a random Qwen2-shaped actor of a fixed small width
+For each depth and `scan_layers` off / on (on: the layers' parameters stored stacked and run
+as one scan, `hybridjax.models.decoder`), a random Qwen2-shaped actor of a fixed small width
 (hidden 64, MLP 128, 4/2 heads, vocab 256, float32, layers checkpointed with the "full" policy)
 on one CPU device:
   * `update_actor`: `hybridjax.rl.passes.update_actor` jitted as `hybridjax.rl.step` does
@@ -11,7 +12,11 @@ on one CPU device:
     `.lower(...)` + `.compile()`;
   * decode: the paged engine's first `generate` call (4 decode steps, 2 slots): the seconds
     JAX reports for tracing, lowering to MLIR and the XLA compile of that call
-    (`jax.monitoring` events), which is the engine's decode program.
+    (`jax.monitoring` events), which is the engine's decode program (its paged cache keeps one
+    pool per layer, so a scanned model decodes there layer by layer);
+  * dense decode: 4 greedy decode steps of `CausalLM.decode` on a `DenseKVCache` (stacked for
+    a scanned model: one scan over the layers with the cache in the carry) as one jitted
+    `lax.scan`, lowered and compiled for 2 rows of 16 slots: seconds of `.lower` + `.compile`.
 After one discarded warm-up round at depth 1, each is the median of `--repeats` fresh
 compiles (`jax.clear_caches()` between; the persistent compilation cache is off). Writes
 `DIR/compile_depth.json` (default `experiments/results/compile_depth/`) with the table and
@@ -33,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from hybridjax.config.schema import base_config
+from hybridjax.models.attention import DenseKVCache
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.rl import build, passes
@@ -113,6 +119,36 @@ def decode_compile_s(config: ModelConfig) -> float:
         return _seconds["total"] - before
 
 
+def dense_decode_compile_s(config: ModelConfig) -> float:
+    """Seconds to lower and compile 4 greedy decode steps on a `DenseKVCache`."""
+    graphdef, params = nnx.split(CausalLM(config, nnx.Rngs(0)))
+    cache = DenseKVCache.create(config, 2, 16)
+
+    def steps(params, cache, tokens_B, positions_B):
+        model = nnx.merge(graphdef, params)
+
+        def one(carry, t):
+            cache, tokens_B = carry
+            step = (tokens_B[:, None], positions_B[:, None] + t, jnp.ones((2, 1), bool), cache)
+            logits, cache = model.decode(*step)
+            return (cache, jnp.argmax(logits[:, -1], axis=-1)), None
+
+        return jax.lax.scan(one, (cache, tokens_B), jnp.arange(4))[0]
+
+    args = (params, cache, jnp.ones((2,), jnp.int32), jnp.full((2,), 5, jnp.int32))
+    with _fresh():
+        start = time.perf_counter()
+        jax.jit(steps).lower(*args).compile()
+        return time.perf_counter() - start
+
+
+MEASURES = (
+    ("update_actor_s", update_compile_s),
+    ("decode_s", decode_compile_s),
+    ("dense_decode_s", dense_decode_compile_s),
+)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", default="4,8,16,28")
@@ -124,14 +160,14 @@ def main(argv=None) -> dict:
     depths = [int(n) for n in args.layers.split(",")]
     # one discarded round first: the process's one-time costs (first traces of shared helpers,
     # backend start-up) would otherwise land in the first row
-    update_compile_s(ModelConfig(**WIDTH, num_hidden_layers=1))
-    decode_compile_s(ModelConfig(**WIDTH, num_hidden_layers=1))
+    for _, fn in MEASURES:
+        fn(ModelConfig(**WIDTH, num_hidden_layers=1))
     rows = []
     for layers in depths:
         for scan in (False, True):
             config = ModelConfig(**WIDTH, num_hidden_layers=layers, scan_layers=scan)
             row = {"layers": layers, "scan_layers": scan}
-            for name, fn in (("update_actor_s", update_compile_s), ("decode_s", decode_compile_s)):
+            for name, fn in MEASURES:
                 row[name] = statistics.median(fn(config) for _ in range(args.repeats))
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -139,7 +175,7 @@ def main(argv=None) -> dict:
     for scan in (False, True):
         first, last = (next(r for r in rows if r["layers"] == n and r["scan_layers"] is scan)
                        for n in (depths[0], depths[-1]))  # fmt: skip
-        for name in ("update_actor_s", "decode_s"):
+        for name, _ in MEASURES:
             key = f"{name.removesuffix('_s')}_{depths[-1]}/{depths[0]}_scan_{scan}"
             ratios[key] = last[name] / first[name]
     result = {"width": WIDTH, "repeats": args.repeats, "backend": jax.default_backend(),

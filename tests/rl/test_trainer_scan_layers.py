@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from hybridjax.models.config import ModelConfig
-from hybridjax.models.decoder import CausalLM
+from hybridjax.models.decoder import CausalLM, stack_layer_state
 from hybridjax.rl import build, passes
 from hybridjax.rl.trainer import RLTrainer
 from tests.rl.test_passes import _batch, _stage_config
@@ -24,7 +24,8 @@ SHAPE = ModelConfig(
 
 
 def _update(config: ModelConfig):
-    """(metrics, new parameters) of one PPO update of a fresh actor of shape `config`."""
+    """(metrics, new parameters, in the stacked form) of one PPO update of a fresh actor of
+    shape `config`."""
     graphdef, params = nnx.split(CausalLM(config, nnx.Rngs(0)))
     cfg = _stage_config()
     state = build.init_train_state(params, cfg.actor_optim)
@@ -32,7 +33,8 @@ def _update(config: ModelConfig):
     batch = batch.replace(advantages=batch.response_mask * np.array([[1.0], [-0.5], [2], [-1]]))
     state, metrics, nan = passes.update_actor(graphdef, state, batch, jax.random.key(0), cfg)
     assert int(nan) == 0
-    return metrics, jax.tree.leaves(state.params)
+    params = state.params if config.scan_layers else stack_layer_state(state.params)
+    return metrics, jax.tree.leaves(params)
 
 
 @pytest.mark.parametrize("policy", [None, "dots_with_no_batch_dims"])
@@ -61,8 +63,9 @@ def test_ppo_steps_with_scanned_layers_match_the_loop(tmp_path):
     runs = {}
     for scan in (False, True):
         run_dir = tmp_path / f"scan_{scan}"
+        value = "auto" if scan else "false"  # auto: on for this dense model
         config = tiny_config(
-            data, run_dir, **changes, **{"actor_rollout_ref.model.scan_layers": scan}
+            data, run_dir, **changes, **{"actor_rollout_ref.model.scan_layers": value}
         )
         trainer = RLTrainer(config)
         assert trainer.actor_config.scan_layers is scan

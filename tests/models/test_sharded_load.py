@@ -82,7 +82,8 @@ def test_save_from_sharded_model_writes_the_same_tensors(mesh, hf_checkpoints, t
 def test_scanned_layers_over_sharded_parameters_equal_single_device(
     mesh, hf_checkpoints, padded_batch
 ):
-    """`scan_layers` stacks parameters sharded over fsdp × tensor inside the forward."""
+    """`scan_layers`: stored stacked parameters sharded over fsdp × tensor (the layer axis
+    replicated) scan to the single-device logits."""
     path, _ = hf_checkpoints["qwen2"]
     scan = {"scan_layers": True, "remat": True}
     sharded = load_pretrained(path, shardings=simple_shardings(mesh), config_overrides=scan)

@@ -261,7 +261,7 @@ def stack_modules(modules) -> nnx.Module:
         if other != graphdef:
             raise ValueError(
                 f"scan_layers needs identical decoder layers; layer {i} differs from layer 0 "
-                "(set actor_rollout_ref.model.scan_layers=False)"
+                "(set actor_rollout_ref.model.scan_layers to 'false')"
             )
     flats = [dict(nnx.to_flat_state(state)) for _, state in splits]
     stacked = {

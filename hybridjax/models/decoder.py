@@ -293,7 +293,8 @@ def stack_layer_state(state: nnx.State) -> nnx.State:
     model's (`model.layers.…` with a leading L axis, `ModelConfig.scan_layers`): pure, the
     other variables kept as they are. Inverse of `unstack_layer_state`."""
     flat = dict(nnx.to_flat_state(state))
-    out, groups = {}, {}
+    out: dict[tuple, nnx.Variable] = {}
+    groups: dict[tuple, dict[Any, nnx.Variable]] = {}
     for path, var in flat.items():
         at = _layer_path(path)
         if at is None:
@@ -417,12 +418,12 @@ class Transformer(nnx.Module):
                 h, cache = layer(h, positions_BxT, token_mask_BxT, rope, mask, cache, i, replay)
         return self.norm(h), cache
 
-    def layer_list(self) -> list[DecoderLayer]:
+    def layer_list(self) -> list[nnx.Module]:
         """The decoder layers one module each: the modules themselves, or views of the stored
         stack's layers when scanned (`module_at`)."""
         if isinstance(self.layers, DecoderLayer):
             return [module_at(self.layers, i) for i in range(self.config.num_hidden_layers)]
-        return list(self.layers)
+        return list(self.layers)  # type: ignore[call-overload]  # an nnx.List
 
 
 class CausalLM(nnx.Module):

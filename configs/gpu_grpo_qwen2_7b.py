@@ -16,7 +16,9 @@ GRPO), at verl's 7B scale. Data: `python -m hybridjax.data.gsm8k --output data/g
 Planned per device against the 72 GB budget (0.9 × 80 GB): gen 56.61 GB (of it the KV pool
 26.06 GB and the jnp decode path's gathered K/V 11.51 GB), old_log_prob 16.28 GB, ref
 18.19 GB, update_actor 30.66 GB (109.7 GB before the fused head and the engine's sleep,
-43.95 GB before the vocab-parallel head), reshard 19.59 GB; docs/memory.md has the table. The plan:
+43.95 GB before the vocab-parallel head), reshard 20.94 GB (19.59 GB before the layers were
+stored stacked: the re-layout's one-leaf scratch is a stacked MLP weight); docs/memory.md has the
+table. The plan:
 
     python -m hybridjax.plan --config=configs/gpu_grpo_qwen2_7b.py --devices=8 \
         --device_memory_gb=80 --noxla \

@@ -108,6 +108,15 @@ def test_scanned_engine_equals_unscanned(scanned_engine, engine, params):
     _assert_same_samples(scanned_engine, engine, params)
 
 
+def test_chunked_prefill_extends_stacked_pools(eos_model, engine):
+    """5 prompt tokens per engine step: later chunks of a prompt are written and attend to
+    the cached ones through `steps.extend` (several tokens per row) on stacked pools."""
+    config = dataclasses.replace(ENGINE_CONFIG, max_num_batched_tokens=5)
+    budgeted = Engine(scanned_copy(eos_model), config)
+    _assert_same_samples(budgeted, engine, PARAMS["seeded"])
+    assert any(name.startswith("extend") for name in budgeted.compile_counts)
+
+
 def test_sleep_releases_stacked_pools_and_wake_up_generates_the_same(scanned_engine):
     params = PARAMS["seeded"]
     before = generate(scanned_engine, make_prompts(), params)

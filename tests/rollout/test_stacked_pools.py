@@ -37,6 +37,7 @@ LAYERS, HEADS, KV, HEAD_DIM = 3, 4, 2, 8
 MODEL_DIM, PAGE, PAGES = 16, 4, 24
 LENGTHS = (5, 9, 2, 7)  # four rows: data 4 splits them
 STEPS = 3
+EXTEND = 3  # tokens appended per row at once (`steps.extend`: decode mode, T > 1)
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
@@ -83,28 +84,35 @@ def looped(weights, h, positions, mask, cache):
 
 
 def _inputs(seed: int = 1):
-    """Prefill hidden states B×T×M with mask and positions, then STEPS decode steps (row 2
-    inactive at the last one), and a page table of scattered pages."""
+    """Prefill hidden states B×T×M with mask and positions; an extension by EXTEND tokens per
+    row on top of the cached ones (row 1 only one of them, as `steps.extend` pads rows); then
+    STEPS decode steps (row 2 inactive at the last one); a page table of scattered pages."""
     rng = np.random.default_rng(seed)
     b, t = len(LENGTHS), max(LENGTHS)
     h = rng.standard_normal((b, t, MODEL_DIM)).astype(np.float32)
     mask = np.arange(t)[None] < np.array(LENGTHS)[:, None]
     positions = np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)
+    ext_mask = np.ones((b, EXTEND), bool)
+    ext_mask[1, 1:] = False
+    ext_positions = (np.array(LENGTHS)[:, None] + np.arange(EXTEND)).astype(np.int32)
+    ext = (rng.standard_normal((b, EXTEND, MODEL_DIM)).astype(np.float32), ext_positions, ext_mask)
     steps = []
     for j in range(STEPS):
         active = np.ones((b, 1), bool)
         active[2] = j < STEPS - 1
-        pos = (np.array(LENGTHS) + j).astype(np.int32)[:, None]
+        pos = (np.array(LENGTHS) + EXTEND + j).astype(np.int32)[:, None]
+        pos[1] -= EXTEND - 1  # row 1 extended by one token
         steps.append((rng.standard_normal((b, 1, MODEL_DIM)).astype(np.float32), pos, active))
-    width = -(-(t + STEPS) // PAGE)
+    width = -(-(t + EXTEND + STEPS) // PAGE)
     table = rng.permutation(PAGES)[: b * width].reshape(b, width).astype(np.int32)
-    return (h, positions, mask), steps, table
+    return (h, positions, mask), ext, steps, table
 
 
 def _run(forward, config, *, gathered: bool, mesh=None):
-    """Prefill then STEPS decode steps of `forward` on pools of `config`'s layout. Returns
-    (the outputs of every call, the final cache)."""
-    prefill, steps, table = _inputs()
+    """Prefill, an extension, then STEPS decode steps (with or without the gathered copy) of
+    `forward` on pools of `config`'s layout. Returns (the outputs of every call, the final
+    cache)."""
+    prefill, ext, steps, table = _inputs()
     k, v = PagedKVCache.create_pool(config, PAGES, PAGE)
     weights = _weights()
     if mesh is not None:  # kv heads over `tensor`, rows over `data`
@@ -112,13 +120,14 @@ def _run(forward, config, *, gathered: bool, mesh=None):
         pools = pool_spec(stacked_layout(config), "tensor")
         k, v = put(k, pools), put(v, pools)
         table = put(table, PartitionSpec("data"))
-        prefill = tuple(put(x, PartitionSpec("data")) for x in prefill)
+        prefill, ext = (tuple(put(x, PartitionSpec("data")) for x in xs) for xs in (prefill, ext))
         steps = [tuple(put(x, PartitionSpec("data")) for x in s) for s in steps]
     step = jax.jit(forward)
     cache = PagedKVCache(k, v, jnp.asarray(table), "prefill")
     out, cache = step(weights, *prefill, cache)
-    outs = [out]
     cache = dataclasses.replace(cache, mode="decode", mesh=mesh)
+    extended, cache = step(weights, *ext, cache)  # several tokens per row
+    outs = [out, extended]
     if gathered:
         cache = cache.gathered()
     for s in steps:
@@ -169,7 +178,7 @@ def test_scanned_stacked_pools_on_the_mesh_equal_one_device(gathered):
 
 def test_per_layer_pools_refuse_a_traced_layer():
     k, v = PagedKVCache.create_pool(CONFIG, PAGES, PAGE)
-    (h, positions, mask), _, table = _inputs()
+    (h, positions, mask), _, _, table = _inputs()
     cache = PagedKVCache(k, v, jnp.asarray(table), "prefill")
     with pytest.raises(TypeError, match="stacked pools"):
         jax.eval_shape(scanned, _weights(), h, positions, mask, cache)
@@ -197,7 +206,7 @@ def test_the_jnp_path_copies_no_layer_of_a_stacked_pool(mode):
     no dynamic slice of the pool, while the Pallas path copies the layer's pool (its
     documented cost) and so shows one per pool."""
     k, v = PagedKVCache.create_pool(STACKED, PAGES, PAGE)
-    (h, positions, mask), steps, table = _inputs()
+    (h, positions, mask), _, steps, table = _inputs()
     cache = PagedKVCache(k, v, jnp.asarray(table), mode)
     args = (h, positions, mask) if mode == "prefill" else steps[0]
     jaxpr = jax.make_jaxpr(scanned)(_weights(), *args, cache).jaxpr

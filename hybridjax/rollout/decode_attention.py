@@ -55,7 +55,7 @@ def select_decode_kernel(impl: str, sliding_window: int | None, backend: str) ->
     return impl
 
 
-def read_layer(array: jax.Array, layer=None) -> jax.Array:
+def read_layer(array: jax.Array, layer: int | jax.Array | None = None) -> jax.Array:
     """Layer `layer` of a stacked array (L×…), or `array` itself for layer None (one layer's
     array already). Cost: a dynamic slice, which XLA materialises unless it fuses it into
     the consumer: one layer's array copied per call."""
@@ -64,7 +64,9 @@ def read_layer(array: jax.Array, layer=None) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(array, layer, axis=0, keepdims=False)
 
 
-def gather_pages(pages_KxNxSxD: jax.Array, page_table_BxP: jax.Array, layer=None) -> jax.Array:
+def gather_pages(
+    pages_KxNxSxD: jax.Array, page_table_BxP: jax.Array, layer: int | jax.Array | None = None
+) -> jax.Array:
     """Each sequence's pages laid end to end: K×B×(P·S)×D (key j of row b at index j).
 
     `pages_KxNxSxD` is one layer's K×N×S×D pool, or a stacked L×K×N×S×D pool: with `layer`
@@ -135,7 +137,7 @@ def paged_attention_jnp(
     page_table_BxP: jax.Array,
     positions_BxT: jax.Array,
     sliding_window: int | None = None,
-    layer=None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each query to its sequence's pages: a gather of P pages per sequence, then
     `sequence_attention`. Unused page-table entries may point anywhere (masked by position).
@@ -260,7 +262,7 @@ def decode_attention(
     mesh: Mesh | None = None,
     sliding_window: int | None = None,
     interpret: bool = False,
-    layer=None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each sequence's queries to its pages (positions <= the query's, inside the
     sliding window): B×T×H×D in q's dtype, by `kernel` ("jnp" or "pallas", see
@@ -286,9 +288,9 @@ def decode_attention(
         fn = functools.partial(_pallas_layer, interpret=interpret)
     else:
         raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
-    args = (q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)
-    if layer is not None:  # both kernels take the layer as their sixth argument
-        args = (*args, jnp.asarray(layer, jnp.int32))
+    # both kernels take the layer (of stacked pools) as their sixth argument
+    layers = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    args = (q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT, *layers)
     if mesh is None:
         return fn(*args)
     rows, _, heads, _ = q_BxTxHxD.shape

@@ -217,6 +217,34 @@ def test_the_jnp_path_copies_no_layer_of_a_stacked_pool(mode):
         assert _dynamic_slices_of(jaxpr, k.shape) == 2
 
 
+def _pool_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """Instructions of compiled HLO text that copy or slice an f32 array of `shape`."""
+    dims = ",".join(map(str, shape))
+    pattern = rf"= f32\[{dims}\]\{{[^}}]*\}} (copy|copy-start|dynamic-slice|slice)\("
+    return [line.strip() for line in hlo.splitlines() if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_donated_scanned_decode_step_writes_the_pools_in_place(gathered):
+    """One device, pools donated: the scatters write into the stacked pools carried by the
+    scan's loop; no instruction copies or slices a whole pool (without donation XLA copies
+    each pool once, which this check sees)."""
+    k, v = PagedKVCache.create_pool(STACKED, PAGES, PAGE)
+    _, _, steps, table = _inputs()
+
+    def step(weights, h, positions, mask, k, v, table):
+        cache = PagedKVCache(k, v, table, "decode")
+        cache = cache.gathered() if gathered else cache
+        out, cache = scanned(weights, h, positions, mask, cache)
+        return out, cache.k, cache.v
+
+    args = (_weights(), *steps[0], k, v, jnp.asarray(table))
+    donated = jax.jit(step, donate_argnums=(4, 5)).lower(*args).compile().as_text()
+    assert _pool_copies(donated, k.shape) == []
+    kept = jax.jit(step).lower(*args).compile().as_text()
+    assert _pool_copies(kept, k.shape)  # the check sees the copies XLA makes then
+
+
 def test_pallas_kernel_reads_the_traced_layer_of_a_stacked_pool():
     """Interpret mode on CPU: the kernel at each traced layer equals the jnp path on that
     layer's own pool."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -68,13 +69,15 @@ def layer_of(pools: Pools, layer: Layer) -> tuple[jax.Array, Layer | None]:
     Python ints: pools for a scanned model are created stacked, `stacked_layout`)."""
     if not isinstance(pools, tuple):
         return pools, layer
-    if not isinstance(layer, int):
+    try:
+        index = operator.index(layer)  # a traced layer has no concrete value
+    except TypeError:
         raise TypeError(
-            f"per-layer KV pools need a Python int layer, got {type(layer).__name__}: a model "
-            "that scans its layers needs stacked pools (PagedKVCache.create_pool with "
+            f"per-layer KV pools need a concrete int layer, got {type(layer).__name__}: a "
+            "model that scans its layers needs stacked pools (PagedKVCache.create_pool with "
             "config.scan_layers)"
-        )
-    return pools[layer], None
+        ) from None
+    return pools[index], None
 
 
 def with_layer(pools: Pools, layer: Layer, array: jax.Array) -> Pools:
@@ -82,7 +85,8 @@ def with_layer(pools: Pools, layer: Layer, array: jax.Array) -> Pools:
     `layer` replaced, or the updated stacked array itself."""
     if not isinstance(pools, tuple):
         return array
-    return pools[:layer] + (array,) + pools[layer + 1 :]
+    index = operator.index(layer)
+    return pools[:index] + (array,) + pools[index + 1 :]
 
 
 def write_pages(

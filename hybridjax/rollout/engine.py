@@ -51,10 +51,10 @@ from hybridjax.models.moe import moe_layers
 from hybridjax.rollout import preemption, steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
-from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
+from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
 from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
 from hybridjax.rollout.preemption import Preempted
-from hybridjax.rollout.replicas import POOL_SPEC, ROWS_SPEC, ReplicaBooks, per_replica
+from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
     MAX_STOP_IDS,
@@ -119,6 +119,8 @@ class Engine:
         window = model.config.sliding_window
         self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
+        # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
+        self.stacked = stacked_layout(model.config)
         layers = len(moe_layers(model))
         self.record_routing = config.enable_rollout_routing_replay
         if self.record_routing and not layers:
@@ -153,7 +155,7 @@ class Engine:
         self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
         # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
         self._preempted_slots = np.zeros(num_slots, bool)
-        pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(
                 self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), (pool, pool, rows)
@@ -252,13 +254,20 @@ class Engine:
         return "tensor" if kv % tp == 0 and tp > 1 else None
 
     def _pool_spec(self) -> PartitionSpec:
-        """A pool's sharding: kv heads over `tensor`, pages by replica over `data`."""
-        return PartitionSpec(self._kv_heads_axis(), "data")
+        """A pool's sharding: kv heads over `tensor`, pages by replica over `data` (a stacked
+        pool's layer axis whole)."""
+        return pool_spec(self.stacked, self._kv_heads_axis(), "data")
+
+    def _replica_spec(self) -> PartitionSpec:
+        """A pool's spec in `per_replica` (which names only `data`): pages by replica."""
+        return pool_spec(self.stacked, None, "data")
 
     def _allocate_pools(self):
-        """The zeroed KV pools (k, v), one K×(R·N)×S×D array per layer: the one place the
-        engine allocates them. Each device holds only its replica's N pages (created in place
-        by a jitted zeros with `out_shardings`, never whole on one device)."""
+        """The zeroed KV pools (k, v): one K×(R·N)×S×D array per layer, or one stacked
+        L×K×(R·N)×S×D array each for a scanned model (`paged_cache.stacked_layout`); the one
+        place the engine allocates them. Each device holds only its replica's N pages
+        (created in place by a jitted zeros with `out_shardings`, never whole on one
+        device)."""
         pages = self.replicas * self.num_pages
         create = functools.partial(
             PagedKVCache.create_pool,
@@ -275,7 +284,8 @@ class Engine:
         """Inside a replica's step: its pool keeps its kv heads split over `tensor`."""
         if self.mesh is None:
             return pools
-        return jax.lax.with_sharding_constraint(pools, PartitionSpec(self._kv_heads_axis()))
+        spec = pool_spec(self.stacked, self._kv_heads_axis())
+        return jax.lax.with_sharding_constraint(pools, spec)
 
     def _upload(self, batch):
         """A row batch (R blocks, `replicas.ROWS_SPEC`) on the devices, block r on replica r."""
@@ -784,7 +794,7 @@ class Engine:
             f"decode(rows={rows}, steps={static['num_steps']}, filter={static['use_filter']}, "
             f"pages={width})"
         )
-        pool, rows_spec, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        pool, rows_spec, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         fn = per_replica(
             functools.partial(self._decode_fn, **static),
             self.mesh,

@@ -61,6 +61,7 @@ from hybridjax.rollout.slots import (
     Row,
     Slots,
     StepOutput,
+    decode_tokens,
     power_of_two_bucket,
     prefill_bucket,
     replica_rows,
@@ -329,11 +330,13 @@ class Engine:
                 f"{self.config.response_length})"
             )
         need = self.group_pages(n_prompt, p)
-        if need > self.num_pages:
+        watermark = self.pages.books[0].watermark  # free pages an admission leaves
+        if need + watermark > self.num_pages:
             raise ValueError(
                 f"request {request.index}: needs {need} KV pages (prompt {n_prompt} tokens, "
                 f"n={p.n} samples × up to {p.max_tokens} tokens, page_size "
-                f"{self.config.page_size}) but a replica's pool has {self.num_pages}; raise "
+                f"{self.config.page_size}) + a watermark of {watermark} but a replica's pool "
+                f"has {self.num_pages}; raise "
                 "rollout.num_pages / gpu_memory_utilization or lower n / response_length"
             )
         if len(p.stop_token_ids) + len(self.eos_ids) > MAX_STOP_IDS:
@@ -406,27 +409,42 @@ class Engine:
         self.run_prefill(prefixes)
         return prefixes
 
-    def run_prefill(self, prefixes: list[Prefix], budget: int | None = None) -> int:
+    def prefill_budgets(self) -> list[int]:
+        """Each replica's prompt tokens for this engine step: `max_num_batched_tokens` less
+        the tokens its running sequences compute in the next decode call (`slots.
+        decode_tokens`; vLLM V1's scheduler: running decodes first), at least 0."""
+        s, steps_per_call = self.slots, self.config.decode_steps_per_call
+        tokens = decode_tokens(s.active, s.max_tokens - s.num_generated, steps_per_call)
+        per_replica = tokens.reshape(self.replicas, -1).sum(axis=1)
+        return [max(0, self.config.max_num_batched_tokens - int(d)) for d in per_replica]
+
+    def run_prefill(self, prefixes: list[Prefix], budget: int | Sequence[int] | None = None) -> int:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
         call (each replica a block of rows, `replicas.per_replica`), and returns the tokens
         computed. Host sync: none.
 
-        `budget` (None: unbounded) caps each replica's tokens of this call (`rollout.
-        max_num_batched_tokens`): prefixes are taken in order (`pages.chunk_sizes`); with
-        `enable_chunked_prefill` the one that would pass the budget is computed up to it and
-        continues from there at the next call (`Prefix.prefilled`; a later chunk attends to
-        the cached earlier ones, `steps.extend`), else it waits whole for the next call (the
-        first one always runs whole). Prefixes already prefilled are skipped."""
+        `budget` (None: unbounded; one per replica, `prefill_budgets`, or one for every
+        replica) caps each replica's tokens of this call: prefixes are taken in order
+        (`pages.chunk_sizes`); with `enable_chunked_prefill` the one that would pass the
+        budget is computed up to it and continues from there at the next call
+        (`Prefix.prefilled`; a later chunk attends to the cached earlier ones,
+        `steps.extend`), else it waits whole for the next call (the first one runs whole
+        when no decode token of the step spent the budget). Prefixes already prefilled are
+        skipped."""
         self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
         remaining = [p.to_prefill for p in prefixes]
         sizes = [0] * len(prefixes)
+        full = self.config.max_num_batched_tokens
         for r in range(self.replicas):  # each replica its own budget, as a vLLM engine
             mine = [i for i, p in enumerate(prefixes) if p.replica == r]
             need = [remaining[i] for i in mine]
-            total = budget if budget is not None else sum(need)
+            total = (
+                sum(need) if budget is None else budget if isinstance(budget, int) else budget[r]
+            )
+            overrun = budget is None or isinstance(budget, int) or total >= full
             chunked = self.config.enable_chunked_prefill
-            for i, take in zip(mine, chunk_sizes(need, total, chunked), strict=True):
+            for i, take in zip(mine, chunk_sizes(need, total, chunked, overrun), strict=True):
                 sizes[i] = take
         first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
         first_of, rest_of = [], []  # their prefixes

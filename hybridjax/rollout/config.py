@@ -103,8 +103,8 @@ class RolloutConfig:
       a step of its own).
     watermark: with "on_demand", the fraction of a replica's pool a new group (or a preempted
       sequence coming back) must leave free after its pages to be admitted (vLLM's block
-      manager, 0.01: int(0.01 × pages) pages), room for the running sequences to grow before
-      one is preempted. An engine setting, not a config key (vLLM exposes none either).
+      manager's `watermark`, 0.01: int(0.01 × pages) pages), room for the running sequences
+      to grow before one is preempted.
     enable_rollout_routing_replay: a MoE model's engine records the experts every prompt and
       generated token used in each MoE layer (`Engine.routing_of`), for the training passes
       to replay (verl's key; `actor.router_replay.mode` "R3").
@@ -181,5 +181,6 @@ class RolloutConfig:
             page_allocation=str(rollout.get("page_allocation", "on_demand")),
             max_num_batched_tokens=int(rollout.get("max_num_batched_tokens", 8192)),
             enable_chunked_prefill=bool(rollout.get("enable_chunked_prefill", True)),
+            watermark=float(rollout.get("watermark", 0.01)),
             enable_rollout_routing_replay=bool(rollout.get("enable_rollout_routing_replay", False)),
         )

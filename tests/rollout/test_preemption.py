@@ -146,15 +146,17 @@ def test_config_keys_reach_the_engine_config_and_bad_values_are_named():
         "actor_rollout_ref.rollout.page_allocation": "reserve",
         "actor_rollout_ref.rollout.max_num_batched_tokens": 64,
         "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+        "actor_rollout_ref.rollout.watermark": 0.05,
     }
     r = RolloutConfig.from_config(_config(**keys).actor_rollout_ref.rollout)
-    assert (r.page_allocation, r.max_num_batched_tokens, r.enable_chunked_prefill) == (
-        "reserve",
-        64,
-        False,
-    )
+    got = (r.page_allocation, r.max_num_batched_tokens, r.enable_chunked_prefill, r.watermark)
+    assert got == ("reserve", 64, False, 0.05)
     default = RolloutConfig.from_config(_config().actor_rollout_ref.rollout)
     assert (default.page_allocation, default.max_num_batched_tokens) == ("on_demand", 8192)
+    assert default.watermark == 0.01
+    assert "actor_rollout_ref.rollout.watermark: must be in [0, 1)" in _problems(
+        **{"actor_rollout_ref.rollout.watermark": 1.0}
+    )
     bad = _problems(**{"actor_rollout_ref.rollout.page_allocation": "lazy"})
     assert "actor_rollout_ref.rollout.page_allocation: one of ('on_demand', 'reserve')" in bad
     assert "max_num_batched_tokens" in _problems(

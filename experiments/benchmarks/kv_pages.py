@@ -16,7 +16,8 @@ at full length, so the pool bounds what runs:
 * `reserve` (`rollout.page_allocation=reserve`): a group is admitted once the pool holds every
   sample at prompt + max_tokens (the worst case);
 * `on_demand` (the default): a sequence takes pages as it grows; when none is free the youngest
-  are preempted and recomputed later (`hybridjax.rollout.preemption`).
+  are preempted and recomputed later (`hybridjax.rollout.preemption`); a group is admitted
+  only if `watermark` of the pool stays free after its pages (`RolloutConfig.watermark`).
 
 Per mode: sequences running per decode call (mean and peak, sampled before each call; in all
 and per replica, i.e. per device at `tensor=1`), decode
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
             response_length=args.response_length,
             decode_steps_per_call=args.decode_steps_per_call,
             page_allocation=mode,
+            watermark=args.watermark,
         )
         engine = Engine(model, config, mesh=mesh)
         replicas = engine.replicas
@@ -195,6 +197,9 @@ def main() -> None:
     parser.add_argument("--num_pages", type=int, default=160)
     parser.add_argument("--max_num_seqs", type=int, default=64)
     parser.add_argument("--decode_steps_per_call", type=int, default=16)
+    parser.add_argument(
+        "--watermark", type=float, default=0.01, help="free pool fraction admission keeps"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median wall)")
     parser.add_argument("--no_warmup", action="store_true", help="time the first run")

@@ -256,10 +256,14 @@ def declared_config() -> ConfigDict:
             # KV pages as sequences grow, preempting the youngest when a pool runs out (vLLM),
             # or each sample's worst case reserved at admission (hybridjax.rollout.preemption)
             page_allocation=one_of("on_demand", PAGE_ALLOCATIONS),
-            # prompt tokens a replica prefills per engine step, longer prompts in chunks between
-            # decode calls (verl/vLLM's keys; hybridjax.rollout.batching)
+            # tokens a replica computes per engine step: the running sequences' decode tokens
+            # first, prompts in what is left, longer ones in chunks between decode calls
+            # (verl/vLLM's keys; hybridjax.rollout.scheduler)
             max_num_batched_tokens=positive(8192),
             enable_chunked_prefill=True,
+            # on demand: the fraction of a replica's KV pool a new group (or a preempted
+            # sequence coming back) leaves free after its pages (vLLM's block manager watermark)
+            watermark=within(0.01, 0, 1, high_open=True),
             # the engine records each prompt and generated token's experts (a MoE model) into
             # the batch's routed_experts, for actor.router_replay.mode="R3" (verl's key)
             enable_rollout_routing_replay=False,

@@ -27,7 +27,10 @@ compiler (XLA on GPU) keeps it live. Bytes per device, for one loop step at its 
   float32 query chunks of logits and probabilities (H × T/n × T each, n query chunks) forward,
   all of them backward. A forward pass holds one layer's; an update holds 2 (recomputed
   forward + its gradients), plus each layer's input with rematerialisation
-  (`enable_gradient_checkpointing`) or every layer's activations without it.
+  (`enable_gradient_checkpointing`) or every layer's activations without it. The remat policy
+  `dots_with_no_batch_dims` also keeps each layer's projection outputs (`dots_bytes_per_token`:
+  q, k, v, the attention's output projection, gate, up and down; the attention's own
+  contractions carry batch dimensions and are recomputed).
 * logits: float32 over the vocabulary (split over `tensor`) for each position the LM head
   runs on: 2 copies forward (logits, log-softmax; the exponent's sums are fused reductions),
   4 in an update (plus the scatter of the chosen token's gradient and the logits' gradient),
@@ -139,6 +142,19 @@ def mlp_bytes_per_token(m, tp: int, ep: int = 1) -> int:
     return max(routed, dense if m.num_moe_layers < m.num_hidden_layers else 0)
 
 
+def dots_bytes_per_token(m, tp: int) -> int:
+    """Bytes per token a layer keeps under the remat policy `dots_with_no_batch_dims`
+    (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`), compute dtype: the outputs of
+    its weight matmuls, q/k/v ((H + 2K) heads × head_dim, heads split over `tp`), o_proj and
+    down_proj (hidden size each), gate and up (intermediate size each, split over `tp`). A
+    MoE layer's expert matmuls contract per expert (a batch dimension) and are recomputed."""
+    c = jnp.dtype(m.dtype).itemsize
+    heads, kv = m.num_attention_heads // tp, max(m.num_key_value_heads // tp, 1)
+    qkv = (heads + 2 * kv) * m.resolved_head_dim
+    mlp = 2 * m.intermediate_size // tp if m.num_moe_layers < m.num_hidden_layers else 0
+    return (qkv + 2 * m.hidden_size + mlp) * c
+
+
 def stage_bytes(
     kind: str,
     model_config,
@@ -198,7 +214,8 @@ def stage_bytes(
     if not update:
         activations = layer
     elif m.remat:
-        activations = m.num_hidden_layers * t * d * c + 2 * layer
+        kept = d * c + (dots_bytes_per_token(m, tp) if m.remat_policy != "full" else 0)
+        activations = m.num_hidden_layers * t * kept + 2 * layer
     else:
         activations = (m.num_hidden_layers + 1) * layer
     copies, head_tokens = (UPDATE_LOGITS if update else FORWARD_LOGITS), step.head_tokens

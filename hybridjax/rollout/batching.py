@@ -153,20 +153,21 @@ def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> No
     free slots of their prompt's replica; `owner` maps each filled slot to its output row
     (`first_row[request] + sample`).
 
-    Prefill spends `rollout.max_num_batched_tokens` per replica and call, prompts in admission
-    order (`Engine.run_prefill`): a prompt is admitted only while the replicas' budgets are not
-    spent, and one
-    that is not fully prefilled gets no slot until a later call finishes it."""
+    Prefill spends what `rollout.max_num_batched_tokens` leaves after the running sequences'
+    tokens of the next decode call, per replica (`Engine.prefill_budgets`), prompts in
+    admission order (`Engine.run_prefill`): a prompt is admitted only while the replicas'
+    budgets are not spent, and one that is not fully prefilled gets no slot until a later call
+    finishes it."""
     for slot, seq in engine.resume():
         owner[slot] = first_row[seq.request_index - first_index] + seq.sample
-    budget = engine.config.max_num_batched_tokens  # per replica
+    budgets = engine.prefill_budgets()  # the resumed sequences decode in the next call too
     due = sum(p.to_prefill for p in waiting)
-    room = budget * engine.replicas
+    room = sum(budgets)
     while queue and not engine.preempted and due < room and engine.can_prefill(queue[0]):
         prefix = engine.admit(queue.popleft())
         waiting.append(prefix)
         due += prefix.to_prefill
-    engine.run_prefill([p for p in waiting if p.to_prefill], budget)
+    engine.run_prefill([p for p in waiting if p.to_prefill], budgets)
     for prefix in [p for p in waiting if not p.to_prefill]:
         for slot in engine.free_slots_of(prefix.replica)[: prefix.samples_left]:
             owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample

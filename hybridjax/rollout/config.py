@@ -95,11 +95,16 @@ class RolloutConfig:
       into one; when a replica's pool runs out, its youngest sequences are preempted and
       recomputed later, `hybridjax.rollout.preemption`) or "reserve" (every sample's worst
       case, prompt + max_tokens, is reserved at admission: no preemption, fewer sequences).
-    max_num_batched_tokens: prompt tokens a data-parallel replica prefills per engine step
-      (between two decode calls; vLLM's key, which also counts the step's decode tokens);
+    max_num_batched_tokens: tokens a data-parallel replica computes per engine step (vLLM's
+      key): the running sequences' tokens of the step's decode call first (each
+      min(decode_steps_per_call, tokens left)), prompt tokens to prefill in what is left;
       enable_chunked_prefill: a prompt longer than what is left of it is prefilled in chunks
       over several steps, the running sequences decoding in between (else it waits whole for
       a step of its own).
+    watermark: with "on_demand", the fraction of a replica's pool a new group (or a preempted
+      sequence coming back) must leave free after its pages to be admitted (vLLM's block
+      manager's `watermark`, 0.01: int(0.01 × pages) pages), room for the running sequences
+      to grow before one is preempted.
     enable_rollout_routing_replay: a MoE model's engine records the experts every prompt and
       generated token used in each MoE layer (`Engine.routing_of`), for the training passes
       to replay (verl's key; `actor.router_replay.mode` "R3").
@@ -118,6 +123,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     enable_rollout_routing_replay: bool = False
+    watermark: float = 0.01
 
     def __post_init__(self):
         if self.page_allocation not in PAGE_ALLOCATIONS:
@@ -135,6 +141,8 @@ class RolloutConfig:
             )
         if self.page_size < 1 or self.max_num_seqs < 1 or self.decode_steps_per_call < 1:
             raise ValueError(f"page_size, max_num_seqs, decode_steps_per_call must be >= 1: {self}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -173,5 +181,6 @@ class RolloutConfig:
             page_allocation=str(rollout.get("page_allocation", "on_demand")),
             max_num_batched_tokens=int(rollout.get("max_num_batched_tokens", 8192)),
             enable_chunked_prefill=bool(rollout.get("enable_chunked_prefill", True)),
+            watermark=float(rollout.get("watermark", 0.01)),
             enable_rollout_routing_replay=bool(rollout.get("enable_rollout_routing_replay", False)),
         )

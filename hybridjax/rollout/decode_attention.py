@@ -55,11 +55,44 @@ def select_decode_kernel(impl: str, sliding_window: int | None, backend: str) ->
     return impl
 
 
-def gather_pages(pages_KxNxSxD: jax.Array, page_table_BxP: jax.Array) -> jax.Array:
-    """Each sequence's pages laid end to end: K×B×(P·S)×D (key j of row b at index j)."""
-    kv, _, page_size, d = pages_KxNxSxD.shape
+def read_layer(array: jax.Array, layer: int | jax.Array | None = None) -> jax.Array:
+    """Layer `layer` of a stacked array (L×…), or `array` itself for layer None (one layer's
+    array already). Cost: a dynamic slice, which XLA materialises unless it fuses it into
+    the consumer: one layer's array copied per call."""
+    if layer is None:
+        return array
+    return jax.lax.dynamic_index_in_dim(array, layer, axis=0, keepdims=False)
+
+
+def gather_pages(
+    pages_KxNxSxD: jax.Array, page_table_BxP: jax.Array, layer: int | jax.Array | None = None
+) -> jax.Array:
+    """Each sequence's pages laid end to end: K×B×(P·S)×D (key j of row b at index j).
+
+    `pages_KxNxSxD` is one layer's K×N×S×D pool, or a stacked L×K×N×S×D pool: with `layer`
+    (an int32 scalar, may be traced) one gather at (layer, page) reads that layer's pages
+    only, no copy of its pool first; without, every layer's: L×K×B×(P·S)×D.
+    """
+    kv, _, page_size, d = pages_KxNxSxD.shape[-4:]
     b, p = page_table_BxP.shape
-    return pages_KxNxSxD[:, page_table_BxP].reshape(kv, b, p * page_size, d)
+    if layer is None:
+        lead = pages_KxNxSxD.shape[:-4]
+        return pages_KxNxSxD[..., page_table_BxP, :, :].reshape(*lead, kv, b, p * page_size, d)
+    layer_BxP = jnp.broadcast_to(jnp.asarray(layer, page_table_BxP.dtype), (b, p))
+    index_BxPx2 = jnp.stack([layer_BxP, page_table_BxP], axis=-1)
+    numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=(0, 3, 4),  # K, S, D around the indices' B×P: K×B×P×S×D, no transpose
+        collapsed_slice_dims=(0, 2),
+        start_index_map=(0, 2),
+    )
+    out = jax.lax.gather(
+        pages_KxNxSxD,
+        index_BxPx2,
+        numbers,
+        slice_sizes=(1, kv, 1, page_size, d),
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    return out.reshape(kv, b, p * page_size, d)
 
 
 def sequence_attention(
@@ -104,13 +137,15 @@ def paged_attention_jnp(
     page_table_BxP: jax.Array,
     positions_BxT: jax.Array,
     sliding_window: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each query to its sequence's pages: a gather of P pages per sequence, then
     `sequence_attention`. Unused page-table entries may point anywhere (masked by position).
+    With `layer`, the pools are stacked L×K×N×S×D and layer `layer` is read (`gather_pages`).
     Cost: gathers B×P×S×K×D per layer (the test oracle; the decode loop gathers once per call,
     see `PagedKVCache.gathered`)."""
-    k_seq = gather_pages(k_pages_KxNxSxD, page_table_BxP)
-    v_seq = gather_pages(v_pages_KxNxSxD, page_table_BxP)
+    k_seq = gather_pages(k_pages_KxNxSxD, page_table_BxP, layer)
+    v_seq = gather_pages(v_pages_KxNxSxD, page_table_BxP, layer)
     return sequence_attention(q_BxTxHxD, k_seq, v_seq, positions_BxT, sliding_window)
 
 
@@ -189,15 +224,31 @@ def _mesh_axis(mesh, name: str, size: int, manual: frozenset[str]) -> str | None
     return name if n > 1 and size % n == 0 and name not in manual else None
 
 
-def decode_specs(mesh, rows: int, heads: int, kv_heads: int, manual=frozenset()):
+def decode_specs(
+    mesh, rows: int, heads: int, kv_heads: int, manual=frozenset(), stacked: bool = False
+):
     """(q, pool, table/positions) PartitionSpecs of decode attention on `mesh`: rows by
     `data`, query and kv heads by `tensor` (both, or neither: a device's query heads must
-    attend to its own kv heads), the pool's pages whole. Axes in `manual` (already split by an
-    enclosing `shard_map`, e.g. the engine's per-replica region over `data`) are left out."""
+    attend to its own kv heads), the pool's pages whole (and a stacked pool's layers).
+    Axes in `manual` (already split by an enclosing `shard_map`, e.g. the engine's
+    per-replica region over `data`) are left out."""
     data = _mesh_axis(mesh, "data", rows, manual)
     tensor = _mesh_axis(mesh, "tensor", kv_heads, manual)
     tensor = tensor if tensor and heads % mesh.shape["tensor"] == 0 else None
-    return PartitionSpec(data, None, tensor), PartitionSpec(tensor), PartitionSpec(data)
+    pool = PartitionSpec(*((None,) if stacked else ()), tensor)
+    return PartitionSpec(data, None, tensor), pool, PartitionSpec(data)
+
+
+def _jnp_layer(q, k, v, table, positions, layer=None, *, sliding_window: int | None):
+    """`paged_attention_jnp`, the layer (None, or of stacked pools) as sixth argument."""
+    return paged_attention_jnp(q, k, v, table, positions, sliding_window, layer)
+
+
+def _pallas_layer(q, k, v, table, positions, layer=None, *, interpret: bool):
+    """`paged_attention_pallas` on one layer: from stacked pools (`layer` given), a copy of
+    that layer's pool (on a mesh, a device's kv heads, every page) made at every call."""
+    k, v = read_layer(k, layer), read_layer(v, layer)
+    return paged_attention_pallas(q, k, v, table, positions, interpret=interpret)
 
 
 def decode_attention(
@@ -211,10 +262,17 @@ def decode_attention(
     mesh: Mesh | None = None,
     sliding_window: int | None = None,
     interpret: bool = False,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each sequence's queries to its pages (positions <= the query's, inside the
     sliding window): B×T×H×D in q's dtype, by `kernel` ("jnp" or "pallas", see
     `select_decode_kernel`; `interpret` runs Pallas in interpret mode, for tests).
+
+    The pools are one layer's K×N×S×D, or with `layer` (an int32 scalar, may be traced: a
+    scan over layers) stacked L×K×N×S×D pools read at that layer. The jnp kernel gathers the
+    layer's pages directly; the Pallas kernel needs one layer's pool as an array, so it copies
+    layer `layer` of the pool (on a mesh, each device its kv heads, all pages) at every call:
+    one layer's pool per layer and decode step, the cost of a scanned model on that path.
 
     With `mesh` (axes "data", "tensor"), the kernel runs per device inside `jax.shard_map`
     (`decode_specs`): no collective at all, each device attends its rows with its heads.
@@ -223,26 +281,31 @@ def decode_attention(
     Raises ValueError for an unknown kernel (and see `paged_attention_pallas`).
     """
     if kernel == "jnp":
-        fn = functools.partial(paged_attention_jnp, sliding_window=sliding_window)
+        fn = functools.partial(_jnp_layer, sliding_window=sliding_window)
     elif kernel == "pallas":
         if sliding_window is not None:
             raise ValueError("the Pallas paged-attention kernel has no sliding window")
-        fn = functools.partial(paged_attention_pallas, interpret=interpret)
+        fn = functools.partial(_pallas_layer, interpret=interpret)
     else:
         raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
+    # both kernels take the layer (of stacked pools) as their sixth argument
+    layers = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    args = (q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT, *layers)
     if mesh is None:
-        return fn(q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)
+        return fn(*args)
     rows, _, heads, _ = q_BxTxHxD.shape
     context = jax.sharding.get_abstract_mesh()
     manual = frozenset(() if context.empty else context.manual_axes)
-    specs = decode_specs(mesh, rows, heads, k_pages_KxNxSxD.shape[0], manual)
+    kv_heads = k_pages_KxNxSxD.shape[-4]
+    specs = decode_specs(mesh, rows, heads, kv_heads, manual, stacked=layer is not None)
     q_spec, pool_spec, row_spec = specs
+    layer_spec = () if layer is None else (PartitionSpec(),)  # every device reads it whole
     sharded = jax.shard_map(
         fn,
         mesh=context if manual else mesh,
         axis_names=frozenset(mesh.axis_names) - manual,
-        in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
+        in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec, *layer_spec),
         out_specs=q_spec,
         check_vma=False,  # pallas_call has no varying-manual-axes rule
     )
-    return sharded(q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT)
+    return sharded(*args)

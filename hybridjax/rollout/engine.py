@@ -21,6 +21,11 @@ Life of a prompt of length L with n samples:
      `resume`, recomputed from their tokens (`hybridjax.rollout.preemption`).
   4. `free_resource`: the slot's pages go back to the free list.
 
+Which sequences run and wait, admission (with its watermark), the engine step's token budget,
+page growth and preemption are decided on the host by `hybridjax.rollout.scheduler` (the
+engine's `scheduler`, which also holds every slot's host state); the engine runs the jitted
+calls it plans.
+
 Multi-turn (`hybridjax.rollout.agent_loop`): a slot that stopped keeps its pages; `extend` appends
 tokens (a tool's response) on top of its cached keys/values, computing only the new tokens, and
 re-activates it, while the other slots keep decoding.
@@ -32,9 +37,7 @@ KB.
 
 from __future__ import annotations
 
-import bisect
 import collections
-import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -48,16 +51,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.moe import moe_layers
-from hybridjax.rollout import preemption, steps
+from hybridjax.rollout import steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
-from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages
-from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
+from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
+from hybridjax.rollout.pages import Prefix, Request, num_pages
 from hybridjax.rollout.preemption import Preempted
-from hybridjax.rollout.replicas import POOL_SPEC, ROWS_SPEC, ReplicaBooks, per_replica
+from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
+from hybridjax.rollout.scheduler import Scheduler
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
-    MAX_STOP_IDS,
     Row,
     Slots,
     StepOutput,
@@ -119,6 +122,8 @@ class Engine:
         window = model.config.sliding_window
         self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
+        # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
+        self.stacked = stacked_layout(model.config)
         layers = len(moe_layers(model))
         self.record_routing = config.enable_rollout_routing_replay
         if self.record_routing and not layers:
@@ -131,7 +136,8 @@ class Engine:
         )
         self.replicas = self._axis("data")
         self.num_pages = self._pool_size()  # per replica
-        self.pages = ReplicaBooks(config, self.replicas, self.num_pages)
+        # the host state of every slot and sequence, and the policy over it
+        self.scheduler = Scheduler(config, self.replicas, self.num_pages)
         eos = model.config.eos_token_id
         self.eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         self.compile_counts: collections.Counter[str] = collections.Counter()
@@ -140,20 +146,7 @@ class Engine:
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
         self.k_pools = self.v_pools = None
         self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
-        num_slots = self.replicas * config.max_num_seqs
-        self.slots = Slots.empty(num_slots, config.pages_per_seq, MAX_STOP_IDS)
-        self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
-        self._slot_tokens = [0] * num_slots  # expected tokens of each slot's sample
-        # prompt + tokens fed or sampled after it; empty: the slot is free (on demand, a slot
-        # may hold no page yet)
-        self._slot_history: list[list[int]] = [[] for _ in range(num_slots)]
-        # with routing replay: the experts of each slot's fed positions 0 .. len(history) - 2
-        self._slot_routing: list[list[Routing]] = [[] for _ in range(num_slots)]
-        self.preempted: list[Preempted] = []  # waiting to be recomputed, oldest first
-        self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
-        # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
-        self._preempted_slots = np.zeros(num_slots, bool)
-        pool, rows, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(
                 self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), (pool, pool, rows)
@@ -252,13 +245,20 @@ class Engine:
         return "tensor" if kv % tp == 0 and tp > 1 else None
 
     def _pool_spec(self) -> PartitionSpec:
-        """A pool's sharding: kv heads over `tensor`, pages by replica over `data`."""
-        return PartitionSpec(self._kv_heads_axis(), "data")
+        """A pool's sharding: kv heads over `tensor`, pages by replica over `data` (a stacked
+        pool's layer axis whole)."""
+        return pool_spec(self.stacked, self._kv_heads_axis(), "data")
+
+    def _replica_spec(self) -> PartitionSpec:
+        """A pool's spec in `per_replica` (which names only `data`): pages by replica."""
+        return pool_spec(self.stacked, None, "data")
 
     def _allocate_pools(self):
-        """The zeroed KV pools (k, v), one K×(R·N)×S×D array per layer: the one place the
-        engine allocates them. Each device holds only its replica's N pages (created in place
-        by a jitted zeros with `out_shardings`, never whole on one device)."""
+        """The zeroed KV pools (k, v): one K×(R·N)×S×D array per layer, or one stacked
+        L×K×(R·N)×S×D array each for a scanned model (`paged_cache.stacked_layout`); the one
+        place the engine allocates them. Each device holds only its replica's N pages
+        (created in place by a jitted zeros with `out_shardings`, never whole on one
+        device)."""
         pages = self.replicas * self.num_pages
         create = functools.partial(
             PagedKVCache.create_pool,
@@ -275,7 +275,8 @@ class Engine:
         """Inside a replica's step: its pool keeps its kv heads split over `tensor`."""
         if self.mesh is None:
             return pools
-        return jax.lax.with_sharding_constraint(pools, PartitionSpec(self._kv_heads_axis()))
+        spec = pool_spec(self.stacked, self._kv_heads_axis())
+        return jax.lax.with_sharding_constraint(pools, spec)
 
     def _upload(self, batch):
         """A row batch (R blocks, `replicas.ROWS_SPEC`) on the devices, block r on replica r."""
@@ -285,7 +286,7 @@ class Engine:
 
     def replica_of(self, slot: int) -> int:
         """The replica that owns `slot` (slots r·max_num_seqs .. (r+1)·max_num_seqs - 1)."""
-        return slot // self.config.max_num_seqs
+        return self.scheduler.replica_of(slot)
 
     def _traced(self, name: str) -> None:
         """Called while tracing: counts (and logs) a compile."""
@@ -296,7 +297,50 @@ class Engine:
     def num_compiles(self) -> int:
         return sum(self.compile_counts.values())
 
-    # ----------------------------------------------------------------------------- sizes
+    # ----------------------------------------------------------------------------- host state
+
+    @property
+    def config(self) -> RolloutConfig:
+        """The engine's `RolloutConfig`. Setting it also sets the scheduler's (a step's token
+        budget and chunking follow it); the sizes of the pools, slots and page books
+        (page_size, num_pages, max_num_seqs, page_allocation, watermark) are read once, at
+        construction."""
+        return self._config
+
+    @config.setter
+    def config(self, value: RolloutConfig) -> None:
+        self._config = value
+        if (scheduler := getattr(self, "scheduler", None)) is not None:  # built after it
+            scheduler.config = value
+
+    @property
+    def slots(self) -> Slots:
+        """Every slot's decode state (`Scheduler.slots`; host numpy)."""
+        return self.scheduler.slots
+
+    @slots.setter
+    def slots(self, value: Slots) -> None:
+        self.scheduler.slots = value
+
+    @property
+    def pages(self) -> ReplicaBooks:
+        """Each replica's page book and load (`Scheduler.pages`)."""
+        return self.scheduler.pages
+
+    @property
+    def preempted(self) -> list[Preempted]:
+        """Preempted sequences waiting to be recomputed, oldest first."""
+        return self.scheduler.preempted
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted so far (rollout/num_preemptions)."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def _slot_history(self) -> list[list[int]]:
+        """Each slot's prompt + tokens after it; empty: the slot is free."""
+        return self.scheduler.history
 
     @property
     def allocators(self):
@@ -317,37 +361,15 @@ class Engine:
         return self.pages.books[0].group_pages(prompt_len, params)
 
     def check_request(self, request: Request) -> None:
-        """Raises ValueError, with the sizes, for a request that can never be served."""
-        n_prompt, p = len(request.prompt), request.params
-        if n_prompt < 1:
-            raise ValueError(f"request {request.index}: empty prompt")
-        if n_prompt + p.max_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"request {request.index}: prompt of {n_prompt} tokens + max_tokens "
-                f"{p.max_tokens} exceeds the engine's max_seq_len {self.config.max_seq_len} "
-                f"(rollout.prompt_length {self.config.prompt_length} + response_length "
-                f"{self.config.response_length})"
-            )
-        need = self.group_pages(n_prompt, p)
-        if need > self.num_pages:
-            raise ValueError(
-                f"request {request.index}: needs {need} KV pages (prompt {n_prompt} tokens, "
-                f"n={p.n} samples × up to {p.max_tokens} tokens, page_size "
-                f"{self.config.page_size}) but a replica's pool has {self.num_pages}; raise "
-                "rollout.num_pages / gpu_memory_utilization or lower n / response_length"
-            )
-        if len(p.stop_token_ids) + len(self.eos_ids) > MAX_STOP_IDS:
-            raise ValueError(
-                f"request {request.index}: {len(p.stop_token_ids)} stop ids + "
-                f"{len(self.eos_ids)} EOS ids exceed {MAX_STOP_IDS}"
-            )
+        """Raises ValueError, with the sizes, for a request that can never be served
+        (`Scheduler.check_request`)."""
+        self.scheduler.check_request(request, len(self.eos_ids))
 
     def place(self, request: Request) -> int | None:
-        """The replica that would take the request's group now (`ReplicaBooks.place`: a slot
-        not promised to a waiting sample, pages for the group, the least expected tokens), or
-        None."""
-        free = [len(self.free_slots_of(r)) for r in range(self.replicas)]
-        return self.pages.place(request, free)
+        """The replica that would take the request's group now (`Scheduler.place`: a slot
+        not promised to a waiting sample, pages for the group above the watermark, the least
+        expected tokens), or None."""
+        return self.scheduler.place(request)
 
     def can_prefill(self, request: Request) -> bool:
         """Whether some replica takes the request's group now (`place`)."""
@@ -355,12 +377,11 @@ class Engine:
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i in range(len(self._slot_history)) if not self._slot_history[i]]
+        return [i for i, history in enumerate(self._slot_history) if not history]
 
     def free_slots_of(self, replica: int) -> list[int]:
         """The free slots of one replica."""
-        m = self.config.max_num_seqs
-        return [i for i in range(replica * m, (replica + 1) * m) if not self._slot_history[i]]
+        return self.scheduler.free_slots_of(replica)
 
     @property
     def num_active(self) -> int:
@@ -406,28 +427,27 @@ class Engine:
         self.run_prefill(prefixes)
         return prefixes
 
-    def run_prefill(self, prefixes: list[Prefix], budget: int | None = None) -> int:
+    def prefill_budgets(self) -> list[int]:
+        """Each replica's prompt tokens for this engine step (`Scheduler.prefill_budgets`:
+        `max_num_batched_tokens` less its running sequences' tokens of the next decode call)."""
+        return self.scheduler.prefill_budgets()
+
+    def run_prefill(self, prefixes: list[Prefix], budget: int | Sequence[int] | None = None) -> int:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
         call (each replica a block of rows, `replicas.per_replica`), and returns the tokens
         computed. Host sync: none.
 
-        `budget` (None: unbounded) caps each replica's tokens of this call (`rollout.
-        max_num_batched_tokens`): prefixes are taken in order (`pages.chunk_sizes`); with
-        `enable_chunked_prefill` the one that would pass the budget is computed up to it and
-        continues from there at the next call (`Prefix.prefilled`; a later chunk attends to
-        the cached earlier ones, `steps.extend`), else it waits whole for the next call (the
-        first one always runs whole). Prefixes already prefilled are skipped."""
+        `budget` (None: unbounded; one per replica, `prefill_budgets`, or one for every
+        replica) caps each replica's tokens of this call: prefixes are taken in order
+        (`pages.chunk_sizes`); with `enable_chunked_prefill` the one that would pass the
+        budget is computed up to it and continues from there at the next call
+        (`Prefix.prefilled`; a later chunk attends to the cached earlier ones,
+        `steps.extend`), else it waits whole for the next call (the first one runs whole
+        when no decode token of the step spent the budget). Prefixes already prefilled are
+        skipped."""
         self._require_weights("run_prefill")
         self.wake_up()  # a sleeping engine's pool comes back with the next rollout
-        remaining = [p.to_prefill for p in prefixes]
-        sizes = [0] * len(prefixes)
-        for r in range(self.replicas):  # each replica its own budget, as a vLLM engine
-            mine = [i for i, p in enumerate(prefixes) if p.replica == r]
-            need = [remaining[i] for i in mine]
-            total = budget if budget is not None else sum(need)
-            chunked = self.config.enable_chunked_prefill
-            for i, take in zip(mine, chunk_sizes(need, total, chunked), strict=True):
-                sizes[i] = take
+        sizes = self.scheduler.prefill_sizes(prefixes, budget)
         first, rest = [], []  # chunks from position 0 (prefill), later chunks (extend)
         first_of, rest_of = [], []  # their prefixes
         for p, take in zip(prefixes, sizes, strict=True):
@@ -503,7 +523,6 @@ class Engine:
         r, p = prefix.request, prefix.request.params
         sample = prefix.next_sample
         pages = self.pages.sample_pages(prefix)
-        self._slot_tokens[slot] = len(r.prompt) + p.max_tokens
         stop = p.stop_token_ids + (() if p.ignore_eos else self.eos_ids)
         row = Row(
             token=r.prompt[-1],
@@ -516,20 +535,12 @@ class Engine:
             seed=(p.seed & 0x7FFFFFFF, r.index, sample),
             stop_ids=stop,
         )
-        self.slots.assign(slot, row)
-        self._slot_pages[slot] = pages
-        self._slot_history[slot] = list(r.prompt)
-        self._slot_routing[slot] = list(prefix.routing)
-        self._preempted_slots[slot] = False
+        self.scheduler.assign(slot, row, len(r.prompt) + p.max_tokens, r.prompt)
+        self.scheduler.routing[slot] = list(prefix.routing)
 
     def free_resource(self, slot: int) -> None:
         """Returns a finished (or abandoned) slot's pages and frees the slot."""
-        self.pages.release(self.replica_of(slot), self._slot_pages[slot], self._slot_tokens[slot])
-        self._slot_pages[slot] = []
-        self._slot_tokens[slot] = 0
-        self._slot_history[slot] = []
-        self._slot_routing[slot] = []
-        self.slots.active[slot] = False
+        self.scheduler.release(slot)
 
     def routing_of(self, slot: int) -> np.ndarray:
         """The experts each fed position of the slot's sequence used in each MoE layer, when
@@ -539,128 +550,55 @@ class Engine:
         Host sync: waits for the calls that computed them."""
         if not self.record_routing:
             raise ValueError("this engine does not record routing (enable_rollout_routing_replay)")
-        chunks = [np.asarray(a)[row, :count] for a, row, count in self._slot_routing[slot]]
+        chunks = [np.asarray(a)[row, :count] for a, row, count in self.scheduler.routing[slot]]
         shape = (0, *(self._routing_shape or ()))
         return np.concatenate(chunks) if chunks else np.zeros(shape, np.int32)
 
     # ----------------------------------------------------------------------------- preemption
-
-    def _ensure_pages(self, slot: int, count: int) -> bool:
-        """Gives `slot` `count` more pages (`PageBook.grow`), preempting the youngest active
-        sequences of its replica while too few are free; False (nothing taken) when the slot
-        itself is the youngest, or no other sequence runs there."""
-        if count <= 0:
-            return True
-        replica = self.replica_of(slot)
-        m = self.config.max_num_seqs
-        while (new := self.pages.books[replica].grow(count)) is None:
-            victim = preemption.youngest(self.slots, np.arange(replica * m, (replica + 1) * m))
-            if victim is None or victim == slot:
-                return False
-            self._preempt(victim)
-        held = len(self._slot_pages[slot])
-        self._slot_pages[slot] += new
-        self.slots.page_table[slot, held : held + count] = new
-        return True
-
-    def _preempt(self, slot: int) -> None:
-        """Frees an active slot's pages and queues its sequence for `resume` (host only)."""
-        row = preemption.row_of(self.slots, slot)
-        seq = Preempted(row, tuple(self._slot_history[slot]), self._slot_tokens[slot])
-        bisect.insort(self.preempted, seq, key=lambda x: x.priority)
-        self.free_resource(slot)
-        self.num_preemptions += 1
-        self._preempted_slots[slot] = True
-
-    def _grow_for_decode(self, num_steps: int) -> np.ndarray:
-        """Before a decode call: every active slot, oldest first, takes the pages the call may
-        write into; a slot no page can be found for is preempted (`_ensure_pages`). Returns
-        the slots preempted since the last call and not refilled since (by this call or by an
-        `extend`; bool, one per slot)."""
-        order = sorted(
-            np.flatnonzero(self.slots.active), key=lambda s: preemption.priority_of(self.slots, s)
-        )
-        ps = self.config.page_size
-        for slot in order:
-            if not self.slots.active[slot]:
-                continue  # preempted for an older one
-            held = len(self._slot_pages[slot])
-            need = preemption.pages_to_grow(self.slots, slot, num_steps, held, ps)
-            if not self._ensure_pages(slot, need):
-                self._preempt(slot)
-        preempted, self._preempted_slots = (
-            self._preempted_slots,
-            np.zeros_like(self._preempted_slots),
-        )
-        return preempted
 
     def recompute_running(self) -> int:
         """Preempts every running sequence, so that `resume` recomputes its keys/values from
         its tokens with the engine's current weights (after `update_weights`: a partial
         rollout continuing under new weights). Its sampling state is kept (`preemption`).
         Returns how many were preempted. Host only."""
-        active = np.flatnonzero(self.slots.active)
-        for slot in active:
-            self._preempt(int(slot))
-        return len(active)
+        return self.scheduler.preempt_running()
 
     def set_aside(self) -> list[Preempted]:
         """Preempts every running sequence and hands back every preempted one, leaving the
         engine idle (for a rollout in between, e.g. validation); `put_back` queues them again
         for `resume`, which recomputes them with the weights current then. Host only."""
-        self.recompute_running()
-        out, self.preempted = self.preempted, []
-        self._preempted_slots[:] = False
-        return out
+        return self.scheduler.set_aside()
 
     def put_back(self, sequences: list[Preempted]) -> None:
         """Queues sequences of `set_aside` for `resume` again, oldest first."""
-        self.preempted = sorted(self.preempted + sequences, key=lambda x: x.priority)
+        self.scheduler.put_back(sequences)
 
     def abort(self, request_indexes: set[int]) -> list[int]:
         """Drops the samples of the given requests: their running slots are freed, their
         preempted sequences forgotten. Returns the freed slots. Host only."""
-        busy = [i for i, h in enumerate(self._slot_history) if h]
-        slots = [s for s in busy if int(self.slots.seed[s, 1]) in request_indexes]
-        for slot in slots:
-            self.free_resource(slot)
-        self.preempted = [p for p in self.preempted if p.request_index not in request_indexes]
-        return slots
+        return self.scheduler.abort(request_indexes)
 
     def resume(self) -> list[tuple[int, Preempted]]:
-        """Readmits preempted sequences, oldest first, while a replica has a free slot (not
-        promised to a waiting sample) and pages for its tokens and the next decode call's
-        positions: each gets fresh pages, its decode state back and its tokens but the last
-        recomputed, every replica's in one prefill call. Returns (slot, sequence) of each
+        """Readmits preempted sequences (`Scheduler.readmit`: oldest first, while a replica
+        has a free slot and pages for them), their tokens but the last recomputed into their
+        fresh pages, every replica's in one prefill call. Returns (slot, sequence) of each
         readmitted one. Host sync: none."""
         if not self.preempted:
             return []
         self._require_weights("resume")
         self.wake_up()
-        done, rows = [], []
-        ps, steps_per_call = self.config.page_size, self.config.decode_steps_per_call
-        while self.preempted:
-            seq = self.preempted[0]
-            # its tokens and the next decode call's positions, so that call cannot preempt it
-            # again at once (vLLM's lookahead slots)
-            ahead = min(steps_per_call, seq.row.max_tokens - seq.row.num_generated)
-            count = num_pages(len(seq.tokens) - 1 + ahead, ps)
-            free = [len(self.free_slots_of(r)) for r in range(self.replicas)]
-            replica = self.pages.place_pages(count, free)
-            if replica is None:
-                break
-            self.preempted.pop(0)
-            pages = self.pages.readmit(replica, count, seq.expected_tokens)
-            slot = self.free_slots_of(replica)[0]
-            self.slots.assign(slot, dataclasses.replace(seq.row, pages=pages))
-            self._slot_pages[slot] = pages
-            self._slot_tokens[slot] = seq.expected_tokens
-            self._slot_history[slot] = list(seq.tokens)
-            self._preempted_slots[slot] = False
-            rows.append((replica, seq.tokens[:-1], pages[: num_pages(len(seq.tokens) - 1, ps)]))
-            done.append((slot, seq))
+        done = self.scheduler.readmit()
+        ps, pages = self.config.page_size, self.scheduler.slot_pages
+        rows = [
+            (
+                self.replica_of(slot),
+                seq.tokens[:-1],
+                pages[slot][: num_pages(len(seq.tokens) - 1, ps)],
+            )
+            for slot, seq in done
+        ]
         for (slot, _), chunk in zip(done, self._prefill_rows(rows), strict=True):
-            self._slot_routing[slot] = [] if chunk is None else [chunk]
+            self.scheduler.routing[slot] = [] if chunk is None else [chunk]
         return done
 
     # ----------------------------------------------------------------------------- extend
@@ -702,7 +640,7 @@ class Engine:
             if s.active[slot] or not self._slot_history[slot]:
                 raise ValueError(f"slot {slot} is not a stopped sequence")
             end = int(s.position[slot]) + len(tokens) + max_new - 1  # last position fed
-            limit = num_pages(self._slot_tokens[slot] - 1, ps)  # pages of prompt + max_tokens
+            limit = num_pages(self.scheduler.slot_tokens[slot] - 1, ps)  # prompt + max_tokens
             if not tokens or max_new < 1 or end >= limit * ps:
                 raise ValueError(
                     f"slot {slot}: {len(tokens)} appended tokens + {max_new} new ones from "
@@ -713,21 +651,23 @@ class Engine:
         self._flush_copies()
         for slot, (tokens, _) in appends.items():  # pages for the fed tokens ("on_demand")
             last = int(s.position[slot]) + len(tokens) - 1
-            if not self._ensure_pages(slot, last // ps + 1 - len(self._slot_pages[slot])):
+            held = len(self.scheduler.slot_pages[slot])
+            if not self.scheduler.ensure_pages(slot, last // ps + 1 - held):
                 raise RuntimeError(f"slot {slot}: no KV page free for its appended tokens")
         s = self.slots
         rows = []
         for slot, (tokens, max_new) in appends.items():
             fed = [int(s.token[slot])] + list(tokens[:-1])
-            rows.append((self.replica_of(slot), int(s.position[slot]), fed, self._slot_pages[slot]))
+            pages = self.scheduler.slot_pages[slot]
+            rows.append((self.replica_of(slot), int(s.position[slot]), fed, pages))
             s.token[slot] = tokens[-1]
             s.position[slot] += len(tokens)
-            self._slot_history[slot] += tokens
+            self.scheduler.history[slot] += tokens
             s.max_tokens[slot] = s.num_generated[slot] + max_new
             s.active[slot] = True
         for slot, chunk in zip(appends, self._extend_rows(rows), strict=True):
             if chunk is not None:
-                self._slot_routing[slot].append(chunk)
+                self.scheduler.routing[slot].append(chunk)
 
     def _extend_rows(
         self, rows: list[tuple[int, int, Sequence[int], list[int]]]
@@ -784,7 +724,7 @@ class Engine:
             f"decode(rows={rows}, steps={static['num_steps']}, filter={static['use_filter']}, "
             f"pages={width})"
         )
-        pool, rows_spec, whole = POOL_SPEC, ROWS_SPEC, PartitionSpec()
+        pool, rows_spec, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         fn = per_replica(
             functools.partial(self._decode_fn, **static),
             self.mesh,
@@ -835,7 +775,7 @@ class Engine:
         sequences queued in `preempted` for `resume`.
         """
         self._flush_copies()  # before pages are freed: a copy's source may be preempted
-        preempted = self._grow_for_decode(num_steps)
+        preempted = self.scheduler.grow_for_decode(num_steps)
         s = self.slots
         tokens = np.full((s.active.size, num_steps), -1, np.int32)
         log_probs = np.zeros((s.active.size, num_steps), np.float32)
@@ -858,14 +798,14 @@ class Engine:
             ex = np.asarray(out_ex)
             for i in np.flatnonzero(index >= 0):
                 count = int(np.sum(out_tok[i] >= 0))
-                self._slot_routing[int(index[i])].append((ex, int(i), count))
+                self.scheduler.routing[int(index[i])].append((ex, int(i), count))
         self.slots = s.put(index, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True)))
         self.num_decode_steps += int(np.max(n_steps))
         self.num_decode_rows += int(np.sum(n_steps)) * size
         keep = index >= 0
         tokens[rows], log_probs[rows] = out_tok[keep], out_lp[keep]
         for slot, new in zip(rows, out_tok[keep], strict=True):
-            self._slot_history[slot] += new[new >= 0].tolist()
+            self.scheduler.history[slot] += new[new >= 0].tolist()
         finished[rows] = ~self.slots.active[rows]  # every row was active
         last = np.where(finished, self.slots.token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)

@@ -12,7 +12,10 @@ A prompt of length L with n samples:
     (`hybridjax.rollout.preemption`). With "reserve" a sample takes the fresh pages of its whole
     response at insertion (prompt + max_tokens, the worst case), so it never runs out;
   * a finished sequence's pages go back with `release`; shared pages are reference-counted
-    (`PageAllocator`).
+    (`PageAllocator`);
+  * on demand, a group (or a preempted sequence coming back) is admitted only if the pool keeps
+    a watermark of free pages after it (`watermark_pages`, vLLM's block manager), so the running
+    sequences have pages to grow into before one must be preempted.
 """
 
 from __future__ import annotations
@@ -28,17 +31,28 @@ def num_pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
-def chunk_sizes(remaining: list[int], budget: int, chunked: bool) -> list[int]:
+def watermark_pages(watermark: float, total: int) -> int:
+    """Free pages an admission must leave in a pool of `total` pages: int(watermark × total),
+    as vLLM's block manager (`watermark` a fraction; 0.01 of 384 pages is 3)."""
+    return int(watermark * total)
+
+
+def chunk_sizes(
+    remaining: list[int], budget: int, chunked: bool, overrun: bool = True
+) -> list[int]:
     """Prompt tokens to prefill this engine step for prompts that still need `remaining`
-    tokens each, in order, under a `budget` of tokens (`rollout.max_num_batched_tokens`).
-    `chunked` (`enable_chunked_prefill`): each takes what is left of the budget, the last one
-    a part; else whole prompts while they fit, the first always (vLLM's scheduler, FCFS: it
-    stops at the first that does not fit)."""
+    tokens each, in order, under a `budget` of tokens (what `rollout.max_num_batched_tokens`
+    leaves after the step's decode tokens, `decode_tokens`). `chunked`
+    (`enable_chunked_prefill`): each takes what is left of the budget, the last one a part;
+    else whole prompts while they fit (vLLM's scheduler, FCFS: it stops at the first that does
+    not fit), and with `overrun` (a step without decode tokens) the first always, so a prompt
+    longer than the whole budget still runs."""
     sizes, left = [0] * len(remaining), budget
     for i, need in enumerate(remaining):
         if need == 0:
             continue
-        take = min(need, left) if chunked else (need if need <= left or left == budget else 0)
+        first = overrun and left == budget
+        take = min(need, left) if chunked else (need if need <= left or first else 0)
         if take <= 0:
             break
         sizes[i], left = take, left - take
@@ -96,6 +110,8 @@ class PageBook:
         self.page_size = config.page_size
         self.on_demand = config.page_allocation == "on_demand"
         self.total = total
+        # pages an admission leaves free (on demand only: reserved pages never run out)
+        self.watermark = watermark_pages(config.watermark, total) if self.on_demand else 0
         self.allocator = PageAllocator(total)
         self.reserved = 0  # pages promised to samples of admitted prompts not yet inserted
         self.copies: list[tuple[int, int]] = []  # (src, dst) page copies due before decoding
@@ -136,10 +152,15 @@ class PageBook:
         """Whether `count` pages are free beyond those promised to waiting samples."""
         return self.allocator.num_free - self.reserved >= count
 
+    def can_admit_pages(self, count: int) -> bool:
+        """Whether a new sequence or group may take `count` pages now: they are free (beyond
+        those promised to waiting samples) and the watermark stays free after them."""
+        return self.can_allocate(count + self.watermark)
+
     def can_admit(self, request: Request) -> bool:
-        """Whether the free pages (less those promised to waiting samples) hold the group
-        until its samples are inserted (`admit_pages`)."""
-        return self.can_allocate(self.admit_pages(len(request.prompt), request.params))
+        """Whether the free pages (less those promised to waiting samples and the watermark)
+        hold the group until its samples are inserted (`admit_pages`)."""
+        return self.can_admit_pages(self.admit_pages(len(request.prompt), request.params))
 
     def grow(self, count: int) -> list[int] | None:
         """`count` fresh pages for a running sequence, or None when fewer are free (beyond

@@ -77,8 +77,8 @@ class ReplicaBooks:
 
     def place_pages(self, count: int, free_slots: list[int]) -> int | None:
         """The replica that takes a sequence of `count` pages now (a preempted one coming
-        back): as `place`, with room for `count` pages."""
-        return self._place(lambda book: book.can_allocate(count), free_slots)
+        back): as `place`, with room for `count` pages above the watermark."""
+        return self._place(lambda book: book.can_admit_pages(count), free_slots)
 
     def _place(self, fits_in: Callable[[PageBook], bool], free_slots: list[int]) -> int | None:
         fits = [

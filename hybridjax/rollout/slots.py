@@ -58,6 +58,12 @@ def table_widths(pages_per_seq: int) -> list[int]:
     return sorted({table_width(n, pages_per_seq) for n in range(1, pages_per_seq + 1)})
 
 
+def decode_tokens(active: np.ndarray, tokens_left: np.ndarray, num_steps: int) -> np.ndarray:
+    """Tokens each slot computes in a decode call of `num_steps` steps: min(num_steps, its
+    tokens left to sample) where `active`, else 0 (int, one per slot)."""
+    return np.where(active, np.minimum(num_steps, tokens_left), 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What one `Engine.generate` call produced (host numpy), indexed by slot. B = max_num_seqs,

@@ -19,11 +19,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hybridjax.models.moe import with_router_stats
-from hybridjax.rollout.paged_cache import PagedKVCache
+from hybridjax.rollout.paged_cache import PagedKVCache, Pools
 from hybridjax.rollout.sampling import sample_tokens, step_uniforms
 from hybridjax.rollout.slots import Slots
-
-Pools = tuple[jax.Array, ...]
 
 
 def _run(model: nnx.Module, method: str, record: bool, *args) -> tuple[Any, jax.Array]:

@@ -51,6 +51,11 @@ def test_update_without_fsdp_or_cast_holds_activations_logits_and_gradients():
         "update", dataclasses.replace(MODEL, remat=True), params, shape, step, "jnp", True, 1000
     )
     assert remat["activations"] == L * 48 * D * F32 + 2 * layer
+    dots = dataclasses.replace(MODEL, remat=True, remat_policy="dots_with_no_batch_dims")
+    saved = stage_bytes("update", dots, params, shape, step, "jnp", True, 1000)["activations"]
+    # each layer's input, q/k/v ((H + 2 KV) × HD), o_proj and down_proj (D each), gate and up
+    kept = D + (H + 2 * KV) * HD + 2 * D + 2 * F
+    assert saved == L * 48 * kept * F32 + 2 * layer
     forward = stage_bytes("forward", MODEL, params, shape, step, "fused", with_head=False)
     assert forward == {
         "gathered weights": 0,

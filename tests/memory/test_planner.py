@@ -320,3 +320,27 @@ def test_auto_dtypes_plan_a_gpu_run_in_bfloat16():
     assert 2 * gen["rollout weights"] == gen32["rollout weights"]
     assert 2 * gen["ref params"] == gen32["ref params"]
     assert 2 * auto["kv_page_bytes"] == f32["kv_page_bytes"]  # the pool in the compute dtype
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_page_bytes_are_what_the_engine_allocates(scan_layers, tp):
+    """Per-layer or stacked (a `scan_layers` model) pools: the planner's pages × page bytes
+    per device are the bytes of `PagedKVCache.create_pool`'s arrays over the tensor-parallel
+    devices."""
+    from hybridjax.models.config import ModelConfig, to_dtype
+    from hybridjax.rollout import RolloutConfig
+    from hybridjax.rollout.paged_cache import PagedKVCache
+
+    model = ModelConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, scan_layers=scan_layers,
+    )  # fmt: skip
+    r = RolloutConfig(page_size=4, num_pages=10, max_num_seqs=2, prompt_length=8, response_length=8)
+    pages, page = plan._kv_pool(r, model, tp, 10**9, 0, stats=False)
+    pools = jax.eval_shape(
+        lambda: PagedKVCache.create_pool(model, pages, r.page_size, to_dtype(model.dtype))
+    )
+    leaves = jax.tree.leaves(pools)
+    assert len(leaves) == (2 if scan_layers else 6)
+    assert sum(x.size * x.dtype.itemsize for x in leaves) == tp * pages * page

@@ -62,3 +62,47 @@ def test_budgeted_prefill_gives_the_samples_of_whole_prefill(budgeted, engine, c
         assert budgeted.num_free_pages == budgeted.num_pages
     # chunks after the first run as extensions of the cached prefix; whole prompts never do
     assert any(k.startswith("extend") for k in budgeted.compile_counts) or not chunked
+
+
+def test_chunk_sizes_after_decode_tokens_by_hand():
+    # 6 of 10 tokens left after the decodes: chunked takes them, whole prompts wait for a
+    # step with room (no overrun while decodes spent part of the budget)
+    assert chunk_sizes([11, 4], 6, chunked=True, overrun=False) == [6, 0]
+    assert chunk_sizes([11, 4], 6, chunked=False, overrun=False) == [0, 0]
+    assert chunk_sizes([4, 11], 6, chunked=False, overrun=False) == [4, 0]
+    assert chunk_sizes([11, 4], 0, chunked=True, overrun=False) == [0, 0]
+    assert chunk_sizes([11, 4], 10, chunked=False, overrun=True) == [11, 0]
+
+
+def test_decode_tokens_of_the_step_come_off_the_prefill_budget(budgeted):
+    """max_num_batched_tokens = 10, 3 decode steps per call: a running sequence with 8 tokens
+    left computes 3 tokens in the next call, one with 1 token left computes 1, so 10 - 3 - 1 =
+    6 prompt tokens remain: a chunk of 6 of an 11-token prefill, or (chunking off) none, the
+    prompt waiting whole until no decode runs (then it overruns the budget, as the first)."""
+    config = budgeted.config
+    budgeted.config = dataclasses.replace(config, max_num_batched_tokens=10)
+    try:
+        assert budgeted.prefill_budgets() == [10]  # nothing runs
+        long, short = (SamplingParams(temperature=0.0, max_tokens=m) for m in (8, 1))
+        a = budgeted.admit(Request(tuple(PROMPTS[0]), long, 0))
+        b = budgeted.admit(Request(tuple(PROMPTS[3]), short, 3))
+        budgeted.run_prefill([a, b])
+        budgeted.insert(a, 0)
+        budgeted.insert(b, 1)
+        assert budgeted.prefill_budgets() == [6]
+        c = budgeted.admit(Request(tuple(PROMPTS[4]), long, 4))  # 11 positions to prefill
+        budgeted.config = dataclasses.replace(budgeted.config, enable_chunked_prefill=False)
+        assert budgeted.run_prefill([c], budgeted.prefill_budgets()) == 0
+        budgeted.config = dataclasses.replace(budgeted.config, enable_chunked_prefill=True)
+        assert budgeted.run_prefill([c], budgeted.prefill_budgets()) == 6
+        budgeted.slots.active[1] = False  # the short one stopped: 10 - 3 left
+        assert budgeted.prefill_budgets() == [7]
+        budgeted.free_resource(0)
+        budgeted.free_resource(1)
+        assert budgeted.prefill_budgets() == [10]
+        assert budgeted.run_prefill([c], budgeted.prefill_budgets()) == 5
+        budgeted.insert(c, 2)
+        budgeted.free_resource(2)
+        assert budgeted.num_free_pages == budgeted.num_pages
+    finally:
+        budgeted.config = config

@@ -10,7 +10,7 @@ from conftest import ENGINE_CONFIG
 from rollout_testing import make_prompts
 
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
-from hybridjax.rollout.pages import PageBook, Request
+from hybridjax.rollout.pages import PageBook, Request, watermark_pages
 from hybridjax.rollout.preemption import pages_to_grow, youngest
 from hybridjax.rollout.slots import Row, Slots
 
@@ -78,6 +78,48 @@ def test_page_books_reserve_the_worst_case_or_only_the_prompt():
     assert pages_to_grow(slots, 0, 8, held=3, page_size=4) == 1
 
 
+def test_admission_keeps_the_watermark_free():
+    """100 pages of 4 tokens, watermark 0.05: 5 pages. A prompt of 10 tokens (n = 1) takes its
+    3 prefill pages at admission: admitted with 8 pages free (5 left), refused with 7 (4 left,
+    below the watermark), while a running sequence may still grow into them; "reserve" keeps
+    no watermark (its sequences never grow)."""
+    assert watermark_pages(0.01, 384) == 3 and watermark_pages(0.01, 99) == 0
+    request = Request(tuple(range(1, 11)), SamplingParams(n=1, max_tokens=6))
+    book = PageBook(RolloutConfig(page_size=4, watermark=0.05), 100)
+    assert book.watermark == 5 and book.admit_pages(10, request.params) == 3
+    book.allocator.allocate(92)
+    assert book.can_admit(request) and book.can_admit_pages(3)
+    book.allocator.allocate(1)
+    assert not book.can_admit(request) and not book.can_admit_pages(3)
+    assert book.grow(3) is not None  # growth may use the watermark's pages
+    reserve = PageBook(RolloutConfig(page_size=4, watermark=0.05, page_allocation="reserve"), 100)
+    assert reserve.watermark == 0
+    with pytest.raises(ValueError, match="watermark must be in"):
+        RolloutConfig(watermark=1.0)
+
+
+def test_a_watermark_preempts_less_and_samples_the_same(eos_model):
+    """A pool of 10 pages (the biggest group takes 8): admitting only while 2 pages stay free
+    preempts fewer running sequences than admitting into a nearly full pool; same samples."""
+    params = SamplingParams(n=2, temperature=0.9, top_k=30, max_tokens=8, seed=11)
+    outs, preemptions = [], []
+    for watermark in (0.0, 0.2):
+        config = dataclasses.replace(ENGINE_CONFIG, num_pages=10, watermark=watermark)
+        engine = Engine(eos_model, config)
+        assert engine.pages.books[0].watermark == int(10 * watermark)
+        outs.append(generate(engine, PROMPTS, params))
+        preemptions.append(engine.num_preemptions)
+        assert engine.num_free_pages == engine.num_pages
+    assert preemptions[1] < preemptions[0]
+    np.testing.assert_array_equal(outs[1].responses, outs[0].responses)
+    np.testing.assert_allclose(outs[1].rollout_log_probs, outs[0].rollout_log_probs, atol=1e-5)
+    # a group that cannot leave the watermark free in an empty pool is rejected up front
+    big = Request(tuple(PROMPTS[4]), params, 4)  # 8 pages + 2 > 9
+    small = Engine(eos_model, dataclasses.replace(ENGINE_CONFIG, num_pages=9, watermark=0.25))
+    with pytest.raises(ValueError, match="watermark of 2"):
+        small.check_request(big)
+
+
 def test_the_youngest_active_sequence_is_the_victim():
     slots = Slots.empty(4, 2)
     for slot, (index, sample) in enumerate([(3, 0), (5, 1), (5, 0), (9, 0)]):
@@ -104,15 +146,17 @@ def test_config_keys_reach_the_engine_config_and_bad_values_are_named():
         "actor_rollout_ref.rollout.page_allocation": "reserve",
         "actor_rollout_ref.rollout.max_num_batched_tokens": 64,
         "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+        "actor_rollout_ref.rollout.watermark": 0.05,
     }
     r = RolloutConfig.from_config(_config(**keys).actor_rollout_ref.rollout)
-    assert (r.page_allocation, r.max_num_batched_tokens, r.enable_chunked_prefill) == (
-        "reserve",
-        64,
-        False,
-    )
+    got = (r.page_allocation, r.max_num_batched_tokens, r.enable_chunked_prefill, r.watermark)
+    assert got == ("reserve", 64, False, 0.05)
     default = RolloutConfig.from_config(_config().actor_rollout_ref.rollout)
     assert (default.page_allocation, default.max_num_batched_tokens) == ("on_demand", 8192)
+    assert default.watermark == 0.01
+    assert "actor_rollout_ref.rollout.watermark: must be in [0, 1)" in _problems(
+        **{"actor_rollout_ref.rollout.watermark": 1.0}
+    )
     bad = _problems(**{"actor_rollout_ref.rollout.page_allocation": "lazy"})
     assert "actor_rollout_ref.rollout.page_allocation: one of ('on_demand', 'reserve')" in bad
     assert "max_num_batched_tokens" in _problems(

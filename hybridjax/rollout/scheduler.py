@@ -1,0 +1,267 @@
+"""The rollout engine's scheduling policy (host only, no device work): which sequences run,
+which wait, and the pages and tokens each engine step gives them (vLLM's scheduler and block
+manager). `hybridjax.rollout.engine` runs the jitted calls it plans.
+
+An engine step is the host's turn between two decode calls (`batching.fill_slots`, then
+`Engine.generate`):
+  1. readmission (`readmit`): preempted sequences come back first, oldest first, each to a
+     replica with a free slot and pages for its tokens and the next decode call's positions,
+     the watermark left free (`pages.PageBook.can_admit_pages`);
+  2. admission (`place`): new groups in order, each to the least loaded replica with a free
+     slot and pages for the group, the watermark left free (`replicas.ReplicaBooks.place`);
+  3. the token budget (`prefill_budgets`, `prefill_sizes`): `max_num_batched_tokens` per
+     replica, the running sequences' tokens of the next decode call first, prompt chunks in
+     what is left (`pages.chunk_sizes`; vLLM V1);
+  4. growth (`grow_for_decode`): before the decode call every running sequence, oldest first,
+     takes the pages the call may write into; while its replica has none free, the youngest
+     sequence there is preempted (`hybridjax.rollout.preemption`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hybridjax.rollout import preemption
+from hybridjax.rollout.config import RolloutConfig
+from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
+from hybridjax.rollout.preemption import Preempted
+from hybridjax.rollout.replicas import ReplicaBooks
+from hybridjax.rollout.slots import MAX_STOP_IDS, Row, Slots, decode_tokens
+
+
+class Scheduler:
+    """The host state of an engine's sequences, and the policy over it.
+
+    Args:
+      config: the engine's sizes; `max_num_seqs` slots per replica.
+      replicas: R, data-parallel replicas (replica r owns slots r·m .. (r+1)·m - 1).
+      num_pages: N, pages of each replica's pool.
+
+    Per slot: its decode state (`slots`), its pages (`slot_pages`), its expected tokens
+    (`slot_tokens`: prompt + max_tokens, its share of its replica's load), its `history`
+    (prompt + every token fed or sampled after it; empty: the slot is free, while on demand a
+    running slot may hold no page yet) and the engine's `routing` chunks of its fed positions
+    (opaque here, dropped with the slot).
+    """
+
+    def __init__(self, config: RolloutConfig, replicas: int, num_pages: int):
+        self.config = config
+        self.replicas = replicas
+        self.pages = ReplicaBooks(config, replicas, num_pages)
+        num_slots = replicas * config.max_num_seqs
+        self.slots = Slots.empty(num_slots, config.pages_per_seq, MAX_STOP_IDS)
+        self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        self.slot_tokens = [0] * num_slots
+        self.history: list[list[int]] = [[] for _ in range(num_slots)]
+        self.routing: list[list[Any]] = [[] for _ in range(num_slots)]
+        self.preempted: list[Preempted] = []  # waiting to be recomputed, oldest first
+        self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
+        # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
+        self.preempted_slots = np.zeros(num_slots, bool)
+
+    # ----------------------------------------------------------------------------- slots
+
+    def replica_of(self, slot: int) -> int:
+        """The replica that owns `slot`."""
+        return slot // self.config.max_num_seqs
+
+    def free_slots_of(self, replica: int) -> list[int]:
+        """The free slots of one replica, in order."""
+        m = self.config.max_num_seqs
+        return [i for i in range(replica * m, (replica + 1) * m) if not self.history[i]]
+
+    def _free_counts(self) -> list[int]:
+        return [len(self.free_slots_of(r)) for r in range(self.replicas)]
+
+    def assign(self, slot: int, row: Row, tokens: int, history: Sequence[int]) -> None:
+        """Runs a sequence in the free `slot`: decode state `row` (its pages included),
+        expected `tokens` and `history` (routing starts empty)."""
+        self.slots.assign(slot, row)
+        self.slot_pages[slot] = list(row.pages)
+        self.slot_tokens[slot] = tokens
+        self.history[slot] = list(history)
+        self.routing[slot] = []
+        self.preempted_slots[slot] = False
+
+    def release(self, slot: int) -> None:
+        """Returns the slot's pages and expected tokens to its replica and frees the slot."""
+        self.pages.release(self.replica_of(slot), self.slot_pages[slot], self.slot_tokens[slot])
+        self.slot_pages[slot] = []
+        self.slot_tokens[slot] = 0
+        self.history[slot] = []
+        self.routing[slot] = []
+        self.slots.active[slot] = False
+
+    def abort(self, request_indexes: set[int]) -> list[int]:
+        """Frees the running slots of the given requests and forgets their preempted
+        sequences. Returns the freed slots."""
+        busy = [i for i, h in enumerate(self.history) if h]
+        slots = [s for s in busy if int(self.slots.seed[s, 1]) in request_indexes]
+        for slot in slots:
+            self.release(slot)
+        self.preempted = [p for p in self.preempted if p.request_index not in request_indexes]
+        return slots
+
+    # ----------------------------------------------------------------------------- admission
+
+    def check_request(self, request: Request, num_eos: int) -> None:
+        """Raises ValueError, with the sizes, for a request that can never be served: an empty
+        prompt, one longer than `max_seq_len` with its max_tokens, a group that cannot fit an
+        empty pool with the watermark left free, or more stop ids (+ `num_eos`) than a slot
+        holds."""
+        n_prompt, p, config = len(request.prompt), request.params, self.config
+        if n_prompt < 1:
+            raise ValueError(f"request {request.index}: empty prompt")
+        if n_prompt + p.max_tokens > config.max_seq_len:
+            raise ValueError(
+                f"request {request.index}: prompt of {n_prompt} tokens + max_tokens "
+                f"{p.max_tokens} exceeds the engine's max_seq_len {config.max_seq_len} "
+                f"(rollout.prompt_length {config.prompt_length} + response_length "
+                f"{config.response_length})"
+            )
+        book = self.pages.books[0]
+        need, total = book.group_pages(n_prompt, p), book.total
+        if need + book.watermark > total:
+            raise ValueError(
+                f"request {request.index}: needs {need} KV pages (prompt {n_prompt} tokens, "
+                f"n={p.n} samples × up to {p.max_tokens} tokens, page_size "
+                f"{config.page_size}) + a watermark of {book.watermark} but a replica's pool "
+                f"has {total}; raise rollout.num_pages / gpu_memory_utilization or lower n / "
+                "response_length"
+            )
+        if len(p.stop_token_ids) + num_eos > MAX_STOP_IDS:
+            raise ValueError(
+                f"request {request.index}: {len(p.stop_token_ids)} stop ids + "
+                f"{num_eos} EOS ids exceed {MAX_STOP_IDS}"
+            )
+
+    def place(self, request: Request) -> int | None:
+        """The replica that takes the request's group now (`ReplicaBooks.place`: a slot not
+        promised to a waiting sample, pages for the group above the watermark, the least
+        expected tokens), or None."""
+        return self.pages.place(request, self._free_counts())
+
+    def prefill_budgets(self) -> list[int]:
+        """Each replica's prompt tokens for this engine step: `max_num_batched_tokens` less
+        the tokens its running sequences compute in the next decode call (`slots.
+        decode_tokens`; vLLM V1's scheduler: running decodes first), at least 0."""
+        s, steps_per_call = self.slots, self.config.decode_steps_per_call
+        tokens = decode_tokens(s.active, s.max_tokens - s.num_generated, steps_per_call)
+        per_replica = tokens.reshape(self.replicas, -1).sum(axis=1)
+        return [max(0, self.config.max_num_batched_tokens - int(d)) for d in per_replica]
+
+    def prefill_sizes(
+        self, prefixes: Sequence[Prefix], budget: int | Sequence[int] | None
+    ) -> list[int]:
+        """Prompt tokens of each prefix to compute in this call, each replica under its own
+        budget (None: unbounded; one per replica, `prefill_budgets`; or one for every
+        replica), prefixes in order (`pages.chunk_sizes`). Without chunked prefill the first
+        may run whole past its replica's budget only when no decode token spent it."""
+        sizes = [0] * len(prefixes)
+        full, chunked = self.config.max_num_batched_tokens, self.config.enable_chunked_prefill
+        for r in range(self.replicas):  # each replica its own budget, as a vLLM engine
+            mine = [i for i, p in enumerate(prefixes) if p.replica == r]
+            need = [prefixes[i].to_prefill for i in mine]
+            if budget is None or isinstance(budget, int):
+                total, overrun = sum(need) if budget is None else budget, True
+            else:
+                total, overrun = budget[r], budget[r] >= full
+            for i, take in zip(mine, chunk_sizes(need, total, chunked, overrun), strict=True):
+                sizes[i] = take
+        return sizes
+
+    def readmit(self) -> list[tuple[int, Preempted]]:
+        """Readmits preempted sequences, oldest first, while a replica has a free slot (not
+        promised to a waiting sample) and pages above the watermark for its tokens and the
+        next decode call's positions (so that call cannot preempt it again at once: vLLM's
+        lookahead slots): each gets fresh pages and its decode state back in a free slot.
+        Returns (slot, sequence) of each; the caller recomputes `tokens[:-1]`."""
+        done = []
+        ps, steps_per_call = self.config.page_size, self.config.decode_steps_per_call
+        while self.preempted:
+            seq = self.preempted[0]
+            ahead = min(steps_per_call, seq.row.max_tokens - seq.row.num_generated)
+            count = num_pages(len(seq.tokens) - 1 + ahead, ps)
+            replica = self.pages.place_pages(count, self._free_counts())
+            if replica is None:
+                break
+            self.preempted.pop(0)
+            pages = self.pages.readmit(replica, count, seq.expected_tokens)
+            slot = self.free_slots_of(replica)[0]
+            self.assign(
+                slot, dataclasses.replace(seq.row, pages=pages), seq.expected_tokens, seq.tokens
+            )
+            done.append((slot, seq))
+        return done
+
+    # ----------------------------------------------------------------------------- preemption
+
+    def ensure_pages(self, slot: int, count: int) -> bool:
+        """Gives `slot` `count` more pages (`PageBook.grow`), preempting the youngest active
+        sequences of its replica while too few are free; False (nothing taken) when the slot
+        itself is the youngest, or no other sequence runs there."""
+        if count <= 0:
+            return True
+        replica = self.replica_of(slot)
+        m = self.config.max_num_seqs
+        while (new := self.pages.books[replica].grow(count)) is None:
+            victim = preemption.youngest(self.slots, np.arange(replica * m, (replica + 1) * m))
+            if victim is None or victim == slot:
+                return False
+            self.preempt(victim)
+        held = len(self.slot_pages[slot])
+        self.slot_pages[slot] += new
+        self.slots.page_table[slot, held : held + count] = new
+        return True
+
+    def preempt(self, slot: int) -> None:
+        """Frees an active slot's pages and queues its sequence for `readmit`."""
+        row = preemption.row_of(self.slots, slot)
+        seq = Preempted(row, tuple(self.history[slot]), self.slot_tokens[slot])
+        bisect.insort(self.preempted, seq, key=lambda x: x.priority)
+        self.release(slot)
+        self.num_preemptions += 1
+        self.preempted_slots[slot] = True
+
+    def grow_for_decode(self, num_steps: int) -> np.ndarray:
+        """Before a decode call of `num_steps` steps: every active slot, oldest first, takes
+        the pages the call may write into; a slot no page can be found for is preempted
+        (`ensure_pages`). Returns the slots preempted since the last call and not refilled
+        since (by this call or by an `Engine.extend`; bool, one per slot)."""
+        active = [int(s) for s in np.flatnonzero(self.slots.active)]
+        order = sorted(active, key=lambda s: preemption.priority_of(self.slots, s))
+        ps = self.config.page_size
+        for slot in order:
+            if not self.slots.active[slot]:
+                continue  # preempted for an older one
+            held = len(self.slot_pages[slot])
+            need = preemption.pages_to_grow(self.slots, slot, num_steps, held, ps)
+            if not self.ensure_pages(slot, need):
+                self.preempt(slot)
+        preempted = self.preempted_slots
+        self.preempted_slots = np.zeros_like(preempted)
+        return preempted
+
+    def preempt_running(self) -> int:
+        """Preempts every running sequence (`Engine.recompute_running`); returns how many."""
+        active = np.flatnonzero(self.slots.active)
+        for slot in active:
+            self.preempt(int(slot))
+        return len(active)
+
+    def set_aside(self) -> list[Preempted]:
+        """Preempts every running sequence and hands back every preempted one, oldest first,
+        leaving nothing running or waiting."""
+        self.preempt_running()
+        out, self.preempted = self.preempted, []
+        self.preempted_slots[:] = False
+        return out
+
+    def put_back(self, sequences: list[Preempted]) -> None:
+        """Queues sequences of `set_aside` for `readmit` again, oldest first."""
+        self.preempted = sorted(self.preempted + sequences, key=lambda x: x.priority)

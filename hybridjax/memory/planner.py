@@ -54,7 +54,7 @@ from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
 from hybridjax.models.logprobs import vocab_split
-from hybridjax.sharding.mesh import expert_parallel
+from hybridjax.sharding.mesh import pass_mesh
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -423,7 +423,7 @@ def plan_memory(
 
     def stage(name, fn, args, batch, used, count):
         if compile_stages:
-            with expert_parallel(train):  # as the step runs it (MoE experts in shard_map)
+            with pass_mesh(train):  # as the step runs it (MoE experts in shard_map)
                 m = compiled_memory(fn, *args)
             xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]

@@ -320,6 +320,27 @@ def unstack_layer_state(state: nnx.State) -> nnx.State:
     return nnx.from_flat_state(out)
 
 
+# The training mesh axes a pass splits batch rows over (`hybridjax.sharding.mesh.BATCH_AXES`).
+ROW_AXES = ("data", "expert", "fsdp")
+
+
+def _rows_split(h_BxTxD: jax.Array) -> jax.Array:
+    """h constrained to its rows split over the context mesh's batch axes (`jax.set_mesh`, as
+    the trainer's passes enter it), when there is one and they divide the rows.
+
+    Inside a scan over stacked layers the partitioner otherwise meets each layer's
+    FSDP-sharded weights (split over `fsdp` along the model width) with the rows also split
+    over `fsdp`, and resolves the conflict by all-gathering the activations: every device then
+    runs every row. Pinning the rows makes it all-gather one layer's weights per step instead
+    (FSDP), as it does unasked for a per-layer loop."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1)
+    if not axes or h_BxTxD.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return h_BxTxD
+    spec = jax.sharding.PartitionSpec(axes)
+    return jax.lax.with_sharding_constraint(h_BxTxD, spec)
+
+
 def scan_layers(stacked, h_BxTxD: jax.Array, args: tuple, cache=None) -> tuple[jax.Array, Any]:
     """The L layers of `stacked` (a `stack_modules` DecoderLayer) applied in order to h
     (B×T×D) as one `jax.lax.scan` over their stored stacked parameters: one layer body is
@@ -336,7 +357,7 @@ def scan_layers(stacked, h_BxTxD: jax.Array, args: tuple, cache=None) -> tuple[j
     def body(carry, xs):
         h, cache = carry
         layer_state, index = xs
-        h, cache = nnx.merge(graphdef, layer_state)(h, *args, cache, index)
+        h, cache = nnx.merge(graphdef, layer_state)(_rows_split(h), *args, cache, index)
         return (h, cache), None
 
     step = remat(body, config) if config.remat and cache is None else body

@@ -45,7 +45,7 @@ from hybridjax.rl.build import checkpointed, init_train_state, restored
 from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.rl.update import TrainState
 from hybridjax.sharding import MeshConfig, make_meshes
-from hybridjax.sharding.mesh import expert_parallel, train_tuple
+from hybridjax.sharding.mesh import pass_mesh, train_tuple
 from hybridjax.sharding.validate import expert_problems
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,12 @@ train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=4)
 
 
 def on_mesh(mesh: Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` called inside `expert_parallel(mesh)`: with `mesh.train.expert` > 1 the MoE layers
+    """`fn` called inside `pass_mesh(mesh)`: with `mesh.train.expert` > 1 the MoE layers
     of the jitted passes it runs split their experts over the `expert` axis (`shard_map`,
     `hybridjax.models.moe`); otherwise `fn` as it is."""
 
     def run(*args, **kwargs):
-        with expert_parallel(mesh):
+        with pass_mesh(mesh):
             return fn(*args, **kwargs)
 
     return run

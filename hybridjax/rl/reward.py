@@ -52,7 +52,7 @@ from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.packing import packing_configs
 from hybridjax.sharding import load_to_device
 from hybridjax.sharding.hosts import allgather
-from hybridjax.sharding.mesh import batch_shards, expert_parallel
+from hybridjax.sharding.mesh import batch_shards, pass_mesh
 from hybridjax.sharding.pools import move_rows
 
 
@@ -226,7 +226,7 @@ class RewardStage:
     def model_scores(self, batch: RLBatch) -> tuple[jax.Array, int]:
         """The reward model's `token_level_scores` (B×R float32, queued: no host sync) on its
         pool's mesh (the actor's training mesh when it shares it), and the bytes moved there.
-        The forward runs inside `expert_parallel` of that mesh: a MoE reward model's experts
+        The forward runs inside `pass_mesh` of that mesh: a MoE reward model's experts
         split over its `expert` axis, as in the actor's passes. Raises ValueError without a
         reward model."""
         if self.reward_model is None:
@@ -245,7 +245,7 @@ class RewardStage:
         nbytes = 0
         if self.model_sharding is not None:  # the model's own pool (async copy there)
             inputs, nbytes = move_rows(inputs, self.model_sharding)
-        with expert_parallel((self.model_sharding or self.sharding).mesh):
+        with pass_mesh((self.model_sharding or self.sharding).mesh):
             scores, _ = score_responses(
                 graphdef,
                 params,

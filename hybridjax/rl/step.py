@@ -71,7 +71,7 @@ from hybridjax.rl.pipeline import (
 from hybridjax.rl.residency import free_cache_engine, sleep_engine
 from hybridjax.rl.reward import RewardStage
 from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
-from hybridjax.sharding.mesh import expert_parallel
+from hybridjax.sharding.mesh import pass_mesh
 from hybridjax.sharding.pools import move_rows
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
@@ -353,7 +353,7 @@ def _reshard(batch, ctx: StepContext):
 
 def _old_log_prob_stage(batch, ctx: StepContext):
     m = ctx.models
-    with expert_parallel(ctx.deps.run.meshes.train):
+    with pass_mesh(ctx.deps.run.meshes.train):
         batch, metrics = _old_log_prob(
             m.actor_graphdef, m.actor_state.params, batch, ctx.stage_config
         )
@@ -404,7 +404,7 @@ def _back(role: str, batch, ctx: StepContext, **outputs):
 def _ref_stage(batch, ctx: StepContext):
     m = ctx.models  # the frozen copy, or with LoRA the actor with its adapters off
     rows, sc = _rows_for("ref", batch, ctx)
-    with expert_parallel(_train_mesh("ref", ctx)):
+    with pass_mesh(_train_mesh("ref", ctx)):
         out = _ref_log_prob(m.actor_graphdef, m.reference(), rows, sc)
     return _back("ref", batch, ctx, ref_log_prob=out.ref_log_prob)
 
@@ -416,7 +416,7 @@ def _teacher_stage(batch, ctx: StepContext):
         raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
     graphdef, params = ctx.models.teacher
     rows, sc = _rows_for("teacher", batch, ctx)
-    with expert_parallel(_train_mesh("teacher", ctx)):
+    with pass_mesh(_train_mesh("teacher", ctx)):
         out = _teacher_log_prob(graphdef, params, rows, sc)
     outputs = {f: getattr(out, f) for f in TEACHER_OUTPUTS if getattr(out, f) is not None}
     return _back("teacher", batch, ctx, **outputs)
@@ -425,7 +425,7 @@ def _teacher_stage(batch, ctx: StepContext):
 def _values_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx)
-    with expert_parallel(_train_mesh("critic", ctx)):
+    with pass_mesh(_train_mesh("critic", ctx)):
         out = _values(m.critic_graphdef, m.critic_state.params, rows, sc)
     return _back("critic", batch, ctx, values=out.values)
 
@@ -449,7 +449,7 @@ def _record_update(ctx: StepContext, metrics, nan_skipped) -> None:
 def _update_critic_stage(batch, ctx: StepContext):
     m = ctx.models
     rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
-    with expert_parallel(_train_mesh("critic", ctx)):
+    with pass_mesh(_train_mesh("critic", ctx)):
         state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
     if "critic" in ctx.deps.run.pool_batch_shardings:  # scalars, summed with the actor's
         metrics, nan = jax.device_put((metrics, nan), ctx.deps.replicated)
@@ -463,7 +463,7 @@ def _update_actor_stage(batch, ctx: StepContext):
     if ctx.step <= ctx.config.trainer.critic_warmup:
         return batch
     m = ctx.models
-    with expert_parallel(ctx.deps.run.meshes.train):
+    with pass_mesh(ctx.deps.run.meshes.train):
         state, metrics, nan = _update_actor(
             m.actor_graphdef, m.actor_state, batch, _rng(ctx), ctx.stage_config
         )

@@ -149,13 +149,15 @@ def make_meshes(config: MeshConfig, devices: Sequence[jax.Device] | None = None)
     )
 
 
-def expert_parallel(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
-    """`jax.set_mesh(mesh)` when `mesh` has an `expert` axis of size > 1, else a null context.
+def pass_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[Any]:
+    """`jax.set_mesh(mesh)` when `mesh` spans more than one device, else a null context.
 
     Enter it around a jitted pass (its call, so tracing sees the mesh): the MoE layers
-    (`hybridjax.models.moe`) then run their experts in `shard_map` over the `expert` axis.
+    (`hybridjax.models.moe`) then run their experts in `shard_map` over the `expert` axis,
+    and scanned decoder layers keep their rows split over the batch axes
+    (`hybridjax.models.decoder.scan_layers`: one layer's weights gathered per step).
     """
-    if mesh.shape.get("expert", 1) > 1:
+    if mesh.size > 1:
         return jax.set_mesh(mesh)
     return contextlib.nullcontext()
 

@@ -19,7 +19,7 @@ from hybridjax.models.hf_io import load_pretrained
 from hybridjax.rl import build, passes, step
 from hybridjax.rl.batch import make_batch
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, make_meshes, state_shardings
-from hybridjax.sharding.mesh import expert_parallel
+from hybridjax.sharding.mesh import pass_mesh
 from tests.models.hf_testing import VOCAB, qwen3_moe_config, write_hf_model
 from tests.rl.test_passes import MASK_BxR
 from tests.rl.test_passes import _batch as dense_batch
@@ -166,7 +166,7 @@ def test_router_replay_r2_records_and_replays_the_experts(moe):
 def test_expert_parallel_update_equals_one_device(moe):
     """mesh.train expert 2 × fsdp 2 × tensor 2 (batch rows over data × expert × fsdp = 4
     shards, experts over expert then fsdp): the step's jitted old_log_prob and update, entered
-    with `expert_parallel`, equal the unpartitioned passes on one device within 1e-5, and the
+    with `pass_mesh`, equal the unpartitioned passes on one device within 1e-5, and the
     update's program runs the experts in `shard_map` (all-gather / reduce-scatter)."""
     _, graphdef, state = moe
     one, ep = _stage_config(4), _stage_config(4, data_parallel=4)
@@ -180,7 +180,7 @@ def test_expert_parallel_update_equals_one_device(moe):
 
     ref_batch, _ = passes.compute_old_log_prob(graphdef, state.params, _batch(1.0), one)
     ref_state, ref_metrics, _ = passes.update_actor(graphdef, state, ref_batch, key, one)
-    with expert_parallel(mesh):
+    with pass_mesh(mesh):
         batch, _ = step._old_log_prob(graphdef, sharded.params, batch, ep)
         lowered = step._update_actor.lower(graphdef, sharded, batch, key, ep)
         new_state, metrics, nan = step._update_actor(graphdef, sharded, batch, key, ep)

@@ -35,7 +35,7 @@ def _all_gathers(context) -> list[str]:
     ids = jax.device_put(jnp.ones((B, T), jnp.int32), NamedSharding(mesh, PartitionSpec("fsdp")))
     loss = lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.ones_like(ids)).mean()
     with context(mesh):
-        hlo = jax.jit(jax.grad(loss)).lower(params, ids).compile().as_text()
+        hlo = str(jax.jit(jax.grad(loss)).lower(params, ids).compile().as_text())
     return re.findall(r"= \(?([a-z0-9]+\[[0-9,]*\])[^\n]*? all-gather(?:-start)?\(", hlo)
 
 

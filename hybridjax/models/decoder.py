@@ -333,8 +333,10 @@ def _rows_split(h_BxTxD: jax.Array) -> jax.Array:
     over `fsdp`, and resolves the conflict by all-gathering the activations: every device then
     runs every row. Pinning the rows makes it all-gather one layer's weights per step instead
     (FSDP), as it does unasked for a per-layer loop."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1)
+    mesh = jax.sharding.get_abstract_mesh()  # inside shard_map its manual axes are not ours
+    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    auto = {name for name, kind in types if kind == jax.sharding.AxisType.Auto}
+    axes = tuple(a for a in ROW_AXES if a in auto and mesh.shape[a] > 1)
     if not axes or h_BxTxD.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return h_BxTxD
     spec = jax.sharding.PartitionSpec(axes)
@@ -357,7 +359,8 @@ def scan_layers(stacked, h_BxTxD: jax.Array, args: tuple, cache=None) -> tuple[j
     def body(carry, xs):
         h, cache = carry
         layer_state, index = xs
-        h, cache = nnx.merge(graphdef, layer_state)(_rows_split(h), *args, cache, index)
+        h = _rows_split(h) if cache is None else h  # a training pass, not the engine's
+        h, cache = nnx.merge(graphdef, layer_state)(h, *args, cache, index)
         return (h, cache), None
 
     step = remat(body, config) if config.remat and cache is None else body

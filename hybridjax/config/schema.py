@@ -134,7 +134,8 @@ def declared_config() -> ConfigDict:
             remat_policy=one_of("full", REMAT_POLICIES),
             # the decoder layers' parameters stored stacked and run as one lax.scan (compiled
             # once) in training, log-prob and decode passes (ModelConfig.scan_layers), also the
-            # critic's: "auto" on for dense models, off for MoE; "true" refuses MoE models
+            # critic's: "auto" on for dense models with enable_gradient_checkpointing, off for
+            # MoE and without checkpointing; "true" refuses MoE models
             scan_layers=one_of("auto", SCAN_LAYERS, "strings"),
             # compute dtype of training matmuls; auto: bfloat16 on GPU/TPU, float32 on CPU
             dtype=one_of("auto", DTYPE_CHOICES),

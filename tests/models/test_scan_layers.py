@@ -130,8 +130,9 @@ def test_scanned_decode_equals_the_full_forward(stacked):
 
 def test_scan_layers_auto_is_on_for_dense_models_and_off_for_mixture_of_experts():
     moe = dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    assert ModelConfig(scan_layers="auto").scan_layers is True
-    assert ModelConfig(**moe, scan_layers="auto").scan_layers is False
+    assert ModelConfig(scan_layers="auto", remat=True).scan_layers is True
+    assert ModelConfig(scan_layers="auto").scan_layers is False  # no remat: the loop
+    assert ModelConfig(**moe, scan_layers="auto", remat=True).scan_layers is False
     with pytest.raises(ValueError, match="actor_rollout_ref.model.scan_layers"):
         ModelConfig(**moe, scan_layers=True)
     with pytest.raises(ValueError, match="scan_layers must be"):

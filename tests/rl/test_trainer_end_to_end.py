@@ -146,8 +146,7 @@ def test_ppo_steps_metrics_and_exact_resume(data, tmp_path):
         "trainer.resume_mode": at_step_3}))  # fmt: skip
     assert export_actor(exporter, str(tmp_path / "hf")) == 3
     exporter.close()
-    # the trainer's actor stores its layers stacked (scan_layers "auto"): reload it so
-    reloaded = load_pretrained(tmp_path / "hf", config_overrides={"scan_layers": "auto"})
+    reloaded = load_pretrained(tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
         assert "lm_head.weight" not in f.keys()  # tied embeddings: one tensor
     for a, b in zip(_params(whole), jax.tree.leaves(nnx.state(reloaded, nnx.Param)), strict=True):

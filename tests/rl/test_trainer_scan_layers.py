@@ -63,7 +63,7 @@ def test_ppo_steps_with_scanned_layers_match_the_loop(tmp_path):
     runs = {}
     for scan in (False, True):
         run_dir = tmp_path / f"scan_{scan}"
-        value = "auto" if scan else "false"  # auto: on for this dense model
+        value = "auto" if scan else "false"  # auto: on for this dense, checkpointed model
         config = tiny_config(
             data, run_dir, **changes, **{"actor_rollout_ref.model.scan_layers": value}
         )

@@ -26,15 +26,14 @@ from hybridjax.rollout.allocator import OutOfPagesError
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.pages import PageBook, Prefix, Request
 
-POOL_SPEC = PartitionSpec(None, "data")  # K×(R·N)×S×D: pages by replica
 ROWS_SPEC = PartitionSpec("data")  # R blocks of rows, block r on replica r
 
 
 def per_replica(fn: Callable, mesh: Mesh | None, in_specs, out_specs) -> Callable:
     """`fn` run by every replica on its own block of each argument (`jax.shard_map` manual
     over `data`, the partitioner still splitting `tensor`); `fn` itself without a mesh.
-    Specs name only `data` (POOL_SPEC, ROWS_SPEC, or PartitionSpec() for what every replica
-    reads whole: the weights, scalars)."""
+    Specs name only `data` (the pools' `paged_cache.pool_spec`, ROWS_SPEC, or PartitionSpec()
+    for what every replica reads whole: the weights, scalars)."""
     if mesh is None:
         return fn
     return jax.shard_map(

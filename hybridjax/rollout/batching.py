@@ -147,9 +147,10 @@ def refill_batch(engine: Engine) -> int:
 
 
 def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> None:
-    """Readmits preempted sequences first (`Engine.resume`, oldest first, as vLLM), then, once
-    none waits, admits queued requests in order while a replica has a free slot and pages for
-    the group (`Engine.place`), prefills them in one call, and inserts waiting samples into
+    """Readmits preempted sequences first (`Engine.resume`, each replica's oldest first, as
+    vLLM), then admits queued requests in order while a replica without preempted sequences
+    waiting has a free slot and pages for the group (`Engine.place`), prefills them in one
+    call, and inserts waiting samples into
     free slots of their prompt's replica; `owner` maps each filled slot to its output row
     (`first_row[request] + sample`).
 
@@ -163,7 +164,7 @@ def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> No
     budgets = engine.prefill_budgets()  # the resumed sequences decode in the next call too
     due = sum(p.to_prefill for p in waiting)
     room = sum(budgets)
-    while queue and not engine.preempted and due < room and engine.can_prefill(queue[0]):
+    while queue and due < room and engine.can_prefill(queue[0]):
         prefix = engine.admit(queue.popleft())
         waiting.append(prefix)
         due += prefix.to_prefill

@@ -118,7 +118,7 @@ class Engine:
 
             param_shardings = state_shardings(state, mesh, ACTOR_GENERATE_RULES)
         self._param_shardings = param_shardings
-        self.update_weights(state)
+        self.state = self._placed(state)
         window = model.config.sliding_window
         self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
         self.kv_dtype = to_dtype(model.config.dtype)
@@ -170,12 +170,17 @@ class Engine:
     def update_weights(self, state_or_model: Any) -> None:
         """Swaps in new weights (an `nnx.State` or a module of the same structure); same
         shapes and dtypes mean no recompile. Placed on `param_shardings` when given."""
+        self.state = self._placed(state_or_model)
+        self.scheduler.forget_prefixes()  # cached keys/values are the old weights'
+
+    def _placed(self, state_or_model: Any) -> Any:
+        """The weights as an `nnx.State`, on `param_shardings` when given."""
         state = state_or_model
         if isinstance(state_or_model, nnx.Module):
             state = nnx.state(state_or_model)
         if self._param_shardings is not None:
             state = jax.device_put(state, self._param_shardings)
-        self.state = state
+        return state
 
     def sleep(self, level: int = 1) -> int:
         """Releases the KV page pool (level 1) and also the weights (level 2), as vLLM's sleep
@@ -193,6 +198,7 @@ class Engine:
         for x in leaves:
             x.delete()
         self.k_pools = self.v_pools = None
+        self.scheduler.forget_prefixes()  # the pages' keys/values are gone
         if level == 2:
             self.state = None
         return nbytes
@@ -561,7 +567,9 @@ class Engine:
         its tokens with the engine's current weights (after `update_weights`: a partial
         rollout continuing under new weights). Its sampling state is kept (`preemption`).
         Returns how many were preempted. Host only."""
-        return self.scheduler.preempt_running()
+        count = self.scheduler.preempt_running()
+        self.scheduler.forget_prefixes()  # no page they held is reused
+        return count
 
     def set_aside(self) -> list[Preempted]:
         """Preempts every running sequence and hands back every preempted one, leaving the
@@ -580,26 +588,38 @@ class Engine:
 
     def resume(self) -> list[tuple[int, Preempted]]:
         """Readmits preempted sequences (`Scheduler.readmit`: oldest first, while a replica
-        has a free slot and pages for them), their tokens but the last recomputed into their
-        fresh pages, every replica's in one prefill call. Returns (slot, sequence) of each
-        readmitted one. Host sync: none."""
+        has a free slot, pages and token budget for them), their tokens but the last
+        recomputed: from position 0 into fresh pages in one prefill call, or, for one that
+        came back on top of its group's prompt pages, from the first position after them in
+        one extend call. Returns (slot, sequence) of each readmitted one. Host sync: none.
+
+        With routing replay every sequence is recomputed from position 0 (its experts are
+        recorded per computed position)."""
         if not self.preempted:
             return []
         self._require_weights("resume")
         self.wake_up()
-        done = self.scheduler.readmit()
+        done = self.scheduler.readmit(share=not self.record_routing)
         ps, pages = self.config.page_size, self.scheduler.slot_pages
+        whole = [(slot, seq) for slot, seq, start in done if start == 0]
         rows = [
             (
                 self.replica_of(slot),
                 seq.tokens[:-1],
                 pages[slot][: num_pages(len(seq.tokens) - 1, ps)],
             )
-            for slot, seq in done
+            for slot, seq in whole
         ]
-        for (slot, _), chunk in zip(done, self._prefill_rows(rows), strict=True):
+        for (slot, _), chunk in zip(whole, self._prefill_rows(rows), strict=True):
             self.scheduler.routing[slot] = [] if chunk is None else [chunk]
-        return done
+        self._extend_rows(
+            [
+                (self.replica_of(slot), start, seq.tokens[start:-1], pages[slot])
+                for slot, seq, start in done
+                if 0 < start < len(seq.tokens) - 1
+            ]
+        )
+        return [(slot, seq) for slot, seq, _ in done]
 
     # ----------------------------------------------------------------------------- extend
 

@@ -24,6 +24,7 @@ import dataclasses
 
 from hybridjax.rollout.allocator import PageAllocator
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
+from hybridjax.rollout.prefix_cache import PrefixCache
 
 
 def num_pages(positions: int, page_size: int) -> int:
@@ -113,6 +114,7 @@ class PageBook:
         # pages an admission leaves free (on demand only: reserved pages never run out)
         self.watermark = watermark_pages(config.watermark, total) if self.on_demand else 0
         self.allocator = PageAllocator(total)
+        self.cache = PrefixCache(self.allocator, config.page_size)  # full pages by tokens
         self.reserved = 0  # pages promised to samples of admitted prompts not yet inserted
         self.copies: list[tuple[int, int]] = []  # (src, dst) page copies due before decoding
 

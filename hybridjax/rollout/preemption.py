@@ -5,10 +5,15 @@ decode call will write into one (`pages_to_grow`). When its replica's pool has n
 youngest running sequence of that replica (the highest (request index, sample): the last to
 arrive, vLLM's FCFS priority) is preempted: its pages go back to the free list and it waits,
 oldest first, ahead of every new prompt. When a replica has a slot and pages for its tokens
-again, it is readmitted: prompt + every token fed or sampled so far but the last are prefilled
-into fresh pages (recomputed, not swapped), the last becomes its next input, and its sampling
-state (seed, tokens sampled so far, max_tokens) is unchanged, so its token k still draws number
-k of its PRNG stream and its samples are those of a run without preemption.
+again, it is readmitted: prompt + every token fed or sampled so far but the last are computed
+again into fresh pages (recomputed, not swapped), the last becomes its next input, and its
+sampling state (seed, tokens sampled so far, max_tokens) is unchanged, so its token k still
+draws number k of its PRNG stream and its samples are those of a run without preemption.
+
+A preempted sequence comes back to the replica it ran on, on top of the pages there that still
+hold its leading tokens' keys/values (`hybridjax.rollout.prefix_cache`: its prompt's, held by
+its siblings or recomputed by the first of them to come back, and its own while not handed out
+again), and only its positions after them are recomputed (vLLM's automatic prefix caching).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ class Preempted:
     row: its decode state when preempted (`Row`, pages empty: new ones come on readmission).
     tokens: prompt + every token after it, the next input last (position len(tokens) - 1).
     expected_tokens: its share of its replica's load (prompt + max_tokens).
+    replica: the replica it ran on, and comes back to.
     """
 
     row: Row
     tokens: tuple[int, ...]
     expected_tokens: int
+    replica: int = 0
 
     @property
     def request_index(self) -> int:

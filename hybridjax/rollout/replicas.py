@@ -74,10 +74,12 @@ class ReplicaBooks:
         first (lowest index on ties); None when no replica has room."""
         return self._place(lambda book: book.can_admit(request), free_slots)
 
-    def place_pages(self, count: int, free_slots: list[int]) -> int | None:
-        """The replica that takes a sequence of `count` pages now (a preempted one coming
-        back): as `place`, with room for `count` pages above the watermark."""
-        return self._place(lambda book: book.can_admit_pages(count), free_slots)
+    def fits_pages(self, replica: int, count: int, free_slots: list[int]) -> bool:
+        """Whether `replica` has a slot not promised to a waiting sample and `count` pages
+        above the watermark (a preempted sequence coming back to its own replica)."""
+        return free_slots[replica] > self.promised[replica] and self.books[replica].can_admit_pages(
+            count
+        )
 
     def _place(self, fits_in: Callable[[PageBook], bool], free_slots: list[int]) -> int | None:
         fits = [
@@ -101,14 +103,21 @@ class ReplicaBooks:
         self.promised[prefix.replica] -= 1
         return self.books[prefix.replica].sample_pages(prefix)
 
-    def readmit(self, replica: int, count: int, tokens: int) -> list[int]:
-        """`count` fresh pages on `replica` for a preempted sequence, its expected `tokens`
-        counted in the replica's load. Raises OutOfPagesError when they are not free."""
-        pages = self.books[replica].grow(count)
+    def readmit(
+        self, replica: int, count: int, tokens: int, shared: list[int] | None = None
+    ) -> list[int]:
+        """The pages of a preempted sequence coming back to `replica`: the `shared` pages
+        that still hold its keys/values there (`PageAllocator.take`), then `count` fresh ones;
+        its expected `tokens` counted in the replica's load. Raises OutOfPagesError when the
+        fresh pages are not free."""
+        book, shared = self.books[replica], list(shared or [])
+        book.allocator.take(shared)
+        pages = book.grow(count)
         if pages is None:
+            book.allocator.release(shared)
             raise OutOfPagesError(f"replica {replica}: {count} pages are not free")
         self.load[replica] += tokens
-        return pages
+        return shared + pages
 
     def release(self, replica: int, pages: list[int], tokens: int) -> None:
         """A finished sample's pages and expected tokens go back to `replica`."""

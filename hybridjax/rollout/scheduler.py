@@ -4,14 +4,17 @@ manager). `hybridjax.rollout.engine` runs the jitted calls it plans.
 
 An engine step is the host's turn between two decode calls (`batching.fill_slots`, then
 `Engine.generate`):
-  1. readmission (`readmit`): preempted sequences come back first, oldest first, each to a
-     replica with a free slot and pages for its tokens and the next decode call's positions,
-     the watermark left free (`pages.PageBook.can_admit_pages`);
+  1. readmission (`readmit`): preempted sequences come back first, each to the replica it
+     ran on, oldest first, when it has a free slot and pages for its tokens and the next
+     decode call's positions, the watermark left free (`pages.PageBook.can_admit_pages`), on
+     top of its pages that still hold its keys/values (a prefix cache); its recompute is
+     spent from the replica's token budget;
   2. admission (`place`): new groups in order, each to the least loaded replica with a free
-     slot and pages for the group, the watermark left free (`replicas.ReplicaBooks.place`);
+     slot and pages for the group, the watermark left free (`replicas.ReplicaBooks.place`),
+     and no preempted sequence waiting;
   3. the token budget (`prefill_budgets`, `prefill_sizes`): `max_num_batched_tokens` per
-     replica, the running sequences' tokens of the next decode call first, prompt chunks in
-     what is left (`pages.chunk_sizes`; vLLM V1);
+     replica, the running sequences' tokens of the next decode call first, then the step's
+     recomputes, prompt chunks in what is left (`pages.chunk_sizes`; vLLM V1);
   4. growth (`grow_for_decode`): before the decode call every running sequence, oldest first,
      takes the pages the call may write into; while its replica has none free, the youngest
      sequence there is preempted (`hybridjax.rollout.preemption`).
@@ -63,6 +66,8 @@ class Scheduler:
         self.num_preemptions = 0  # sequences preempted so far (rollout/num_preemptions)
         # slots preempted (by `generate` or `extend`) and not refilled since the last `generate`
         self.preempted_slots = np.zeros(num_slots, bool)
+        # tokens each replica recomputes for readmitted sequences in this engine step
+        self.recomputed = [0] * replicas
 
     # ----------------------------------------------------------------------------- slots
 
@@ -143,17 +148,24 @@ class Scheduler:
     def place(self, request: Request) -> int | None:
         """The replica that takes the request's group now (`ReplicaBooks.place`: a slot not
         promised to a waiting sample, pages for the group above the watermark, the least
-        expected tokens), or None."""
-        return self.pages.place(request, self._free_counts())
+        expected tokens), or None. A replica with preempted sequences waiting takes no new
+        group (they come back first, as in vLLM)."""
+        waiting = {p.replica for p in self.preempted}
+        free = [0 if r in waiting else n for r, n in enumerate(self._free_counts())]
+        return self.pages.place(request, free)
 
     def prefill_budgets(self) -> list[int]:
         """Each replica's prompt tokens for this engine step: `max_num_batched_tokens` less
         the tokens its running sequences compute in the next decode call (`slots.
-        decode_tokens`; vLLM V1's scheduler: running decodes first), at least 0."""
+        decode_tokens`; vLLM V1's scheduler: running decodes first) and those it recomputes
+        for readmitted sequences in this step, at least 0."""
         s, steps_per_call = self.slots, self.config.decode_steps_per_call
         tokens = decode_tokens(s.active, s.max_tokens - s.num_generated, steps_per_call)
         per_replica = tokens.reshape(self.replicas, -1).sum(axis=1)
-        return [max(0, self.config.max_num_batched_tokens - int(d)) for d in per_replica]
+        full = self.config.max_num_batched_tokens
+        return [
+            max(0, full - int(d) - r) for d, r in zip(per_replica, self.recomputed, strict=True)
+        ]
 
     def prefill_sizes(
         self, prefixes: Sequence[Prefix], budget: int | Sequence[int] | None
@@ -175,29 +187,69 @@ class Scheduler:
                 sizes[i] = take
         return sizes
 
-    def readmit(self) -> list[tuple[int, Preempted]]:
-        """Readmits preempted sequences, oldest first, while a replica has a free slot (not
-        promised to a waiting sample) and pages above the watermark for its tokens and the
-        next decode call's positions (so that call cannot preempt it again at once: vLLM's
-        lookahead slots): each gets fresh pages and its decode state back in a free slot.
-        Returns (slot, sequence) of each; the caller recomputes `tokens[:-1]`."""
-        done = []
-        ps, steps_per_call = self.config.page_size, self.config.decode_steps_per_call
-        while self.preempted:
-            seq = self.preempted[0]
-            ahead = min(steps_per_call, seq.row.max_tokens - seq.row.num_generated)
-            count = num_pages(len(seq.tokens) - 1 + ahead, ps)
-            replica = self.pages.place_pages(count, self._free_counts())
-            if replica is None:
-                break
-            self.preempted.pop(0)
-            pages = self.pages.readmit(replica, count, seq.expected_tokens)
-            slot = self.free_slots_of(replica)[0]
-            self.assign(
-                slot, dataclasses.replace(seq.row, pages=pages), seq.expected_tokens, seq.tokens
-            )
-            done.append((slot, seq))
+    def readmit(self, share: bool = True) -> list[tuple[int, Preempted, int]]:
+        """Readmits preempted sequences to the replicas they ran on (each replica its own
+        waiting queue, as each vLLM engine replica's scheduler), each replica's oldest first,
+        while it has a free slot (not promised to a waiting sample), pages above the watermark
+        for the sequence's tokens and the next decode call's positions (so that call cannot
+        preempt it again at once: vLLM's lookahead slots), and token budget for its recompute
+        (`prefill_budgets`; the first recompute of a replica's engine step always fits, so one
+        longer than the budget still comes back).
+
+        With `share`, the pages that still hold its leading full pages' keys/values
+        (`PrefixCache.lookup`) are taken back and only its positions after them are
+        recomputed; the rest are fresh pages. Each gets its decode state back in a free slot.
+        Returns (slot, sequence, start) of each: the caller recomputes `tokens[start:-1]` at
+        positions start.., those with start 0 (one prefill call) before the others (one
+        extend call), which may sit on pages the former write."""
+        done, later = [], []
+        for replica in range(self.replicas):
+            for seq in [p for p in self.preempted if p.replica == replica]:
+                readmitted = self._readmit_one(seq, share)
+                if readmitted is None:
+                    break
+                slot, start = readmitted
+                done.append((slot, seq, start))
+                if start == 0:  # its pages, written by the prefill call, serve the extend call
+                    self._register(slot)
+                else:
+                    later.append(slot)
+        for slot in later:  # written by the extend call itself: found by later calls only
+            self._register(slot)
         return done
+
+    def _register(self, slot: int) -> None:
+        """Records the slot's full pages as holding its tokens (`PrefixCache.register`)."""
+        book = self.pages.books[self.replica_of(slot)]
+        book.cache.register(self.history[slot][:-1], self.slot_pages[slot])
+
+    def _readmit_one(self, seq: Preempted, share: bool) -> tuple[int, int] | None:
+        """Readmits `seq` to its replica if it fits now (`readmit`): (slot, start), or None."""
+        ps, replica = self.config.page_size, seq.replica
+        ahead = min(self.config.decode_steps_per_call, seq.row.max_tokens - seq.row.num_generated)
+        count = num_pages(len(seq.tokens) - 1 + ahead, ps)
+        book = self.pages.books[replica]
+        cached = book.cache.lookup(seq.tokens[:-1]) if share else []
+        cost = count - len(cached) + book.allocator.num_free_among(cached)
+        if not self.pages.fits_pages(replica, cost, self._free_counts()):
+            return None
+        start = len(cached) * ps
+        recompute = len(seq.tokens) - 1 - start
+        if self.recomputed[replica] and recompute > self.prefill_budgets()[replica]:
+            return None
+        self.preempted.remove(seq)
+        pages = self.pages.readmit(replica, count - len(cached), seq.expected_tokens, cached)
+        slot = self.free_slots_of(replica)[0]
+        row = dataclasses.replace(seq.row, pages=pages)
+        self.assign(slot, row, seq.expected_tokens, seq.tokens)
+        self.recomputed[replica] += recompute
+        return slot, start
+
+    def forget_prefixes(self) -> None:
+        """No preempted sequence comes back on pages computed before now (new weights, or
+        the pool released)."""
+        for book in self.pages.books:
+            book.cache.clear()
 
     # ----------------------------------------------------------------------------- preemption
 
@@ -221,8 +273,10 @@ class Scheduler:
 
     def preempt(self, slot: int) -> None:
         """Frees an active slot's pages and queues its sequence for `readmit`."""
-        row = preemption.row_of(self.slots, slot)
-        seq = Preempted(row, tuple(self.history[slot]), self.slot_tokens[slot])
+        row, replica = preemption.row_of(self.slots, slot), self.replica_of(slot)
+        tokens = self.history[slot]
+        self.pages.books[replica].cache.register(tokens[:-1], self.slot_pages[slot])
+        seq = Preempted(row, tuple(tokens), self.slot_tokens[slot], replica)
         bisect.insort(self.preempted, seq, key=lambda x: x.priority)
         self.release(slot)
         self.num_preemptions += 1
@@ -245,6 +299,7 @@ class Scheduler:
                 self.preempt(slot)
         preempted = self.preempted_slots
         self.preempted_slots = np.zeros_like(preempted)
+        self.recomputed = [0] * self.replicas  # the engine step ends with this decode call
         return preempted
 
     def preempt_running(self) -> int:

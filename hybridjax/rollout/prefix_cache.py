@@ -1,0 +1,74 @@
+"""Full KV pages found again by the tokens they hold (vLLM's automatic prefix caching).
+
+A page of `page_size` positions is keyed by a digest of every token up to its end (a chain: the
+previous page's digest and the page's own tokens, BLAKE2b, as vLLM's block hashes), so two
+sequences with the same tokens up to a page's end find the same page. An entry also records the
+page's generation (`PageAllocator.generations`): a page allocated anew since holds other keys
+and values, and its entry is stale. Entries are made when a sequence is preempted (its full
+pages, which it frees) and when one is readmitted (the pages its tokens are recomputed into),
+so a preempted sample finds its prompt's pages held by its siblings, or recomputed by the first
+of them to come back, and its own pages while they were not handed out again. Host only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridjax.rollout.allocator import PageAllocator
+
+
+def page_digests(tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """The digest of each full page of `tokens` (positions 0 .. len(tokens) - 1): page k's
+    covers tokens 0 .. (k + 1)·page_size - 1."""
+    digests, previous = [], b""
+    for k in range(len(tokens) // page_size):
+        block = np.asarray(tokens[k * page_size : (k + 1) * page_size], np.int64)
+        previous = hashlib.blake2b(previous + block.tobytes(), digest_size=16).digest()
+        digests.append(previous)
+    return digests
+
+
+class PrefixCache:
+    """Pages of one pool by the digest of the tokens they hold.
+
+    Args:
+      allocator: the pool's allocator (whose generations tell stale entries).
+      page_size: positions per page.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self._pages: dict[bytes, tuple[int, int]] = {}  # digest -> (page, generation)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+        """Records `pages` as holding the keys/values of `tokens`' full pages (the first
+        len(tokens) // page_size of them), in their current generation."""
+        digests = page_digests(tokens, self.page_size)
+        for digest, page in zip(digests, pages, strict=False):
+            self._pages[digest] = (page, self.allocator.generations([page])[0])
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        """The pages holding the keys/values of `tokens`' leading full pages, as far as each
+        is cached in the generation it was recorded in (stale entries are dropped)."""
+        found = []
+        for digest in page_digests(tokens, self.page_size):
+            entry = self._pages.get(digest)
+            if entry is None:
+                break
+            page, generation = entry
+            if self.allocator.generations([page])[0] != generation:
+                del self._pages[digest]
+                break
+            found.append(page)
+        return found
+
+    def clear(self) -> None:
+        """Forgets every entry (the pool's keys/values are no longer the engine's)."""
+        self._pages.clear()

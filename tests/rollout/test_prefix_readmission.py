@@ -1,0 +1,199 @@
+"""A preempted sequence comes back on top of its full pages that still hold its keys/values
+(its siblings' prompt pages, or freed pages not handed out since: only its later positions
+recomputed), or on fresh pages once they were handed out or the weights changed; readmission
+spends the token budget. Host bookkeeping against hand-counted pages, and an engine whose
+samples under such readmissions equal an unpreempted run's."""
+
+import dataclasses
+
+import numpy as np
+from conftest import ENGINE_CONFIG
+from rollout_testing import make_prompts
+
+from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+from hybridjax.rollout.allocator import PageAllocator
+from hybridjax.rollout.pages import Request
+from hybridjax.rollout.prefix_cache import PrefixCache, page_digests
+from hybridjax.rollout.scheduler import Scheduler
+from hybridjax.rollout.slots import Row
+
+# 4-token pages; a prompt of 10 tokens prefills positions 0..8: pages 0, 1 full (shared by
+# the group's samples) and page 2 partial (each sample its own copy).
+CONFIG = RolloutConfig(
+    page_size=4,
+    max_num_seqs=4,
+    prompt_length=16,
+    response_length=8,
+    decode_steps_per_call=2,
+    max_num_batched_tokens=64,
+)
+PROMPT = tuple(range(1, 11))
+
+
+def test_freed_pages_keep_their_generation_until_handed_out_again():
+    """The free list hands out the longest-free page first; a freed page keeps its
+    generation (and contents) until then, and `take` gets it back from the free list."""
+    allocator = PageAllocator(4)
+    a, b = allocator.allocate(2)
+    gens = allocator.generations([a, b])
+    allocator.release([a, b])
+    assert allocator.generations([a, b]) == gens and allocator.num_free_among([a, b]) == 2
+    assert allocator.allocate(2) == [2, 3]  # free since the start: first out
+    allocator.take([a])
+    assert allocator.num_free == 1 and allocator.refcount(a) == 1
+    assert allocator.allocate(1) == [b] and allocator.generations([b]) != gens[1:]
+
+
+def test_prefix_cache_finds_pages_by_their_tokens_while_not_handed_out():
+    """Digests chain: equal tokens up to a page's end give equal digests, a different token in
+    page 0 changes every later one. A lookup stops at the first page not recorded or
+    allocated anew since."""
+    d = page_digests(list(range(10)), 4)
+    assert len(d) == 2 and d == page_digests(list(range(8)) + [99, 98], 4)
+    other = page_digests([7] + list(range(1, 10)), 4)
+    assert other[0] != d[0] and other[1] != d[1]
+    allocator = PageAllocator(8)
+    cache = PrefixCache(allocator, 4)
+    pages = allocator.allocate(3)
+    cache.register(list(range(11)), pages)  # 2 full pages: the third is not recorded
+    assert len(cache) == 2
+    assert cache.lookup(list(range(9))) == pages[:2]
+    assert cache.lookup(list(range(7))) == pages[:1]
+    assert cache.lookup([5] + list(range(1, 9))) == []
+    allocator.release(pages)  # free: still found
+    assert cache.lookup(list(range(8))) == pages[:2]
+    allocator.allocate(6)  # the 5 never used, then pages[0] (the longest free)
+    assert cache.lookup(list(range(8))) == [] and len(cache) == 1  # the stale entry dropped
+    cache.clear()
+    assert len(cache) == 0
+
+
+def _running_group(scheduler: Scheduler, n: int = 2, prompt: tuple = PROMPT) -> list[int]:
+    """A 10-token prompt with n samples on replica 0, each in a slot having sampled 3 tokens
+    (positions 9..11 fed, next input at 12, 4 pages held): returns their slots."""
+    request = Request(prompt, SamplingParams(n=n, max_tokens=8), index=0)
+    prefix = scheduler.pages.admit(request, 0)
+    slots = []
+    for sample in range(n):
+        pages = scheduler.pages.sample_pages(prefix)
+        slot = scheduler.free_slots_of(0)[0]
+        row = Row(token=5, position=9, max_tokens=8, pages=pages, temperature=1.0, top_k=0,
+                  top_p=1.0, seed=(0, 0, sample), stop_ids=())  # fmt: skip
+        scheduler.assign(slot, row, len(prompt) + 8, prompt)
+        assert scheduler.ensure_pages(slot, 1)  # page 3 for positions 12..15
+        slots.append(slot)
+    for sample, slot in enumerate(slots):  # 3 tokens sampled, each sample its own first
+        scheduler.history[slot] += [5 + sample, 6, 7]  # fed at 9..11, the next input at 12
+        scheduler.slots.position[slot] = 12
+        scheduler.slots.num_generated[slot] = 3
+    scheduler.pages.pop_copies()
+    return slots
+
+
+def test_a_preempted_sample_comes_back_on_its_cached_pages():
+    """Its 3 full pages (the 2 shared prompt pages and its own page of positions 8..11) still
+    hold its keys/values: it comes back on them with nothing to recompute (start 12, its next
+    input's position), and takes one fresh page for positions 12..13."""
+    scheduler = Scheduler(CONFIG, replicas=1, num_pages=32)
+    first, second = _running_group(scheduler)
+    full = scheduler.slot_pages[second][:3]
+    assert scheduler.slot_pages[first][:2] == full[:2]
+    assert scheduler.pages.books[0].allocator.num_used == 6  # 2 shared + 2 × (own 2 + page 3)
+    scheduler.preempt(second)
+    seq = scheduler.preempted[0]
+    assert seq.replica == 0
+    assert scheduler.pages.books[0].allocator.num_used == 4  # its 2 own pages freed
+    [(slot, back, start)] = scheduler.readmit()
+    assert back is seq and start == 12 and len(seq.tokens) - 1 == 12
+    assert scheduler.slot_pages[slot][:3] == full and len(scheduler.slot_pages[slot]) == 4
+    assert scheduler.pages.books[0].allocator.num_used == 6
+    assert scheduler.recomputed == [0]
+
+
+def _hand_out_free_pages(scheduler: Scheduler) -> None:
+    """Allocates and frees every free page: none keeps what it held."""
+    allocator = scheduler.pages.books[0].allocator
+    allocator.release(allocator.allocate(allocator.num_free))
+
+
+def test_pages_handed_out_or_stale_are_recomputed():
+    """Its own full page handed out again: it comes back on the 2 prompt pages its sibling
+    holds (positions 8..11 recomputed). The sibling gone and those pages handed out too, or
+    the weights changed: recomputed from 0 into fresh pages."""
+    # pages used after: the sibling's 4 (the shared 2 among them) + its 2 or 4 fresh ones
+    for how, want, used in (("own", 8, 6), ("all", 0, 4), ("new_weights", 0, 8)):
+        scheduler = Scheduler(CONFIG, replicas=1, num_pages=32)
+        first, second = _running_group(scheduler)
+        scheduler.preempt(second)
+        if how == "all":
+            scheduler.release(first)
+        if how == "new_weights":
+            scheduler.forget_prefixes()  # `Engine.update_weights`, `Engine.sleep`
+        else:
+            _hand_out_free_pages(scheduler)
+        [(slot, _, start)] = scheduler.readmit()
+        assert start == want, how
+        assert scheduler.recomputed == [12 - want], how  # positions start .. 11
+        assert scheduler.pages.books[0].allocator.num_used == used, how
+
+
+def test_siblings_share_the_prompt_pages_the_first_of_them_recomputes():
+    """A whole group preempted, its pages handed out: the first sample back recomputes all 12
+    positions (start 0, the prefill call); the second finds the prompt's 2 full pages it
+    writes and recomputes only positions 8..11 (the extend call after it)."""
+    scheduler = Scheduler(CONFIG, replicas=1, num_pages=32)
+    for slot in _running_group(scheduler):
+        scheduler.preempt(slot)
+    _hand_out_free_pages(scheduler)
+    done = scheduler.readmit()
+    assert [start for _, _, start in done] == [0, 8]
+    (a, _, _), (b, _, _) = done
+    assert scheduler.slot_pages[a][:2] == scheduler.slot_pages[b][:2]
+    assert scheduler.slot_pages[a][2:] != scheduler.slot_pages[b][2:]
+    assert scheduler.recomputed == [12 + 4]
+    assert scheduler.pages.books[0].allocator.num_used == 2 + 2 * 2
+
+
+def test_readmission_waits_for_token_budget_after_the_first():
+    """A budget of 14 tokens, two preempted samples recomputed from 0 (12 tokens each). The
+    first comes back and decodes 2 tokens in the step's call: 14 - 12 - 2 = 0 left, so the
+    second waits for the next engine step."""
+    config = dataclasses.replace(CONFIG, max_num_batched_tokens=14, max_num_seqs=8)
+    scheduler = Scheduler(config, replicas=1, num_pages=64)
+    a = _running_group(scheduler)
+    b = _running_group(scheduler, prompt=tuple(t + 20 for t in PROMPT))
+    scheduler.preempt(a[1])
+    scheduler.preempt(b[1])
+    scheduler.release(a[0])
+    scheduler.release(b[0])
+    scheduler.forget_prefixes()  # recomputed from 0, each
+    assert len(scheduler.preempted) == 2
+    assert [start for _, _, start in scheduler.readmit()] == [0]
+    assert scheduler.recomputed == [12] and scheduler.prefill_budgets() == [0]
+    assert len(scheduler.preempted) == 1
+    scheduler.grow_for_decode(2)  # the step's decode call: a new budget
+    assert scheduler.recomputed == [0]
+    assert [start for _, _, start in scheduler.readmit()] == [0]
+
+
+def test_engine_readmits_on_shared_pages_and_samples_equal_an_unpreempted_run(eos_model, engine):
+    """A pool of 8 pages: groups of 2 samples preempt each other; readmissions on cached
+    pages (start > 0) happen, and the samples are those of the big pool."""
+    small = Engine(eos_model, dataclasses.replace(ENGINE_CONFIG, num_pages=8))
+    starts = []
+    readmit = small.scheduler.readmit
+
+    def spy(*args, **kwargs):
+        done = readmit(*args, **kwargs)
+        starts.extend(start for _, _, start in done)
+        return done
+
+    small.scheduler.readmit = spy
+    prompts = make_prompts()
+    params = SamplingParams(n=2, temperature=0.9, top_k=30, max_tokens=8, seed=11)
+    got = generate(small, prompts, params)
+    want = generate(engine, prompts, params)
+    assert any(s > 0 for s in starts), starts
+    np.testing.assert_array_equal(got.responses, want.responses)
+    np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
+    assert small.num_free_pages == small.num_pages and not small.preempted

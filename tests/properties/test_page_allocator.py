@@ -1,9 +1,10 @@
 """Properties of the rollout's page bookkeeping: no page is ever held twice unless shared, a
 page's reference count is the number of its holders, and releasing everything frees the pool.
 
-`PageAllocator` is driven by random allocate / share / release sequences against a plain
-dict model; `PageBook` by random groups admitted, their samples inserted and sequences released
-in random orders, checking every live page table after each operation.
+`PageAllocator` is driven by random allocate / share / take / release sequences against a
+plain dict model (a page's generation counts its allocations); `PageBook` by random groups
+admitted, their samples inserted and sequences released in random orders, checking every live
+page table after each operation.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = PageAllocator(12)
         self.refs: collections.Counter[int] = collections.Counter()
+        self.allocations: collections.Counter[int] = collections.Counter()  # per page
 
     @rule(count=st.integers(0, 6))
     def allocate(self, count):
@@ -41,6 +43,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         pages = self.pool.allocate(count)
         assert len(set(pages)) == count
         assert not any(self.refs[p] for p in pages), "a held page was handed out again"
+        self.refs.update(pages)
+        self.allocations.update(pages)
+
+    @rule(data=st.data())
+    def take(self, data):
+        """Held or free pages come back (a prefix cache hit): free ones leave the free list."""
+        pages = data.draw(st.lists(st.integers(0, 11), max_size=3, unique=True))
+        self.pool.take(pages)
         self.refs.update(pages)
 
     @precondition(lambda self: +self.refs)
@@ -70,6 +80,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.pool.refcount(page) == self.refs[page]
         assert self.pool.num_used == len(+self.refs)
         assert self.pool.num_free + self.pool.num_used == self.pool.num_pages
+        # a page's generation changes exactly when it is allocated anew
+        assert self.pool.generations(list(range(12))) == tuple(
+            self.allocations[p] for p in range(12)
+        )
 
 
 TestAllocator = AllocatorMachine.TestCase

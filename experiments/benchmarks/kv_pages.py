@@ -24,10 +24,13 @@ and per replica, i.e. per device at `tensor=1`), decode
 steps and calls, preemptions, recomputed (prefill) tokens, generated tokens per second over the
 whole rollout (median of `repeats` runs after a warm-up run that compiles every shape;
 `--no_warmup` times the first run, compiles included, for shapes too slow to run twice) and
-whether the samples equal the reserve engine's. On a CPU a decode step costs in proportion to
-its rows, so running more sequences per step saves wall time only where a step is bound by
-reading the weights (a GPU decoding a real model): there fewer decode steps for the same tokens
-is the gain.
+whether the samples equal the reserve engine's. `--unpreempted_pages=N` adds a third run,
+`on_demand_unpreempted`, on N pages per replica (enough that nothing is preempted): its
+samples differ from reserve's only by what another decode batch changes (which sequences run
+together), so the divergences it shares with `on_demand` are not preemption's. On a CPU a
+decode step costs in proportion to its rows, so running more sequences per step saves wall
+time only where a step is bound by reading the weights (a GPU decoding a real model): there
+fewer decode steps for the same tokens is the gain.
 """
 
 from __future__ import annotations
@@ -96,10 +99,13 @@ def run(args: argparse.Namespace) -> dict:
         seed=7,
     )
     results, reference = {}, None
-    for mode in ("reserve", "on_demand"):
+    runs = [("reserve", "reserve", args.num_pages), ("on_demand", "on_demand", args.num_pages)]
+    if args.unpreempted_pages:
+        runs.append(("on_demand_unpreempted", "on_demand", args.unpreempted_pages))
+    for name, mode, pool_pages in runs:
         config = RolloutConfig(
             page_size=args.page_size,
-            num_pages=args.num_pages,
+            num_pages=pool_pages,
             max_num_seqs=args.max_num_seqs,
             prompt_length=args.prompt_len,
             response_length=args.response_length,
@@ -138,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         running = running[: len(running) // args.repeats]  # the first run's calls
         per_replica = per_replica[: len(running)]
         busy = [r for r in running if r]
-        results[mode] = dict(
+        results[name] = dict(
             mean_running_seqs=float(np.mean(busy)),
             peak_running_seqs=int(max(running)),
             mean_running_seqs_per_replica=float(np.mean(busy)) / replicas,
@@ -205,6 +211,12 @@ def main() -> None:
     parser.add_argument("--no_warmup", action="store_true", help="time the first run")
     parser.add_argument("--devices", type=int, default=1, help="simulated CPU devices")
     parser.add_argument("--tensor", type=int, default=1, help="generation mesh tensor size")
+    parser.add_argument(
+        "--unpreempted_pages",
+        type=int,
+        default=0,
+        help="also run on demand on this many pages per replica, enough that none is preempted",
+    )
     parser.add_argument("--out", default="experiments/results/kv_pages/summary.json")
     args = parser.parse_args()
     if args.devices % args.tensor:

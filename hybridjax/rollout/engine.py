@@ -587,11 +587,12 @@ class Engine:
         return self.scheduler.abort(request_indexes)
 
     def resume(self) -> list[tuple[int, Preempted]]:
-        """Readmits preempted sequences (`Scheduler.readmit`: oldest first, while a replica
-        has a free slot, pages and token budget for them), their tokens but the last
-        recomputed: from position 0 into fresh pages in one prefill call, or, for one that
-        came back on top of its group's prompt pages, from the first position after them in
-        one extend call. Returns (slot, sequence) of each readmitted one. Host sync: none.
+        """Readmits preempted sequences (`Scheduler.readmit`: each to its replica, oldest
+        first, while it has a free slot, pages and token budget for them), their tokens but
+        the last recomputed: from position 0 into fresh pages in one prefill call, or, for
+        one that came back on pages still holding its leading tokens (the prefix cache), from
+        the first position after them in one extend call. Returns (slot, sequence) of each
+        readmitted one. Host sync: none.
 
         With routing replay every sequence is recomputed from position 0 (its experts are
         recorded per computed position)."""

@@ -237,7 +237,7 @@ class Scheduler:
         recompute = len(seq.tokens) - 1 - start
         if self.recomputed[replica] and recompute > self.prefill_budgets()[replica]:
             return None
-        self.preempted.remove(seq)
+        self.preempted = [p for p in self.preempted if p is not seq]
         pages = self.pages.readmit(replica, count - len(cached), seq.expected_tokens, cached)
         slot = self.free_slots_of(replica)[0]
         row = dataclasses.replace(seq.row, pages=pages)
@@ -272,7 +272,8 @@ class Scheduler:
         return True
 
     def preempt(self, slot: int) -> None:
-        """Frees an active slot's pages and queues its sequence for `readmit`."""
+        """Frees an active slot's pages, their keys/values recorded in its replica's prefix
+        cache (`PrefixCache.register`), and queues its sequence for `readmit`."""
         row, replica = preemption.row_of(self.slots, slot), self.replica_of(slot)
         tokens = self.history[slot]
         self.pages.books[replica].cache.register(tokens[:-1], self.slot_pages[slot])

@@ -10,10 +10,11 @@ again into fresh pages (recomputed, not swapped), the last becomes its next inpu
 sampling state (seed, tokens sampled so far, max_tokens) is unchanged, so its token k still
 draws number k of its PRNG stream and its samples are those of a run without preemption.
 
-A preempted sequence comes back to the replica it ran on, on top of the pages there that still
-hold its leading tokens' keys/values (`hybridjax.rollout.prefix_cache`: its prompt's, held by
-its siblings or recomputed by the first of them to come back, and its own while not handed out
-again), and only its positions after them are recomputed (vLLM's automatic prefix caching).
+A preempted sequence comes back on top of the pages that still hold its leading tokens'
+keys/values (`hybridjax.rollout.prefix_cache`: its prompt's, held by its siblings or
+recomputed by the first of them to come back, and its own while not handed out again), on the
+replica that has the most of them, and only its positions after them are recomputed (vLLM's
+automatic prefix caching).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Preempted:
     row: its decode state when preempted (`Row`, pages empty: new ones come on readmission).
     tokens: prompt + every token after it, the next input last (position len(tokens) - 1).
     expected_tokens: its share of its replica's load (prompt + max_tokens).
-    replica: the replica it ran on, and comes back to.
+    replica: the replica it ran on (which admits no new group while it waits).
     """
 
     row: Row

@@ -57,8 +57,12 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """The pages holding the keys/values of `tokens`' leading full pages, as far as each
         is cached in the generation it was recorded in (stale entries are dropped)."""
+        return self.find(page_digests(tokens, self.page_size))
+
+    def find(self, digests: Sequence[bytes]) -> list[int]:
+        """`lookup` of the tokens whose `page_digests` are `digests`."""
         found = []
-        for digest in page_digests(tokens, self.page_size):
+        for digest in digests:
             entry = self._pages.get(digest)
             if entry is None:
                 break

@@ -4,14 +4,15 @@ manager). `hybridjax.rollout.engine` runs the jitted calls it plans.
 
 An engine step is the host's turn between two decode calls (`batching.fill_slots`, then
 `Engine.generate`):
-  1. readmission (`readmit`): preempted sequences come back first, each to the replica it
-     ran on, oldest first, when it has a free slot and pages for its tokens and the next
-     decode call's positions, the watermark left free (`pages.PageBook.can_admit_pages`), on
-     top of its pages that still hold its keys/values (a prefix cache); its recompute is
-     spent from the replica's token budget;
+  1. readmission (`readmit`): preempted sequences come back first, oldest first, each to the
+     replica with a free slot and pages for its tokens and the next decode call's positions,
+     the watermark left free (`pages.PageBook.can_admit_pages`), where the most of its
+     leading pages are still cached (`prefix_cache`: only the positions after them are
+     recomputed), else the least loaded; its recompute is spent from that replica's token
+     budget;
   2. admission (`place`): new groups in order, each to the least loaded replica with a free
      slot and pages for the group, the watermark left free (`replicas.ReplicaBooks.place`),
-     and no preempted sequence waiting;
+     and none of its preempted sequences waiting;
   3. the token budget (`prefill_budgets`, `prefill_sizes`): `max_num_batched_tokens` per
      replica, the running sequences' tokens of the next decode call first, then the step's
      recomputes, prompt chunks in what is left (`pages.chunk_sizes`; vLLM V1);
@@ -33,6 +34,7 @@ from hybridjax.rollout import preemption
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
 from hybridjax.rollout.preemption import Preempted
+from hybridjax.rollout.prefix_cache import page_digests
 from hybridjax.rollout.replicas import ReplicaBooks
 from hybridjax.rollout.slots import MAX_STOP_IDS, Row, Slots, decode_tokens
 
@@ -148,8 +150,9 @@ class Scheduler:
     def place(self, request: Request) -> int | None:
         """The replica that takes the request's group now (`ReplicaBooks.place`: a slot not
         promised to a waiting sample, pages for the group above the watermark, the least
-        expected tokens), or None. A replica with preempted sequences waiting takes no new
-        group (they come back first, as in vLLM)."""
+        expected tokens), or None. A replica whose preempted sequences wait takes no new
+        group (they come back first, as in vLLM, most likely there: their pages are cached
+        there)."""
         waiting = {p.replica for p in self.preempted}
         free = [0 if r in waiting else n for r, n in enumerate(self._free_counts())]
         return self.pages.place(request, free)
@@ -188,32 +191,32 @@ class Scheduler:
         return sizes
 
     def readmit(self, share: bool = True) -> list[tuple[int, Preempted, int]]:
-        """Readmits preempted sequences to the replicas they ran on (each replica its own
-        waiting queue, as each vLLM engine replica's scheduler), each replica's oldest first,
-        while it has a free slot (not promised to a waiting sample), pages above the watermark
-        for the sequence's tokens and the next decode call's positions (so that call cannot
-        preempt it again at once: vLLM's lookahead slots), and token budget for its recompute
-        (`prefill_budgets`; the first recompute of a replica's engine step always fits, so one
-        longer than the budget still comes back).
+        """Readmits preempted sequences, oldest first, while one fits a replica: a free slot
+        (not promised to a waiting sample), pages above the watermark for its tokens and the
+        next decode call's positions (so that call cannot preempt it again at once: vLLM's
+        lookahead slots), and token budget for its recompute (`prefill_budgets`; the first
+        recompute of a replica's engine step always fits, so one longer than the budget still
+        comes back).
 
-        With `share`, the pages that still hold its leading full pages' keys/values
-        (`PrefixCache.lookup`) are taken back and only its positions after them are
-        recomputed; the rest are fresh pages. Each gets its decode state back in a free slot.
-        Returns (slot, sequence, start) of each: the caller recomputes `tokens[start:-1]` at
-        positions start.., those with start 0 (one prefill call) before the others (one
-        extend call), which may sit on pages the former write."""
+        With `share`, each replica's pages that still hold the sequence's leading full pages'
+        keys/values (`PrefixCache.lookup`) count: it goes where the most are cached (the
+        least loaded replica on ties, lowest index next), takes them back and recomputes only
+        its positions after them; the rest are fresh pages. Each gets its decode state back in a
+        free slot. Returns (slot, sequence, start) of each: the caller recomputes
+        `tokens[start:-1]` at positions start.., those with start 0 (one prefill call) before
+        the others (one extend call), which may sit on pages the former write."""
         done, later = [], []
-        for replica in range(self.replicas):
-            for seq in [p for p in self.preempted if p.replica == replica]:
-                readmitted = self._readmit_one(seq, share)
-                if readmitted is None:
-                    break
-                slot, start = readmitted
-                done.append((slot, seq, start))
-                if start == 0:  # its pages, written by the prefill call, serve the extend call
-                    self._register(slot)
-                else:
-                    later.append(slot)
+        while self.preempted:
+            seq = self.preempted[0]
+            readmitted = self._readmit_one(seq, share)
+            if readmitted is None:
+                break
+            slot, start = readmitted
+            done.append((slot, seq, start))
+            if start == 0:  # its pages, written by the prefill call, serve the extend call
+                self._register(slot)
+            else:
+                later.append(slot)
         for slot in later:  # written by the extend call itself: found by later calls only
             self._register(slot)
         return done
@@ -224,20 +227,28 @@ class Scheduler:
         book.cache.register(self.history[slot][:-1], self.slot_pages[slot])
 
     def _readmit_one(self, seq: Preempted, share: bool) -> tuple[int, int] | None:
-        """Readmits `seq` to its replica if it fits now (`readmit`): (slot, start), or None."""
-        ps, replica = self.config.page_size, seq.replica
+        """Readmits `seq` where it fits now (`readmit`): (slot, start), or None."""
+        ps = self.config.page_size
         ahead = min(self.config.decode_steps_per_call, seq.row.max_tokens - seq.row.num_generated)
         count = num_pages(len(seq.tokens) - 1 + ahead, ps)
-        book = self.pages.books[replica]
-        cached = book.cache.lookup(seq.tokens[:-1]) if share else []
-        cost = count - len(cached) + book.allocator.num_free_among(cached)
-        if not self.pages.fits_pages(replica, cost, self._free_counts()):
+        digests = page_digests(seq.tokens[:-1], ps) if share else []
+        free, best = self._free_counts(), None
+        for replica, book in enumerate(self.pages.books):
+            cached = book.cache.find(digests)
+            cost = count - len(cached) + book.allocator.num_free_among(cached)
+            if not self.pages.fits_pages(replica, cost, free):
+                continue
+            key = (len(cached), -self.pages.load[replica], -replica)
+            if best is None or key > best[0]:
+                best = (key, replica, cached)
+        if best is None:
             return None
+        _, replica, cached = best
         start = len(cached) * ps
         recompute = len(seq.tokens) - 1 - start
         if self.recomputed[replica] and recompute > self.prefill_budgets()[replica]:
             return None
-        self.preempted = [p for p in self.preempted if p is not seq]
+        self.preempted.pop(0)
         pages = self.pages.readmit(replica, count - len(cached), seq.expected_tokens, cached)
         slot = self.free_slots_of(replica)[0]
         row = dataclasses.replace(seq.row, pages=pages)

@@ -154,6 +154,22 @@ def test_siblings_share_the_prompt_pages_the_first_of_them_recomputes():
     assert scheduler.pages.books[0].allocator.num_used == 2 + 2 * 2
 
 
+def test_a_sequence_comes_back_where_most_of_it_is_cached_else_least_loaded():
+    """Two replicas, the group on replica 0: the preempted sample goes back to replica 0,
+    where its 3 full pages are cached, though replica 1 holds nothing; once nothing is
+    cached, to the least loaded replica with room (1), recomputed from 0."""
+    scheduler = Scheduler(CONFIG, replicas=2, num_pages=32)
+    first, second = _running_group(scheduler)
+    scheduler.preempt(second)
+    [(slot, _, start)] = scheduler.readmit()
+    assert scheduler.replica_of(slot) == 0 and start == 12
+    scheduler.preempt(slot)
+    scheduler.forget_prefixes()
+    [(slot, _, start)] = scheduler.readmit()
+    assert scheduler.replica_of(slot) == 1 and start == 0
+    assert scheduler.pages.books[1].allocator.num_used == 4
+
+
 def test_readmission_waits_for_token_budget_after_the_first():
     """A budget of 14 tokens, two preempted samples recomputed from 0 (12 tokens each). The
     first comes back and decodes 2 tokens in the step's call: 14 - 12 - 2 = 0 left, so the

@@ -146,13 +146,13 @@ def refill_batch(engine: Engine) -> int:
     return max(1, engine.config.max_num_seqs // REFILL_DIVISOR)
 
 
-def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> None:
-    """Readmits preempted sequences first (`Engine.resume`, each replica's oldest first, as
-    vLLM), then admits queued requests in order while a replica without preempted sequences
-    waiting has a free slot and pages for the group (`Engine.place`), prefills them in one
-    call, and inserts waiting samples into
-    free slots of their prompt's replica; `owner` maps each filled slot to its output row
-    (`first_row[request] + sample`).
+def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> list[int]:
+    """Readmits preempted sequences first (`Engine.resume`, oldest first, as vLLM), then admits
+    queued requests in order while a replica none of whose preempted sequences waits has a free
+    slot and pages for the group (`Engine.place`), prefills them in one call, and inserts
+    waiting samples into free slots of their prompt's replica; `owner` maps each filled slot
+    to its output row (`first_row[request] + sample`). Returns the slots of the samples
+    inserted (not those readmitted).
 
     Prefill spends what `rollout.max_num_batched_tokens` leaves after the running sequences'
     tokens of the next decode call, per replica (`Engine.prefill_budgets`), prompts in
@@ -169,12 +169,15 @@ def fill_slots(engine, queue, waiting, owner, first_row, first_index: int) -> No
         waiting.append(prefix)
         due += prefix.to_prefill
     engine.run_prefill([p for p in waiting if p.to_prefill], budgets)
+    inserted = []
     for prefix in [p for p in waiting if not p.to_prefill]:
         for slot in engine.free_slots_of(prefix.replica)[: prefix.samples_left]:
             owner[slot] = first_row[prefix.request.index - first_index] + prefix.next_sample
             engine.insert(prefix, slot)
+            inserted.append(slot)
         if prefix.samples_left == 0:
             waiting.remove(prefix)
+    return inserted
 
 
 def drop_preempted(out, owner: dict[int, int]) -> None:
@@ -252,11 +255,9 @@ def generate_after_prefixes(
     owner: dict[int, int] = {}
     rows_of = {r.index: first_row[r.index - first_index] for r in requests}
     conts = [c for group in continuations for c in group]
-    while queue or waiting or owner:
-        before = set(owner)
-        fill_slots(engine, queue, waiting, owner, rows_of, 0)
+    while queue or waiting or owner or engine.preempted:
         appends = {}
-        for slot in set(owner) - before:
+        for slot in fill_slots(engine, queue, waiting, owner, rows_of, 0):
             cont = conts[owner[slot]]
             if cont:  # the slot waits on the prefix's last token: feed the continuation
                 engine.slots.active[slot] = False
@@ -266,9 +267,10 @@ def generate_after_prefixes(
         engine.extend(appends)
         if not owner:
             raise RuntimeError("no request could be admitted; the page pool is too small")
-        pending = len(queue) + sum(p.samples_left for p in waiting)
+        pending = len(queue) + sum(p.samples_left for p in waiting) + len(engine.preempted)
         exit_when = min(pending, refill_batch(engine)) if pending else None
         out = engine.generate(engine.config.decode_steps_per_call, exit_when_done=exit_when)
+        drop_preempted(out, owner)  # they come back, their continuation fed, in other slots
         for slot, row in list(owner.items()):
             tokens[row].extend(out.tokens[slot, out.tokens[slot] >= 0].tolist())
             if out.finished[slot]:

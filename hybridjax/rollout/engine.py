@@ -373,8 +373,8 @@ class Engine:
 
     def place(self, request: Request) -> int | None:
         """The replica that would take the request's group now (`Scheduler.place`: a slot
-        not promised to a waiting sample, pages for the group above the watermark, the least
-        expected tokens), or None."""
+        not promised to a waiting sample, pages for the group above the watermark, no
+        preempted sequence of its waiting, the least expected tokens), or None."""
         return self.scheduler.place(request)
 
     def can_prefill(self, request: Request) -> bool:
@@ -587,12 +587,12 @@ class Engine:
         return self.scheduler.abort(request_indexes)
 
     def resume(self) -> list[tuple[int, Preempted]]:
-        """Readmits preempted sequences (`Scheduler.readmit`: each to its replica, oldest
-        first, while it has a free slot, pages and token budget for them), their tokens but
-        the last recomputed: from position 0 into fresh pages in one prefill call, or, for
-        one that came back on pages still holding its leading tokens (the prefix cache), from
-        the first position after them in one extend call. Returns (slot, sequence) of each
-        readmitted one. Host sync: none.
+        """Readmits preempted sequences (`Scheduler.readmit`: oldest first, each to a
+        replica with a free slot, pages and token budget for it, where the most of its pages
+        are cached), their tokens but the last recomputed: from position 0 into fresh pages
+        in one prefill call, or, for one that came back on pages still holding its leading
+        tokens (the prefix cache), from the first position after them in one extend call.
+        Returns (slot, sequence) of each readmitted one. Host sync: none.
 
         With routing replay every sequence is recomputed from position 0 (its experts are
         recorded per computed position)."""

@@ -6,9 +6,9 @@ youngest running sequence of that replica (the highest (request index, sample): 
 arrive, vLLM's FCFS priority) is preempted: its pages go back to the free list and it waits,
 oldest first, ahead of every new prompt. When a replica has a slot and pages for its tokens
 again, it is readmitted: prompt + every token fed or sampled so far but the last are computed
-again into fresh pages (recomputed, not swapped), the last becomes its next input, and its
-sampling state (seed, tokens sampled so far, max_tokens) is unchanged, so its token k still
-draws number k of its PRNG stream and its samples are those of a run without preemption.
+again (recomputed, not swapped), the last becomes its next input, and its sampling state
+(seed, tokens sampled so far, max_tokens) is unchanged, so its token k still draws number k of
+its PRNG stream and its samples are those of a run without preemption.
 
 A preempted sequence comes back on top of the pages that still hold its leading tokens'
 keys/values (`hybridjax.rollout.prefix_cache`: its prompt's, held by its siblings or

@@ -43,16 +43,31 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = page_size
         self._pages: dict[bytes, tuple[int, int]] = {}  # digest -> (page, generation)
+        # each page's generation at the last `clear`: a page not allocated since holds keys
+        # and values of the weights before it, and is never recorded
+        self._cleared_at = allocator.generations(list(range(allocator.num_pages)))
 
     def __len__(self) -> int:
         return len(self._pages)
 
     def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Records `pages` as holding the keys/values of `tokens`' full pages (the first
-        len(tokens) // page_size of them), in their current generation."""
+        len(tokens) // page_size of them), in their current generation, up to the first page
+        not allocated since the last `clear` (computed with the weights before it: it and
+        every later page of the chain are left out). Stale entries are dropped once they
+        outnumber the pool's pages."""
         digests = page_digests(tokens, self.page_size)
         for digest, page in zip(digests, pages, strict=False):
-            self._pages[digest] = (page, self.allocator.generations([page])[0])
+            generation = self.allocator.generations([page])[0]
+            if generation == self._cleared_at[page]:
+                break
+            self._pages[digest] = (page, generation)
+        if len(self._pages) > 2 * self.allocator.num_pages:  # at most one live entry per page
+            self._pages = {
+                d: (p, g)
+                for d, (p, g) in self._pages.items()
+                if self.allocator.generations([p])[0] == g
+            }
 
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """The pages holding the keys/values of `tokens`' leading full pages, as far as each
@@ -74,5 +89,7 @@ class PrefixCache:
         return found
 
     def clear(self) -> None:
-        """Forgets every entry (the pool's keys/values are no longer the engine's)."""
+        """Forgets every entry, and records no page computed before now (the pool's keys and
+        values are no longer the engine's: new weights, or the pool released)."""
         self._pages.clear()
+        self._cleared_at = self.allocator.generations(list(range(self.allocator.num_pages)))

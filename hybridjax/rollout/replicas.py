@@ -76,7 +76,7 @@ class ReplicaBooks:
 
     def fits_pages(self, replica: int, count: int, free_slots: list[int]) -> bool:
         """Whether `replica` has a slot not promised to a waiting sample and `count` pages
-        above the watermark (a preempted sequence coming back to its own replica)."""
+        above the watermark (a preempted sequence coming back there)."""
         has_slot = free_slots[replica] > self.promised[replica]
         return has_slot and self.books[replica].can_admit_pages(count)
 

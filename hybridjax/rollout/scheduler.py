@@ -191,26 +191,28 @@ class Scheduler:
         return sizes
 
     def readmit(self, share: bool = True) -> list[tuple[int, Preempted, int]]:
-        """Readmits preempted sequences, oldest first, while one fits a replica: a free slot
-        (not promised to a waiting sample), pages above the watermark for its tokens and the
-        next decode call's positions (so that call cannot preempt it again at once: vLLM's
-        lookahead slots), and token budget for its recompute (`prefill_budgets`; the first
-        recompute of a replica's engine step always fits, so one longer than the budget still
-        comes back).
+        """Readmits preempted sequences, oldest first, each where it fits now: a replica with a
+        free slot (not promised to a waiting sample), pages above the watermark for its tokens
+        and the next decode call's positions (so that call cannot preempt it again at once:
+        vLLM's lookahead slots), and token budget for its recompute (`prefill_budgets`; the
+        first recompute of a replica's engine step always fits, so one longer than the budget
+        still comes back). A sequence that fits nowhere waits, and so does the room of the
+        replica it ran on: no younger sequence comes back there before it (FCFS per replica,
+        as each vLLM engine replica's waiting queue; `place` admits no new group there).
 
         With `share`, each replica's pages that still hold the sequence's leading full pages'
         keys/values (`PrefixCache.lookup`) count: it goes where the most are cached (the
         least loaded replica on ties, lowest index next), takes them back and recomputes only
-        its positions after them; the rest are fresh pages. Each gets its decode state back in a
-        free slot. Returns (slot, sequence, start) of each: the caller recomputes
+        its positions after them; the rest are fresh pages. Each gets its decode state back in
+        a free slot. Returns (slot, sequence, start) of each: the caller recomputes
         `tokens[start:-1]` at positions start.., those with start 0 (one prefill call) before
         the others (one extend call), which may sit on pages the former write."""
-        done, later = [], []
-        while self.preempted:
-            seq = self.preempted[0]
-            readmitted = self._readmit_one(seq, share)
+        done, later, held = [], [], set()
+        for seq in list(self.preempted):
+            readmitted = self._readmit_one(seq, share, held)
             if readmitted is None:
-                break
+                held.add(seq.replica)
+                continue
             slot, start = readmitted
             done.append((slot, seq, start))
             if start == 0:  # its pages, written by the prefill call, serve the extend call
@@ -226,35 +228,37 @@ class Scheduler:
         book = self.pages.books[self.replica_of(slot)]
         book.cache.register(self.history[slot][:-1], self.slot_pages[slot])
 
-    def _readmit_one(self, seq: Preempted, share: bool) -> tuple[int, int] | None:
-        """Readmits `seq` where it fits now (`readmit`): (slot, start), or None."""
+    def _readmit_one(self, seq: Preempted, share: bool, held: set[int]) -> tuple[int, int] | None:
+        """Readmits `seq` where it fits now, on no replica in `held` (`readmit`): (slot,
+        start), or None."""
         ps = self.config.page_size
         ahead = min(self.config.decode_steps_per_call, seq.row.max_tokens - seq.row.num_generated)
         count = num_pages(len(seq.tokens) - 1 + ahead, ps)
         digests = page_digests(seq.tokens[:-1], ps) if share else []
-        free, best = self._free_counts(), None
+        free, budgets, best = self._free_counts(), self.prefill_budgets(), None
         for replica, book in enumerate(self.pages.books):
+            if replica in held:
+                continue
             cached = book.cache.find(digests)
             cost = count - len(cached) + book.allocator.num_free_among(cached)
-            if not self.pages.fits_pages(replica, cost, free):
+            recompute = len(seq.tokens) - 1 - len(cached) * ps
+            over_budget = self.recomputed[replica] and recompute > budgets[replica]
+            if over_budget or not self.pages.fits_pages(replica, cost, free):
                 continue
             key = (len(cached), -self.pages.load[replica], -replica)
             if best is None or key > best[0]:
-                best = (key, replica, cached)
+                best = (key, replica, cached, recompute)
         if best is None:
             return None
-        _, replica, cached = best
-        start = len(cached) * ps
-        recompute = len(seq.tokens) - 1 - start
-        if self.recomputed[replica] and recompute > self.prefill_budgets()[replica]:
-            return None
-        self.preempted.pop(0)
+        _, replica, cached, recompute = best
         pages = self.pages.readmit(replica, count - len(cached), seq.expected_tokens, cached)
+        self.preempted = [p for p in self.preempted if p is not seq]
         slot = self.free_slots_of(replica)[0]
-        row = dataclasses.replace(seq.row, pages=pages)
-        self.assign(slot, row, seq.expected_tokens, seq.tokens)
+        self.assign(
+            slot, dataclasses.replace(seq.row, pages=pages), seq.expected_tokens, seq.tokens
+        )
         self.recomputed[replica] += recompute
-        return slot, start
+        return slot, len(cached) * ps
 
     def forget_prefixes(self) -> None:
         """No preempted sequence comes back on pages computed before now (new weights, or

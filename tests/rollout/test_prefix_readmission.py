@@ -68,6 +68,19 @@ def test_prefix_cache_finds_pages_by_their_tokens_while_not_handed_out():
     assert len(cache) == 0
 
 
+def test_prefix_cache_drops_stale_entries_as_it_grows():
+    """Pages handed out again and again under new tokens: the cache keeps at most about two
+    entries per page of the pool, and every live one."""
+    allocator = PageAllocator(4)
+    cache = PrefixCache(allocator, 4)
+    for i in range(50):
+        pages = allocator.allocate(2)
+        cache.register(list(range(i, i + 8)), pages)
+        assert cache.lookup(list(range(i, i + 8))) == pages
+        allocator.release(pages)
+        assert len(cache) <= 2 * 4 + 2
+
+
 def _running_group(scheduler: Scheduler, n: int = 2, prompt: tuple = PROMPT) -> list[int]:
     """A 10-token prompt with n samples on replica 0, each in a slot having sampled 3 tokens
     (positions 9..11 fed, next input at 12, 4 pages held): returns their slots."""
@@ -168,6 +181,51 @@ def test_a_sequence_comes_back_where_most_of_it_is_cached_else_least_loaded():
     [(slot, _, start)] = scheduler.readmit()
     assert scheduler.replica_of(slot) == 1 and start == 0
     assert scheduler.pages.books[1].allocator.num_used == 4
+
+
+def test_pages_computed_before_new_weights_are_never_recorded():
+    """New weights while the group runs (`Engine.update_weights` with the keys/values kept):
+    a sample preempted afterwards records none of its pages, as all were computed before, and
+    comes back recomputed from 0; pages allocated after the swap are recorded."""
+    scheduler = Scheduler(CONFIG, replicas=1, num_pages=32)
+    first, second = _running_group(scheduler)
+    scheduler.forget_prefixes()
+    scheduler.preempt(second)
+    [(slot, _, start)] = scheduler.readmit()
+    assert start == 0
+    scheduler.preempt(slot)  # its pages now were allocated after the swap
+    [(_, _, start)] = scheduler.readmit()
+    assert start == 12
+
+
+def test_a_sequence_that_fits_nowhere_holds_only_its_own_replica():
+    """Two replicas of 12 pages. Replica 0 full: its two preempted samples (4 pages each,
+    nothing cached) fit nowhere and wait; the younger sample of replica 1 (3 pages) still comes
+    back there, and replica 1 admits a new group once it has pages, replica 0 none."""
+    config = dataclasses.replace(CONFIG, max_num_seqs=4, watermark=0.0)
+    scheduler = Scheduler(config, replicas=2, num_pages=12)
+    a = _running_group(scheduler)  # replica 0: 6 pages
+    b = _running_group(scheduler, prompt=tuple(t + 20 for t in PROMPT))  # replica 0: 6 more
+    for slot in (b[1], a[1]):
+        scheduler.preempt(slot)
+    scheduler.forget_prefixes()
+    scheduler.pages.books[0].allocator.allocate(4)  # replica 0 full again
+    request = Request(tuple(t + 40 for t in PROMPT), SamplingParams(n=1, max_tokens=8), index=5)
+    prefix = scheduler.pages.admit(request, 1)  # replica 1: a sequence of request 5
+    pages = scheduler.pages.sample_pages(prefix)
+    row = Row(token=5, position=9, max_tokens=8, pages=pages, temperature=1.0, top_k=0,
+              top_p=1.0, seed=(0, 5, 0), stop_ids=())  # fmt: skip
+    slot = scheduler.free_slots_of(1)[0]
+    scheduler.assign(slot, row, len(PROMPT) + 8, request.prompt)
+    scheduler.preempt(slot)
+    assert [p.replica for p in scheduler.preempted] == [0, 0, 1]
+    scheduler.pages.books[1].allocator.allocate(9)  # 3 left: request 5's 3, not the others' 4
+    [(back, seq, _)] = scheduler.readmit()
+    assert scheduler.replica_of(back) == 1 and seq.request_index == 5
+    small = Request((1, 2, 3), SamplingParams(n=1, max_tokens=2), index=6)
+    assert scheduler.place(small) is None  # replica 1 has no page left, replica 0 is held
+    scheduler.release(back)
+    assert scheduler.place(small) == 1
 
 
 def test_readmission_waits_for_token_budget_after_the_first():

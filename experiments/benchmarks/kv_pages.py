@@ -27,7 +27,8 @@ whole rollout (median of `repeats` runs after a warm-up run that compiles every 
 whether the samples equal the reserve engine's. `--unpreempted_pages=N` adds a third run,
 `on_demand_unpreempted`, on N pages per replica (enough that nothing is preempted): its
 samples differ from reserve's only by what another decode batch changes (which sequences run
-together), so the divergences it shares with `on_demand` are not preemption's. On a CPU a
+together), so the divergences it shares with `on_demand` are not preemption's, and
+`on_demand`'s `samples_differing_from_unpreempted` counts what preemption changes. On a CPU a
 decode step costs in proportion to its rows, so running more sequences per step saves wall
 time only where a step is bound by reading the weights (a GPU decoding a real model): there
 fewer decode steps for the same tokens is the gain.
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         ignore_eos=True,
         seed=7,
     )
-    results, reference = {}, None
+    results, reference, outs = {}, None, {}
     runs = [("reserve", "reserve", args.num_pages), ("on_demand", "on_demand", args.num_pages)]
     if args.unpreempted_pages:
         runs.append(("on_demand_unpreempted", "on_demand", args.unpreempted_pages))
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         generated = int(out.response_mask.sum())
         if reference is None:
             reference = out
+        outs[name] = out
         running = running[: len(running) // args.repeats]  # the first run's calls
         per_replica = per_replica[: len(running)]
         busy = [r for r in running if r]
@@ -172,6 +174,12 @@ def run(args: argparse.Namespace) -> dict:
                 ).max()
             ),
         )
+    if "on_demand_unpreempted" in outs:  # preemption's own effect: same engine, no preemption
+        got, unpreempted = outs["on_demand"], outs["on_demand_unpreempted"]
+        results["on_demand"]["samples_differing_from_unpreempted"] = int(
+            (got.responses != unpreempted.responses).any(axis=1).sum()
+        )
+        results["on_demand"]["divergences_from_unpreempted"] = _divergences(got, unpreempted)
     r, o = results["reserve"], results["on_demand"]
     lengths = reference.response_mask.sum(axis=1)
     return dict(

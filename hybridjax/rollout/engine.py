@@ -566,7 +566,8 @@ class Engine:
         """Preempts every running sequence, so that `resume` recomputes its keys/values from
         its tokens with the engine's current weights (after `update_weights`: a partial
         rollout continuing under new weights). Its sampling state is kept (`preemption`).
-        Returns how many were preempted. Host only."""
+        Returns how many were preempted. Host sync: none (queued page copies run first)."""
+        self._flush_pending_copies()
         count = self.scheduler.preempt_running()
         self.scheduler.forget_prefixes()  # no page they held is reused
         return count
@@ -574,7 +575,9 @@ class Engine:
     def set_aside(self) -> list[Preempted]:
         """Preempts every running sequence and hands back every preempted one, leaving the
         engine idle (for a rollout in between, e.g. validation); `put_back` queues them again
-        for `resume`, which recomputes them with the weights current then. Host only."""
+        for `resume`, which recomputes them with the weights current then. Host sync: none
+        (queued page copies run first)."""
+        self._flush_pending_copies()
         return self.scheduler.set_aside()
 
     def put_back(self, sequences: list[Preempted]) -> None:
@@ -583,8 +586,16 @@ class Engine:
 
     def abort(self, request_indexes: set[int]) -> list[int]:
         """Drops the samples of the given requests: their running slots are freed, their
-        preempted sequences forgotten. Returns the freed slots. Host only."""
+        preempted sequences forgotten. Returns the freed slots. Host sync: none (queued page
+        copies run first)."""
+        self._flush_pending_copies()
         return self.scheduler.abort(request_indexes)
+
+    def _flush_pending_copies(self) -> None:
+        """Runs the queued copies of partial prompt pages before pages are freed: a copy
+        outliving its destination page would overwrite the page's next holder."""
+        if self.k_pools is not None:
+            self._flush_copies()
 
     def resume(self) -> list[tuple[int, Preempted]]:
         """Readmits preempted sequences (`Scheduler.readmit`: oldest first, each to a

@@ -271,3 +271,23 @@ def test_engine_readmits_on_shared_pages_and_samples_equal_an_unpreempted_run(eo
     np.testing.assert_array_equal(got.responses, want.responses)
     np.testing.assert_allclose(got.rollout_log_probs, want.rollout_log_probs, atol=1e-5)
     assert small.num_free_pages == small.num_pages and not small.preempted
+
+
+def test_queued_page_copies_run_before_their_pages_are_freed(eos_model):
+    """Samples inserted (the first's copy of the partial prompt page queued), then aborted or
+    set aside before any decode call: the copy runs first, so it cannot land on the page's
+    next holder, and every page comes back."""
+    engine = Engine(eos_model, ENGINE_CONFIG)
+    prompt = tuple(make_prompts()[4])  # 12 tokens: positions 0..10, the last page partial
+    for index, leave in enumerate((engine.abort, engine.set_aside)):
+        request = Request(prompt, SamplingParams(n=2, max_tokens=4), index)
+        [prefix] = engine.prefill([request])
+        for slot in engine.free_slots_of(0)[:2]:
+            engine.insert(prefix, slot)
+        assert engine.pages.books[0].copies
+        if leave == engine.abort:
+            assert len(leave({index})) == 2
+        else:
+            assert len(leave()) == 2
+        assert not engine.pages.books[0].copies
+        assert engine.num_free_pages == engine.num_pages and engine.num_active == 0

@@ -207,7 +207,9 @@ class Scheduler:
         a free slot. Returns (slot, sequence, start) of each: the caller recomputes
         `tokens[start:-1]` at positions start.., those with start 0 (one prefill call) before
         the others (one extend call), which may sit on pages the former write."""
-        done, later, held = [], [], set()
+        done: list[tuple[int, Preempted, int]] = []
+        later: list[int] = []
+        held: set[int] = set()  # replicas whose oldest waiting sequence fits nowhere
         for seq in list(self.preempted):
             readmitted = self._readmit_one(seq, share, held)
             if readmitted is None:

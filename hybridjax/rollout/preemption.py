@@ -34,12 +34,15 @@ class Preempted:
     tokens: prompt + every token after it, the next input last (position len(tokens) - 1).
     expected_tokens: its share of its replica's load (prompt + max_tokens).
     replica: the replica it ran on (which admits no new group while it waits).
+    digests: the digests of its full pages (`prefix_cache.page_digests(tokens[:-1])`), by
+      which it finds them again.
     """
 
     row: Row
     tokens: tuple[int, ...]
     expected_tokens: int
     replica: int = 0
+    digests: tuple[bytes, ...] = ()  # `prefix_cache.page_digests` of tokens[:-1]
 
     @property
     def request_index(self) -> int:

@@ -56,7 +56,10 @@ class PrefixCache:
         not allocated since the last `clear` (computed with the weights before it: it and
         every later page of the chain are left out). Stale entries are dropped once they
         outnumber the pool's pages."""
-        digests = page_digests(tokens, self.page_size)
+        self.record(page_digests(tokens, self.page_size), pages)
+
+    def record(self, digests: Sequence[bytes], pages: Sequence[int]) -> None:
+        """`register` of the tokens whose `page_digests` are `digests`."""
         for digest, page in zip(digests, pages, strict=False):
             generation = self.allocator.generations([page])[0]
             if generation == self._cleared_at[page]:

@@ -208,9 +208,9 @@ class Scheduler:
         `tokens[start:-1]` at positions start.., those with start 0 (one prefill call) before
         the others (one extend call), which may sit on pages the former write."""
         done: list[tuple[int, Preempted, int]] = []
-        later: list[int] = []
+        later: list[tuple[int, Preempted]] = []
         held: set[int] = set()  # replicas whose oldest waiting sequence fits nowhere
-        for seq in list(self.preempted):
+        for seq in self.preempted:
             readmitted = self._readmit_one(seq, share, held)
             if readmitted is None:
                 held.add(seq.replica)
@@ -218,17 +218,19 @@ class Scheduler:
             slot, start = readmitted
             done.append((slot, seq, start))
             if start == 0:  # its pages, written by the prefill call, serve the extend call
-                self._register(slot)
+                self._register(slot, seq)
             else:
-                later.append(slot)
-        for slot in later:  # written by the extend call itself: found by later calls only
-            self._register(slot)
+                later.append((slot, seq))
+        for slot, seq in later:  # written by the extend call itself: found by later calls only
+            self._register(slot, seq)
+        back = {id(seq) for _, seq, _ in done}
+        self.preempted = [p for p in self.preempted if id(p) not in back]
         return done
 
-    def _register(self, slot: int) -> None:
-        """Records the slot's full pages as holding its tokens (`PrefixCache.register`)."""
-        book = self.pages.books[self.replica_of(slot)]
-        book.cache.register(self.history[slot][:-1], self.slot_pages[slot])
+    def _register(self, slot: int, seq: Preempted) -> None:
+        """Records the full pages of `slot`, readmitted `seq`, as holding its tokens
+        (`PrefixCache.record`)."""
+        self.pages.books[self.replica_of(slot)].cache.record(seq.digests, self.slot_pages[slot])
 
     def _readmit_one(self, seq: Preempted, share: bool, held: set[int]) -> tuple[int, int] | None:
         """Readmits `seq` where it fits now, on no replica in `held` (`readmit`): (slot,
@@ -236,7 +238,7 @@ class Scheduler:
         ps = self.config.page_size
         ahead = min(self.config.decode_steps_per_call, seq.row.max_tokens - seq.row.num_generated)
         count = num_pages(len(seq.tokens) - 1 + ahead, ps)
-        digests = page_digests(seq.tokens[:-1], ps) if share else []
+        digests = seq.digests if share else ()
         free, budgets, best = self._free_counts(), self.prefill_budgets(), None
         for replica, book in enumerate(self.pages.books):
             if replica in held:
@@ -254,7 +256,6 @@ class Scheduler:
             return None
         _, replica, cached, recompute = best
         pages = self.pages.readmit(replica, count - len(cached), seq.expected_tokens, cached)
-        self.preempted = [p for p in self.preempted if p is not seq]
         slot = self.free_slots_of(replica)[0]
         self.assign(
             slot, dataclasses.replace(seq.row, pages=pages), seq.expected_tokens, seq.tokens
@@ -293,8 +294,9 @@ class Scheduler:
         cache (`PrefixCache.register`), and queues its sequence for `readmit`."""
         row, replica = preemption.row_of(self.slots, slot), self.replica_of(slot)
         tokens = self.history[slot]
-        self.pages.books[replica].cache.register(tokens[:-1], self.slot_pages[slot])
-        seq = Preempted(row, tuple(tokens), self.slot_tokens[slot], replica)
+        digests = tuple(page_digests(tokens[:-1], self.config.page_size))
+        self.pages.books[replica].cache.record(digests, self.slot_pages[slot])
+        seq = Preempted(row, tuple(tokens), self.slot_tokens[slot], replica, digests)
         bisect.insort(self.preempted, seq, key=lambda x: x.priority)
         self.release(slot)
         self.num_preemptions += 1

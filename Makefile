@@ -2,20 +2,22 @@
 # and mypy on a clean clone.
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
 export PYTHON
-PYTEST = $(PYTHON) -m pytest -q
 # one command block of README.md, between <!-- NAME --> and <!-- /NAME --> (as .ci/run reads it)
 readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/^```bash$$/,/^```$$/p' | sed '1d;$$d'
+# one line of the README's test command, as `.ci/run --phases` names it, with $(PYTHON) for .venv's
+readme_phase = cmd=$$(.ci/run --phases | sed -n 's/^$(1)\t//p' | sed 's|\.venv/bin/python|$(PYTHON)|g'); \
+	echo "+ $$cmd"; bash -c "$$cmd"
 
 .PHONY: help test slow lint format typecheck docs gpu-check standin
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
-test: ## the fast tests (everything not marked slow)
-	$(PYTEST) -n 2 --dist loadfile -m "not slow" tests  # two workers, a test file each
+test: ## the fast tests (everything not marked slow): the README test command's `fast` line
+	@$(call readme_phase,fast)
 
-slow: ## the slow, end-to-end tests
-	$(PYTEST) -m slow tests
+slow: ## the slow, end-to-end tests: the README test command's `slow` line
+	@$(call readme_phase,slow)
 
 lint: ## ruff format --check and ruff check, as CI runs them
 	$(PYTHON) -m ruff format --check . && $(PYTHON) -m ruff check .

@@ -27,6 +27,14 @@ if os.environ.get("HYBRIDJAX_TEST_JAX_CACHE"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
+from tests.worker_recycling import (  # noqa: E402, F401  (hooks: the slow suite's recycled workers)
+    pytest_addoption,
+    pytest_configure,
+    pytest_handlecrashitem,
+    pytest_testnodedown,
+    pytest_xdist_make_scheduler,
+)
+
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_platforms", os.environ.get("HYBRIDJAX_TEST_PLATFORMS", "cpu"))

@@ -1,0 +1,107 @@
+"""CI's machinery: the README's test command as `.ci/run` splits it into phases, and the slow
+suite's recycled workers (`tests/worker_recycling.py`) on a small suite of their own run in a
+subprocess: a worker killed by SIGSEGV fails its one test, named with the signal, and the run
+goes on; with `--recycle-workers-after=0` every file gets a process of its own."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_CONFTEST = """
+from tests.worker_recycling import (  # noqa: F401
+    pytest_addoption, pytest_configure, pytest_handlecrashitem, pytest_testnodedown,
+    pytest_xdist_make_scheduler,
+)
+"""
+
+_RECORD = """
+import os
+from pathlib import Path
+
+
+def _record(name):
+    Path(name + "." + str(os.getpid())).touch()
+"""
+
+_CRASHING = """
+import signal
+
+
+def test_before():
+    _record("crashing_before")
+
+
+def test_killed():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_after():
+    _record("crashing_after")
+"""
+
+
+def _suite(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(_CONFTEST)
+    (tmp_path / "test_crashing.py").write_text(_RECORD + textwrap.dedent(_CRASHING))
+    for name in ("b", "c", "d"):
+        body = f"\n\ndef test_{name}():\n    _record({name!r})\n"
+        (tmp_path / f"test_{name}.py").write_text(_RECORD + body)
+
+
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
+    return subprocess.run(
+        [*command, "--dist", "loadfile", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _pids(tmp_path: Path, name: str) -> set[str]:
+    return {path.suffix for path in tmp_path.glob(name + ".*")}
+
+
+def test_a_killed_worker_fails_its_test_alone_and_files_get_fresh_workers(tmp_path):
+    _suite(tmp_path)
+    run = _pytest(tmp_path, "--recycle-workers-after=0", "--max-worker-restart=1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "crashed while running 'test_crashing.py::test_killed' (killed by SIGSEGV)" in out, out
+    assert "1 failed, 5 passed" in out, out  # not rerun; the file's last test ran elsewhere
+    pids = [_pids(tmp_path, name) for name in ("crashing_before", "crashing_after", "b", "c", "d")]
+    assert all(len(p) == 1 for p in pids), pids
+    # each file on a process of its own: the crash put test_after on a fresh worker too
+    assert len(set.union(*pids)) == 5, pids
+
+
+def test_recycling_needs_loadfile(tmp_path):
+    _suite(tmp_path)
+    run = _pytest(tmp_path, "--recycle-workers-after=0", "--dist", "load")
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert "--recycle-workers-after needs -n N --dist loadfile" in run.stderr
+
+
+def _test_command(markdown: Path) -> str:
+    text = markdown.read_text()
+    return text.split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
+
+
+def test_ci_runs_the_readmes_command_phase_by_phase():
+    phases = subprocess.run(
+        [REPO / ".ci" / "run", "--phases"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    names = [line.split("\t")[0] for line in phases]
+    assert names == ["install", "fast", "slow"], phases
+    fast, slow = (line.split("\t")[1] for line in phases[1:])
+    assert '-m "not slow"' in fast and "--durations=25" in fast, fast
+    assert "-m slow" in slow and "--recycle-workers-after=" in slow, slow
+    # the docs show the same command
+    assert _test_command(REPO / "README.md") == _test_command(REPO / "docs" / "getting-started.md")

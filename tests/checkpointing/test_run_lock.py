@@ -111,10 +111,14 @@ def test_a_read_only_directory_is_named(tmp_path):
         "from hybridjax.checkpointing.run_lock import hold\n"
         f"hold({str(run)!r}, 'trainer.default_local_dir')"
     )
-    script = f'mount --bind -o ro {tmp_path} {tmp_path} && exec {sys.executable} -c "{code}"'
+    # paths as arguments, not in the line: the interpreter or tmp may have spaces in their path
+    script = 'mount --bind -o ro "$1" "$1" && exec "$2" -c "$3"'
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, env=env
+        ["unshare", "-Urm", "sh", "-c", script, "sh", str(tmp_path), sys.executable, code],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if "mount" in out.stderr and "DirectoryNotWritable" not in out.stderr:
         pytest.skip(f"no private read-only mount here: {out.stderr.strip()}")

@@ -363,13 +363,16 @@ def test_a_read_only_output_directory_is_a_message(tmp_path):
     """`python -m hybridjax.train` on a read-only `trainer.default_local_dir`: one line."""
     run = tmp_path / "run"
     run.mkdir()
-    cmd = (
-        f"mount --bind -o ro {tmp_path} {tmp_path} && exec {sys.executable} -m hybridjax.train "
-        f"--config.trainer.default_local_dir={run}"
-    )
+    # paths as arguments, not in the line: the interpreter or tmp may have spaces in their path
+    cmd = 'mount --bind -o ro "$1" "$1" && exec "$2" -m hybridjax.train "$3"'
+    args = [tmp_path, sys.executable, f"--config.trainer.default_local_dir={run}"]
     env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", REPO), JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=300
+        ["unshare", "-Urm", "sh", "-c", cmd, "sh", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if "mount:" in out.stderr:
         pytest.skip(f"no private read-only mount here: {out.stderr.strip()}")

@@ -103,5 +103,7 @@ def test_ci_runs_the_readmes_command_phase_by_phase():
     fast, slow = (line.split("\t")[1] for line in phases[1:])
     assert '-m "not slow"' in fast and "--durations=25" in fast, fast
     assert "-m slow" in slow and "--recycle-workers-after=" in slow, slow
-    # the docs show the same command
-    assert _test_command(REPO / "README.md") == _test_command(REPO / "docs" / "getting-started.md")
+    # the docs show the same command, and it is one shell command a user can paste
+    readme = _test_command(REPO / "README.md")
+    assert readme == _test_command(REPO / "docs" / "getting-started.md")
+    subprocess.run(["bash", "-n", "-c", readme.split("```bash")[1].split("```")[0]], check=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import json
 import pathlib
+import shutil
+import tempfile
 
 import pyarrow.parquet as pq
 
@@ -22,10 +26,18 @@ def load_config_file(name: str):
     return module.get_config()
 
 
-def gsm8k_subset(directory: pathlib.Path, train_rows: int = 64, test_rows: int = 16) -> dict:
-    """Preprocesses the real GSM8K jsonl with the project's CLI, then keeps the first rows."""
-    full = directory / "full"
+@functools.cache
+def _gsm8k_parquet() -> pathlib.Path:
+    """The real GSM8K jsonl preprocessed with the project's CLI, once per test process (2-7 s)."""
+    full = pathlib.Path(tempfile.mkdtemp(prefix="gsm8k-"))
+    atexit.register(shutil.rmtree, full, ignore_errors=True)
     gsm8k.main(["--input", str(GSM8K_JSONL), "--output", str(full)])
+    return full
+
+
+def gsm8k_subset(directory: pathlib.Path, train_rows: int = 64, test_rows: int = 16) -> dict:
+    """The first rows of the preprocessed GSM8K splits, written to `directory`."""
+    full = _gsm8k_parquet()
     out = {}
     for split, rows in (("train", train_rows), ("test", test_rows)):
         path = directory / f"{split}.parquet"

@@ -95,13 +95,22 @@ def _flat(state) -> dict:
     return {p: np.asarray(jax.device_get(v.get_value())) for p, v in nnx.to_flat_state(state)}
 
 
-def test_ppo_step_with_lora_critic_checkpoints_adapters_and_head(data, tmp_path):
-    config = tiny_config(data, tmp_path, **CRITIC_LORA, **{"trainer.total_training_steps": 1})
-    trainer = _run(config)
-    metrics = read_metrics(tmp_path)[1]
+@pytest.fixture(scope="module")
+def whole(data, tmp_path_factory):
+    """(trainer, run directory) of three PPO steps with the LoRA critic, saved at every step:
+    the run both tests below read (its first step is what a one-step run would do)."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    changes = CRITIC_LORA | {"trainer.total_training_steps": 3}
+    return _run(tiny_config(data, run_dir, **changes)), run_dir
+
+
+@pytest.mark.slow
+def test_ppo_step_with_lora_critic_checkpoints_adapters_and_head(whole):
+    trainer, run_dir = whole
+    metrics = read_metrics(run_dir)[1]
     assert all(math.isfinite(v) for v in metrics.values())
     assert "critic/vf_loss" in metrics
-    params, opt = _saved_critic(tmp_path / "global_step_1")
+    params, opt = _saved_critic(run_dir / "global_step_1")
     assert params == _paths(split_trainable(trainer.critic_state.params)[0])
     # no checkpointing: model.scan_layers "auto" keeps the per-layer loop, one adapter a layer
     assert {"base.score", "adapters.model.layers.0.self_attn.q_proj.lora_b"} <= params
@@ -112,17 +121,16 @@ def test_ppo_step_with_lora_critic_checkpoints_adapters_and_head(data, tmp_path)
 
 
 @pytest.mark.slow
-def test_lora_critic_resume_is_exact(data, tmp_path):
+def test_lora_critic_resume_is_exact(data, whole, tmp_path):
     changes = CRITIC_LORA | {"trainer.total_training_steps": 3}
-    whole = _run(tiny_config(data, tmp_path / "whole", **changes))
     _run(tiny_config(data, tmp_path / "cut", **changes), stop_after=2)
     resumed = _run(tiny_config(data, tmp_path / "cut", **changes))
     assert resumed.global_step == 3
-    a, b = (_flat(t.critic_state.params) for t in (whole, resumed))
+    a, b = (_flat(t.critic_state.params) for t in (whole[0], resumed))
     for path in a:  # adapters and head restored, backbone read again: all equal
         np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
     assert _deterministic(read_metrics(tmp_path / "cut")[3]) == _deterministic(
-        read_metrics(tmp_path / "whole")[3]
+        read_metrics(whole[1])[3]
     )
     params, _ = _saved_critic(tmp_path / "cut" / "global_step_3")
     assert params == _paths(split_trainable(resumed.critic_state.params)[0])

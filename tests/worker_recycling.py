@@ -51,9 +51,10 @@ def _recycle_after(config: pytest.Config) -> float | None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    seconds = _recycle_after(config)
-    if seconds is None:
+    recycle_after = _recycle_after(config)
+    if recycle_after is None:
         return None
+    seconds: float = recycle_after
     from xdist.scheduler import LoadFileScheduling
 
     class RecyclingFileScheduling(LoadFileScheduling):

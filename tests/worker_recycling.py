@@ -69,8 +69,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             self.born[node] = time.monotonic()
 
         def _reschedule(self, node: Any) -> None:
-            if node.shutting_down:
-                return
+            if node.shutting_down or node not in self.registered_collections:
+                return  # (a new worker still collecting is scheduled when it is done)
             if not self.workqueue:
                 node.shutdown()
                 return

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,3 +108,45 @@ def test_ci_runs_the_readmes_command_phase_by_phase():
     readme = _test_command(REPO / "README.md")
     assert readme == _test_command(REPO / "docs" / "getting-started.md")
     subprocess.run(["bash", "-n", "-c", readme.split("```bash")[1].split("```")[0]], check=True)
+
+
+class _Node:
+    """The part of xdist's WorkerController the scheduler uses."""
+
+    def __init__(self, name: str) -> None:
+        self.gateway = types.SimpleNamespace(id=name)
+        self.shutting_down = False
+        self.sent: list[list[int]] = []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.append(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_a_worker_still_collecting_is_given_work_only_once_it_has_collected():
+    """Two workers replaced at once: the first to finish collecting triggers `schedule()`
+    while the other has not collected yet (that once crashed the controller)."""
+    from tests.worker_recycling import pytest_xdist_make_scheduler
+
+    options = {"recycle_workers_after": 300.0, "tx": ["2*popen"]}
+    config = types.SimpleNamespace(
+        getoption=lambda name, default=None: options.get(name, default),
+        getvalue=lambda name: options[name],
+        option=types.SimpleNamespace(loadscopereorder=False),
+    )
+    sched = pytest_xdist_make_scheduler(config, None)
+    collection = [f"test_{name}.py::test_{i}" for name in "abcde" for i in (1, 2)]
+    first, second, late = _Node("gw0"), _Node("gw1"), _Node("gw2")
+    for node in (first, second):
+        sched.add_node(node)
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    assert first.sent == [[0, 1]] and second.sent == [[2, 3]]  # one file each, not two
+    sched.add_node(late)
+    sched.schedule()  # as another new worker's collection would
+    assert late.sent == []
+    sched.add_node_collection(late, collection)
+    sched.schedule()
+    assert late.sent == [[4, 5]]

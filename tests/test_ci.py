@@ -25,7 +25,17 @@ from pathlib import Path
 
 
 def _record(name):
-    Path(name + "." + str(os.getpid())).touch()
+    # the processes the controller (this worker's parent) has now: retired workers exit
+    workers = [p for p in Path("/proc").glob("[0-9]*") if _parent(p) == os.getppid()]
+    Path(name + "." + str(os.getpid())).write_text(str(len(workers)))
+
+
+def _parent(proc):
+    try:
+        state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if state == "Z" else int(parent)  # (an exited process not yet waited for)
 """
 
 _CRASHING = """
@@ -81,6 +91,8 @@ def test_a_killed_worker_fails_its_test_alone_and_files_get_fresh_workers(tmp_pa
     assert all(len(p) == 1 for p in pids), pids
     # each file on a process of its own: the crash put test_after on a fresh worker too
     assert len(set.union(*pids)) == 5, pids
+    alive = [int(path.read_text()) for path in tmp_path.glob("*.[0-9]*")]
+    assert max(alive) <= 3, alive  # two workers, and one retired worker on its way out
 
 
 def test_recycling_needs_loadfile(tmp_path):

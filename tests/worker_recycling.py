@@ -102,10 +102,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object | None) -> None:
-    """A worker retired between files (no error) is replaced while files remain."""
+    """A worker retired between files (no error) exits now and is replaced while files remain
+    (xdist would keep a finished worker's process, and its memory, until the whole run ends)."""
     config = node.config
     if error is not None or _recycle_after(config) is None:
         return  # a crashed worker: xdist replaces it itself, within --max-worker-restart
+    node.ensure_teardown()  # closes its channel: the process exits
     dsession = config.pluginmanager.getplugin("dsession")
     if dsession.sched.workqueue and not dsession.shuttingdown:
         dsession._clone_node(node)

@@ -110,7 +110,7 @@ def test_ppo_step_with_lora_critic_checkpoints_adapters_and_head(whole):
     metrics = read_metrics(run_dir)[1]
     assert all(math.isfinite(v) for v in metrics.values())
     assert "critic/vf_loss" in metrics
-    params, opt = _saved_critic(run_dir / "global_step_1")
+    params, opt = _saved_critic(run_dir / "global_step_3")  # the trainer's own, last, step
     assert params == _paths(split_trainable(trainer.critic_state.params)[0])
     # no checkpointing: model.scan_layers "auto" keeps the per-layer loop, one adapter a layer
     assert {"base.score", "adapters.model.layers.0.self_attn.q_proj.lora_b"} <= params

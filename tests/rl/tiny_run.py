@@ -38,6 +38,7 @@ def _gsm8k_parquet() -> pathlib.Path:
 def gsm8k_subset(directory: pathlib.Path, train_rows: int = 64, test_rows: int = 16) -> dict:
     """The first rows of the preprocessed GSM8K splits, written to `directory`."""
     full = _gsm8k_parquet()
+    directory.mkdir(parents=True, exist_ok=True)
     out = {}
     for split, rows in (("train", train_rows), ("test", test_rows)):
         path = directory / f"{split}.parquet"

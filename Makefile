@@ -6,7 +6,7 @@ PYTEST = $(PYTHON) -m pytest -q
 # one command block of README.md, between <!-- NAME --> and <!-- /NAME --> (as .ci/run reads it)
 readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/^```bash$$/,/^```$$/p' | sed '1d;$$d'
 
-.PHONY: help test slow lint format typecheck docs gpu-check standin
+.PHONY: help test slow lint format typecheck docs gpu-check standin bench-peers
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -28,6 +28,9 @@ typecheck: ## mypy, configured in pyproject.toml
 
 docs: ## the documentation site, built strictly into site/
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+bench-peers: ## TRL, Tunix and hybridjax on the peer workloads; the ratio table in results/<time>/table.md
+	$(PYTHON) -m experiments.benchmarks.run --config=experiments/configs/bench_peers.py
 
 gpu-check: ## the GPU check on a CUDA machine (experiments/gpu/check.sh)
 	experiments/gpu/check.sh

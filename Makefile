@@ -8,7 +8,7 @@ readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/
 readme_phase = cmd=$$(.ci/run --phases | sed -n 's/^$(1)\t//p' | sed 's|\.venv/bin/python|$(PYTHON)|g'); \
 	echo "+ $$cmd"; bash -c "$$cmd"
 
-.PHONY: help test slow lint format typecheck docs gpu-check standin
+.PHONY: help test slow lint format typecheck docs gpu-check standin bench-peers
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -30,6 +30,9 @@ typecheck: ## mypy, configured in pyproject.toml
 
 docs: ## the documentation site, built strictly into site/
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+bench-peers: ## TRL, Tunix and hybridjax on the peer workloads; the ratio table in results/<time>/table.md
+	$(PYTHON) -m experiments.benchmarks.run --config=experiments/configs/bench_peers.py
 
 gpu-check: ## the GPU check on a CUDA machine (experiments/gpu/check.sh)
 	experiments/gpu/check.sh

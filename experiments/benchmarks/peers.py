@@ -25,6 +25,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PEERS = ROOT / "experiments" / "peers"
 PEER_SYSTEMS = ("trl", "tunix")
+# hybridjax's stages in the table, in step order (`timing_s/<stage>`; `step` is the whole step)
+STAGE_COLUMNS = ("gen", "sleep", "reward", "old_log_prob", "adv", "update_actor", "reshard", "step")
 log = logging.getLogger(__name__)
 
 
@@ -106,6 +108,18 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def stage_medians(runs: list[dict]) -> dict[str, float]:
+    """hybridjax's `timing_s/<stage>` medians over every timed step (after each run's warm-up)
+    of its runs on one workload, by stage name."""
+    times: dict[str, list[float]] = {}
+    for r in runs:
+        for m in r["metrics"][r["warmup"] :]:
+            for k, v in m.items():
+                if k.startswith("timing_s/"):
+                    times.setdefault(k.removeprefix("timing_s/"), []).append(v)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def add_ratios(table: dict[str, dict]) -> None:
     """Adds `ratio_vs_faster_peer` (tokens/s, > 1 = faster) to hybridjax's row in place."""
     peers = [table[s] for s in PEER_SYSTEMS if s in table]
@@ -136,11 +150,10 @@ def run(cfg, out_dir: pathlib.Path) -> dict:
         table = {s: summarize(r) for s, r in runs.items() if r}
         add_ratios(table)
         if runs.get("hybridjax"):
-            last = runs["hybridjax"][-1]["metrics"][-1]
-            table["hybridjax"]["stages_s"] = {
-                k.removeprefix("timing_s/"): v for k, v in last.items() if k.startswith("timing_s/")
-            }
-            table["hybridjax"]["mfu_actor"] = last.get("perf/mfu/actor")
+            table["hybridjax"]["stages_s"] = stage_medians(runs["hybridjax"])
+            table["hybridjax"]["mfu_actor"] = runs["hybridjax"][-1]["metrics"][-1].get(
+                "perf/mfu/actor"
+            )
         result["workloads"][workload] = {
             "num_params": spec["num_params"],
             "batch": f"{spec['num_prompts']} prompts x {spec['n']} samples",
@@ -170,6 +183,16 @@ def markdown_table(summary: dict) -> str:
                 f"{r['step_cpu_time_s']:.2f} | {r['tokens_per_step']:.0f} | "
                 f"{r['tokens_per_s']:.0f} | {ratio} |"
             )
+    workloads = summary["workloads"].items()
+    stages = {n: w["systems"].get("hybridjax", {}).get("stages_s") for n, w in workloads}
+    stages = {n: st for n, st in stages.items() if st}
+    if stages:
+        lines += ["", "hybridjax's stages (median s over the timed steps):", ""]
+        lines += ["| workload | " + " | ".join(STAGE_COLUMNS) + " |"]
+        lines += ["|---" * (len(STAGE_COLUMNS) + 1) + "|"]
+        for n, st in stages.items():
+            cells = [f"{st[c]:.3f}" if c in st else "" for c in STAGE_COLUMNS]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

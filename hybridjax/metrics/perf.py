@@ -12,14 +12,15 @@ import numpy as np
 from hybridjax.metrics.flops import training_flops
 from hybridjax.models.config import ModelConfig
 
-# JAX reports the duration of every XLA backend compilation under this event name.
+# JAX reports the duration of every XLA backend compilation under this event name, with the
+# program's name (`fun_name`, e.g. "jit(update_actor)").
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles: dict[str, Any] = {"count": 0, "seconds": 0.0, "listening": False}
+_compiles: dict[str, Any] = {"names": [], "seconds": 0.0, "listening": False}
 
 
-def _on_event_duration(event: str, duration_secs: float, **_) -> None:
+def _on_event_duration(event: str, duration_secs: float, **kwargs) -> None:
     if event == _BACKEND_COMPILE_EVENT:
-        _compiles["count"] += 1
+        _compiles["names"].append(str(kwargs.get("fun_name", "?")))
         _compiles["seconds"] += duration_secs
 
 
@@ -29,12 +30,21 @@ def num_compiles() -> tuple[int, float]:
     Counts every backend compile of every jitted program (training stages, rollout prefill and
     decode buckets, re-layout, small utility programs), through `jax.monitoring`; a cache hit
     (same program, same shapes) is not a compile. A count that keeps growing after the first
-    steps means shapes that change from step to step (a recompile per step).
+    steps means shapes that change from step to step (a recompile per step); `compiled_programs`
+    names them.
     """
     if not _compiles["listening"]:
         jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
         _compiles["listening"] = True
-    return _compiles["count"], _compiles["seconds"]
+    return len(_compiles["names"]), _compiles["seconds"]
+
+
+def compiled_programs() -> list[str]:
+    """The names of the programs `num_compiles` counted, in compile order (a copy; e.g.
+    `jit(update_actor)`, `jit(<lambda>)` for an anonymous function). Starts counting as
+    `num_compiles` does."""
+    num_compiles()
+    return list(_compiles["names"])
 
 
 def max_memory_allocated_gb() -> float:

@@ -145,6 +145,8 @@ class Engine:
         self.num_decode_rows = 0  # rows those iterations ran on (padding rows included)
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
         self.k_pools = self.v_pools = None
+        # jitted once: every `wake_up` after a `sleep` runs the same program (no recompile)
+        self._create_pools = self._pool_creator()
         self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
         pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
@@ -259,23 +261,27 @@ class Engine:
         """A pool's spec in `per_replica` (which names only `data`): pages by replica."""
         return pool_spec(self.stacked, None, "data")
 
-    def _allocate_pools(self):
-        """The zeroed KV pools (k, v): one K×(R·N)×S×D array per layer, or one stacked
-        L×K×(R·N)×S×D array each for a scanned model (`paged_cache.stacked_layout`); the one
-        place the engine allocates them. Each device holds only its replica's N pages
-        (created in place by a jitted zeros with `out_shardings`, never whole on one
-        device)."""
-        pages = self.replicas * self.num_pages
+    def _pool_creator(self):
+        """The jitted zeros of the KV pools (k, v): one K×(R·N)×S×D array per layer, or one
+        stacked L×K×(R·N)×S×D array each for a scanned model (`paged_cache.stacked_layout`).
+        Each device holds only its replica's N pages (created in place through
+        `out_shardings`, never whole on one device). Built once per engine, so waking after
+        `sleep` reuses its compiled program."""
         create = functools.partial(
             PagedKVCache.create_pool,
             self.model_config,
-            pages,
+            self.replicas * self.num_pages,
             self.config.page_size,
             self.kv_dtype,
         )
         if self.mesh is None:
-            return create()
-        return jax.jit(create, out_shardings=NamedSharding(self.mesh, self._pool_spec()))()
+            return jax.jit(create)
+        return jax.jit(create, out_shardings=NamedSharding(self.mesh, self._pool_spec()))
+
+    def _allocate_pools(self):
+        """The zeroed KV pools (k, v) (`_pool_creator`); the one place the engine allocates
+        them."""
+        return self._create_pools()
 
     def _constrain_pools(self, pools):
         """Inside a replica's step: its pool keeps its kv heads split over `tensor`."""

@@ -96,6 +96,26 @@ def test_markdown_table_has_a_row_per_system_and_the_ratio_on_hybridjax_only():
     assert lines[3].endswith("| 3.00× / 1.50× |")
 
 
+def test_stage_medians_skip_warm_up_and_pool_runs():
+    step = lambda gen, upd: {"timing_s/gen": gen, "timing_s/update_actor": upd, "perf/x": 9.0}
+    runs = [
+        {"warmup": 1, "metrics": [step(50.0, 50.0), step(1.0, 4.0), step(3.0, 6.0)]},
+        {"warmup": 1, "metrics": [step(70.0, 70.0), step(2.0, 5.0)]},
+    ]
+    assert peers.stage_medians(runs) == {"gen": 2.0, "update_actor": 5.0}
+
+
+def test_markdown_table_lists_hybridjax_stages_under_the_ratios():
+    row = {"step_time_s": 2.0, "step_cpu_time_s": 3.0, "tokens_per_step": 100, "tokens_per_s": 50}
+    mine = row | {"stages_s": {"gen": 0.25, "update_actor": 0.5, "step": 0.8}}
+    summary = {"workloads": {"qs": {"num_params": 3.4e6, "systems": {"hybridjax": mine}}}}
+    lines = peers.markdown_table(summary).splitlines()
+    header = lines.index("| workload | " + " | ".join(peers.STAGE_COLUMNS) + " |")
+    cells = lines[header + 2].split(" | ")
+    assert cells[0] == "| qs" and cells[1] == "0.250" and cells[-1] == "0.800 |"
+    assert cells[peers.STAGE_COLUMNS.index("update_actor") + 1] == "0.500"
+
+
 def test_step_flops_counts_each_model_pass():
     # 1 layer, D=4, F=8, H=K=1, Dh=4, V=8, untied: layer = 4·4·3 + 4·4 + 3·4·8 + 2·4 = 168,
     # matmul params = 168 + 4 (final norm) + 8·4 (head) = 204. One row of 2 tokens:

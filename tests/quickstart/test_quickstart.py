@@ -47,6 +47,9 @@ def test_quickstart_accuracy_rises(tmp_path):
     accuracy = {r["step"]: r[VAL_KEY] for r in records if VAL_KEY in r}
     assert sorted(accuracy) == [0, QUICK_STEPS]
     assert accuracy[QUICK_STEPS] - accuracy[0] >= 0.15, accuracy
+    # nothing compiles after the first step (tests/rl/test_compiles.py names what would)
+    compiles = {r["step"]: r["perf/num_compiles"] for r in records if "perf/num_compiles" in r}
+    assert compiles[QUICK_STEPS] == compiles[1], compiles
     for name in ("reward", "val_accuracy", "response_length", "timing"):
         assert (log_dir / f"{name}.png").stat().st_size > 1000
     assert f"written to {log_dir}" in out

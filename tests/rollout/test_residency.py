@@ -4,11 +4,14 @@ generates exactly what it did before."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import ENGINE_CONFIG
 from flax import nnx
+from jax.sharding import Mesh
 from rollout_testing import make_prompts
 
+from hybridjax.metrics import compiled_programs
 from hybridjax.rollout import Engine, SamplingParams, generate
 
 PARAMS = SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=3)
@@ -42,6 +45,20 @@ def test_sleep_deletes_pool_and_weights_and_wake_up_generates_the_same(eos_model
     assert not engine.asleep
     assert (after.responses == before.responses).all()
     assert (after.rollout_log_probs == before.rollout_log_probs).all()
+
+
+def test_waking_after_sleep_compiles_nothing(eos_model):
+    """The pool comes back through the program the engine compiled once: a sharded pool (two
+    replicas), whose zeros are laid out by `out_shardings`, as the trainer's."""
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "tensor"))
+    engine = Engine(eos_model, ENGINE_CONFIG, mesh=mesh)
+    first = generate(engine, make_prompts(), PARAMS)
+    for _ in range(2):
+        engine.sleep(1)
+        seen = len(compiled_programs())
+        again = generate(engine, make_prompts(), PARAMS)
+        assert compiled_programs()[seen:] == []
+        assert (again.responses == first.responses).all()
 
 
 def test_level_one_keeps_the_weights(eos_model):

@@ -128,3 +128,19 @@ def test_dapo_turns_on_the_overlong_shaping():
     assert overlong_enabled({"reward_manager": "naive", "overlong_buffer": {"enable": True}})
     with pytest.raises(ValueError, match=r"reward_model.reward_manager='verl'; expected one of"):
         RewardConfig(reward_manager="verl")
+
+
+def test_os_exit_is_named_with_its_exit_code_at_once(tmp_path):
+    """`os._exit(0)` mid-call looks to the process pool like a worker's normal exit: it was
+    reported as a timeout after `timeout_s`; now the row fails at once, naming the code."""
+    path = tmp_path / "exits.py"
+    path.write_text(
+        "import os\n\ndef compute_score(d, s, g, extra_info=None):\n    os._exit(int(s))\n"
+    )
+    manager = RewardManager(RewardConfig(custom_path=str(path), on_error="raise", timeout_s=30.0))
+    for code in ("0", "3"):
+        start = time.perf_counter()
+        with pytest.raises(RewardFunctionError, match=rf"os\._exit\({code}\) \(exit code {code}\)"):
+            _score(manager, [code])
+        assert time.perf_counter() - start < 10
+    manager.close()

@@ -5,8 +5,9 @@ A row's outcome is an `Outcome`: a finite score and its extra keys, or the kind 
 (`error`: raised, called `sys.exit` or `os._exit` (named with its exit code), or returned
 something other than a number or verl's dict with a numeric `score` (a string, None, a
 list...); `crash`: the worker process died, e.g. `os.abort()` or a segfault; `timeout`: still
-running after `timeout_s`; `nonfinite`: NaN or inf after conversion to float32, the training dtype, or a magnitude above `MAX_ABS_SCORE`, whose
-square would overflow the float32 statistics of the advantage).
+running after `timeout_s`; `nonfinite`: NaN or inf after conversion to float32, the training
+dtype, or a magnitude above `MAX_ABS_SCORE`, whose square would overflow the float32 statistics
+of the advantage).
 Nothing a reward function does reaches the caller as an exception.
 
 Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`

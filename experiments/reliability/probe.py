@@ -536,7 +536,7 @@ def export_overwrite(ctx: Context) -> tuple[str, str]:
     run = parent / "run"
     shutil.copytree(ctx.trained, run)
     refused = {  # target: words of its one-line refusal
-        _occupied(ctx, "overwrite_hf"): "did not write",
+        _occupied(ctx, "overwrite_hf"): "not written by an export",
         run: "run's directory",
         parent: "holds the run directory",
     }

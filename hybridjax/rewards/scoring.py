@@ -28,6 +28,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -37,6 +38,7 @@ import pebble
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
+PRELOAD = "hybridjax.rewards.forkserver_preload"  # imported by the workers' forkserver only
 MAX_ABS_SCORE = 1e6  # a larger score is a bug (squares of 1e19 already overflow float32)
 
 
@@ -237,6 +239,22 @@ def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
         return call_rows(_WORKER_FN, rows, batched)
 
 
+def quiet_bootstrap_errors(kind, value, tb) -> None:
+    """`sys.excepthook` of the workers' forkserver (installed by
+    `hybridjax.rewards.forkserver_preload`, so only there): a worker that was still starting
+    when its pool was shut down finds the pool's semaphores gone (`FileNotFoundError` in
+    `multiprocessing.synchronize`) and leaves with nothing to do; its traceback would print
+    before the trainer's own message. Every other error keeps its traceback."""
+    last = tb
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    where = last.tb_frame.f_code.co_filename if last is not None else ""
+    gone = os.path.join("multiprocessing", "synchronize.py")
+    if isinstance(value, FileNotFoundError) and where.endswith(gone):
+        return
+    sys.__excepthook__(kind, value, tb)
+
+
 class RowScorer:
     """Scores rows with one reward function, in threads or in worker processes.
 
@@ -264,7 +282,7 @@ class RowScorer:
             context = multiprocessing.get_context("forkserver")
             # Workers fork from a server that already imported this module (its replacements
             # start in ms, not in the ~0.5 s of a fresh import); no effect once it runs.
-            context.set_forkserver_preload(["__main__", __name__])
+            context.set_forkserver_preload(["__main__", __name__, PRELOAD])
             self._pool = pebble.ProcessPool(
                 max_workers=num_workers,
                 initializer=_load_in_worker,

@@ -315,8 +315,8 @@ def load_stage(target: str, function: str) -> Stage:
     if not os.path.isfile(target) and not _MODULE.fullmatch(target):
         why = "a directory" if os.path.isdir(target) else "no such file"
         raise PipelineError(
-            f"trainer.stages: {target!r} is {why}, and not a module name; give a .py file or "
-            "an importable module (a.b.c)"
+            f"trainer.stages: {target!r} is not a file or an importable module ({why}, and not "
+            "a module name); give a .py file or a module (a.b.c)"
         )
     try:
         module = load_module(target)

@@ -251,8 +251,11 @@ def test_the_smallest_pool_the_check_allows_serves_a_group():
 @pytest.mark.parametrize(
     "entry, needle",
     [
-        ("after gen: ./no_such_stages.py:fn", "'./no_such_stages.py' is no such file"),
-        ("after gen: {tmp}:fn", "is a directory, and not a module name"),
+        (
+            "after gen: ./no_such_stages.py:fn",
+            "'./no_such_stages.py' is not a file or an importable module (no such file",
+        ),
+        ("after gen: {tmp}:fn", "(a directory, and not a module name)"),
         ("after gen: {tmp}/broken.py:fn", "broken.py, line 1: "),
         ("after gen: no_such_module_xyz:fn", "'no_such_module_xyz' is not a file or an importable"),
     ],

@@ -144,3 +144,25 @@ def test_os_exit_is_named_with_its_exit_code_at_once(tmp_path):
             _score(manager, [code])
         assert time.perf_counter() - start < 10
     manager.close()
+
+
+def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
+    """What such a worker meets while it unpickles its pool's lock: the semaphore is gone.
+    The forkserver's hook drops that traceback and keeps every other one."""
+    import importlib.util
+    import multiprocessing.synchronize
+    import sys
+
+    from hybridjax.rewards.scoring import PRELOAD, quiet_bootstrap_errors
+
+    lock = multiprocessing.synchronize.SemLock.__new__(multiprocessing.synchronize.SemLock)
+    with pytest.raises(FileNotFoundError) as gone:
+        lock.__setstate__((0, 1, 1, "/hybridjax-test-no-such-semaphore"))
+    quiet_bootstrap_errors(gone.type, gone.value, gone.tb)
+    assert capsys.readouterr().err == ""
+    try:
+        raise FileNotFoundError("a user's file")
+    except FileNotFoundError:
+        quiet_bootstrap_errors(*sys.exc_info())
+    assert "Traceback" in capsys.readouterr().err
+    assert importlib.util.find_spec(PRELOAD) is not None  # the forkserver's preload exists

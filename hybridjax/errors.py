@@ -93,7 +93,8 @@ def _disk_full(err: BaseException) -> OSError | None:
 def cli_errors(program: str) -> Iterator[None]:
     """Runs a command-line entry point: a `UserError` or a full disk ends the process with a
     short message on stderr and exit code 2; Ctrl-C with exit code 130. Tracebacks only when
-    `HYBRIDJAX_DEBUG=1` (libraries' echoes of a failed save included). Other exceptions propagate (a bug: the traceback is wanted)."""
+    `HYBRIDJAX_DEBUG=1` (libraries' echoes of a failed save included). Other exceptions
+    propagate (a bug: the traceback is wanted)."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     quiet = _NoLibraryTracebacks()
     hook = sys.excepthook

@@ -411,7 +411,7 @@ class RLTrainer:
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
-        if self.partial is not None:
+        if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
             with self.rollout_ahead.engine_lock:
                 self.partial.load_state(meta["partial_rollout"])
         self.global_step = meta["global_step"]
@@ -437,7 +437,8 @@ class RLTrainer:
             for key, why in keys.items()
             if saved.get(key) != mine[key]
         ]
-        if self.partial is not None and "partial_rollout" not in meta:
+        resumes = self.partial is not None and not self.checkpointer.read_only
+        if resumes and "partial_rollout" not in meta:
             problems.append(
                 "trainer.partial_rollout: the checkpoint has no prompts in flight (saved "
                 "without partial rollouts, or by an older version)"

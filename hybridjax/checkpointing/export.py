@@ -155,10 +155,11 @@ def _write_manifest(directory: str) -> None:
 def _remove_export(directory: str) -> None:
     """Removes the files of an export's manifest under `directory`, then its empty
     directories; anything else is left (with a warning)."""
-    for name in sorted(_manifest(directory) or ()) + [MANIFEST]:
-        with_path = os.path.join(directory, name)
-        if os.path.isfile(with_path) or os.path.islink(with_path):
-            os.remove(with_path)
+    written = (_manifest(directory) or set()) | {MANIFEST}
+    files, _, _ = _scan(directory)  # only files found under it: a manifest naming `../x` or an
+    for name in files:  # absolute path removes nothing outside
+        if name in written:
+            os.remove(os.path.join(directory, name))
     for root, _, _ in sorted(os.walk(directory), key=lambda x: -len(x[0])):
         with_files = os.listdir(root)
         if not with_files:

@@ -4,6 +4,7 @@ leaves the old export (and nothing else) in place."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -80,6 +81,19 @@ def test_overwrite_replaces_an_earlier_export(tmp_path, model_and_tokenizer):
     assert sorted(os.listdir(target)) == EXPORT
     assert (target / "config.json").read_text() != "{}"
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_overwrite_removes_nothing_outside_the_export(tmp_path, model_and_tokenizer):
+    """A manifest naming files outside its directory (edited, or crafted) removes none."""
+    target = tmp_path / "hf"
+    write_hf_export(*model_and_tokenizer, str(target))
+    (tmp_path / "keep.txt").write_text("mine")
+    manifest = target / MANIFEST
+    files = json.loads(manifest.read_text())["files"]
+    manifest.write_text(json.dumps({"files": [*files, "../keep.txt", str(tmp_path / "keep.txt")]}))
+    write_hf_export(*model_and_tokenizer, str(target), overwrite=True)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(target)) == EXPORT
 
 
 def _refused(target, match, **kw) -> None:

@@ -540,12 +540,16 @@ def export_overwrite(ctx: Context) -> tuple[str, str]:
         run: "run's directory",
         parent: "holds the run directory",
     }
-    before = {t: snapshot(t) for t in refused}
+
+    def files(target: pathlib.Path) -> dict[str, str]:  # a run lock's file may appear, empty
+        return {k: v for k, v in snapshot(target).items() if not k.endswith(".lock")}
+
+    before = {t: files(t) for t in refused}
     for target, words in refused.items():
         r = ctx.train(
             f"--config.trainer.default_local_dir={run}", f"--export_hf={target}", "--overwrite"
         )
-        if snapshot(target) != before[target]:
+        if files(target) != before[target]:
             return "lost", f"--overwrite changed {target}"
         category, detail = message_case(r, str(target), words)
         if category != "clear":

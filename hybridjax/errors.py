@@ -93,12 +93,15 @@ def _disk_full(err: BaseException) -> OSError | None:
 def cli_errors(program: str) -> Iterator[None]:
     """Runs a command-line entry point: a `UserError` or a full disk ends the process with a
     short message on stderr and exit code 2; Ctrl-C with exit code 130. Tracebacks only when
-    `HYBRIDJAX_DEBUG=1`. Other exceptions propagate (a bug: the traceback is wanted)."""
+    `HYBRIDJAX_DEBUG=1` (libraries' echoes of a failed save included). Other exceptions
+    propagate (a bug: the traceback is wanted)."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     quiet = _NoLibraryTracebacks()
+    hook = sys.excepthook
     if not debug:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).addFilter(quiet)
+        sys.excepthook = _no_closed_loop_tracebacks(hook)
     try:
         yield
     except UserError as err:
@@ -130,21 +133,47 @@ def cli_errors(program: str) -> Iterator[None]:
     finally:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
+        sys.excepthook = hook
 
 
 QUIET_LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its writer's tasks via asyncio
 
 
+# what orbax logs (at ERROR, from its threads) when a background save fails; the failure itself
+# is raised in the main thread (`Checkpointer.save` or `wait`) and reported by `cli_errors`
+_FAILED_SAVE = ("_SignalingThread.run() raised", "background save thread", "Finalize thread")
+
+
 class _NoLibraryTracebacks(logging.Filter):
-    """Drops the traceback orbax (or its asyncio tasks) log with a failed background save (the
-    error itself is raised to `cli_errors`, which reports it in one line); the line stays."""
+    """Drops the traceback orbax (or its asyncio tasks) log with a failed background save, and
+    orbax's own lines about it (the error itself is raised to `cli_errors`, which reports it in
+    one line); its other lines stay."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         library = f"{os.sep}orbax{os.sep}" in record.pathname or record.name == "asyncio"
-        if record.exc_info and library:
+        if not library:
+            return True
+        if record.levelno >= logging.ERROR and any(
+            text in record.getMessage() for text in _FAILED_SAVE
+        ):
+            return False
+        if record.exc_info:
             record.exc_info = None
             record.exc_text = None
         return True
+
+
+def _no_closed_loop_tracebacks(hook: Callable[..., Any]) -> Callable[..., None]:
+    """`sys.excepthook` without the "Event loop is closed" tracebacks that TensorStore's
+    callbacks print (one per pending write, a hundred and more) when a save fails and orbax
+    has closed its event loop; every other error goes to `hook`."""
+
+    def excepthook(kind, value, tb) -> None:
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        hook(kind, value, tb)
+
+    return excepthook
 
 
 def _leave_now(code: int) -> None:

@@ -2,7 +2,8 @@
 
 Runs RL training (PPO, GRPO, ...) as configured; with `--export_hf=DIR` it instead restores the
 newest checkpoint (`trainer.resume_mode`) and writes the actor as an HF checkpoint to DIR
-(refused if DIR is not empty, unless `--overwrite`; the checkpoint directory is only read).
+(refused if DIR is not empty; `--overwrite` replaces only an earlier export; the checkpoint
+directory is only read; see `hybridjax.checkpointing.export`).
 Without `--config`, `DEFAULT_CONFIG` runs. A user error (config, data, model files,
 checkpoints, export target, a full disk) ends the run with one message and exit code 2; set
 `HYBRIDJAX_DEBUG=1` for the traceback (`hybridjax.errors`).
@@ -29,7 +30,7 @@ _EXPORT_HF = flags.DEFINE_string(
     "export_hf", "", "write the restored actor as an HF checkpoint here, then exit"
 )
 _OVERWRITE = flags.DEFINE_bool(
-    "overwrite", False, "let --export_hf replace a directory that is not empty"
+    "overwrite", False, "let --export_hf replace an earlier export (and only that)"
 )
 
 
@@ -40,7 +41,7 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
       UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
     """
     from hybridjax.checkpointing import hold_directory
-    from hybridjax.checkpointing.export import check_export_target, export_actor
+    from hybridjax.checkpointing.export import check_export_target, export_actor, export_protected
     from hybridjax.checkpointing.run_lock import hold_run_directory
     from hybridjax.rl.trainer import RLTrainer
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
@@ -60,9 +61,9 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     writable = not export_hf and (os.path.isdir(out) or not os.path.lexists(out))
     lock = hold_run_directory(config) if writable and is_main() else None  # before any write
     configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
-    if export_hf:
-        check_export_target(os.path.abspath(export_hf), overwrite)
+    if export_hf:  # held as a run holds its directory, then checked under the lock
         lock = hold_directory(export_hf, "--export_hf", create=False) if is_main() else None
+        check_export_target(os.path.abspath(export_hf), overwrite, export_protected(config))
     trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
         if export_hf:

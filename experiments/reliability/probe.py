@@ -517,29 +517,60 @@ def export_into_occupied_dir(ctx: Context) -> tuple[str, str]:
     return message_case(r, str(target), "not empty", "--overwrite")
 
 
+def _earlier_export(ctx: Context, name: str) -> pathlib.Path:
+    """A directory as an earlier export leaves it: its files and their manifest."""
+    target = fresh(ctx.root / name)
+    target.mkdir()
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    for n in files:
+        (target / n).write_text("old export")
+    (target / ".hybridjax-export.json").write_text(json.dumps({"files": files}))
+    return target
+
+
 @case
 def export_overwrite(ctx: Context) -> tuple[str, str]:
-    target = _occupied(ctx, "overwrite_hf")
-    run = ctx.copy_run("readonly")
-    before = snapshot(run)
+    """--overwrite replaces an earlier export; it refuses, untouched, a directory of other
+    files, the run directory and its parent."""
+    parent = fresh(ctx.root / "overwrite_parent")
+    run = parent / "run"
+    shutil.copytree(ctx.trained, run)
+    refused = {  # target: words of its one-line refusal
+        _occupied(ctx, "overwrite_hf"): "not written by an export",
+        run: "run's directory",
+        parent: "holds the run directory",
+    }
+
+    def files(target: pathlib.Path) -> dict[str, str]:  # a run lock's file may appear, empty
+        return {k: v for k, v in snapshot(target).items() if not k.endswith(".lock")}
+
+    before = {t: files(t) for t in refused}
+    for target, words in refused.items():
+        r = ctx.train(
+            f"--config.trainer.default_local_dir={run}", f"--export_hf={target}", "--overwrite"
+        )
+        if files(target) != before[target]:
+            return "lost", f"--overwrite changed {target}"
+        category, detail = message_case(r, str(target), words)
+        if category != "clear":
+            return category, f"{target}: {detail}"
+    target = _earlier_export(ctx, "earlier_hf")
     r = ctx.train(
         f"--config.trainer.default_local_dir={run}", f"--export_hf={target}", "--overwrite"
     )
     names = sorted(os.listdir(target)) if target.is_dir() else []
     # the run lock stays beside the target, emptied (hybridjax.checkpointing.run_lock)
     lock = pathlib.Path(lock_path(str(target)))
-    leftovers = [n for n in os.listdir(ctx.root) if n.startswith(".overwrite_hf.")]
+    leftovers = [n for n in os.listdir(ctx.root) if n.startswith(".earlier_hf.")]
     leftovers = [n for n in leftovers if n != lock.name or lock.read_text()]
     if r.returncode != 0:
         return message_case(r, "--overwrite")
-    if snapshot(run) != before:
-        return "lost", "export changed the checkpoint directory"
-    if (
-        names != ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-        or leftovers
-    ):
+    want = [".hybridjax-export.json", "config.json", "model.safetensors", "tokenizer.json"]
+    if names != [*want, "tokenizer_config.json"] or leftovers:
         return "unclear", f"target holds {names}, beside it {leftovers}"
-    return "documented", "replaced as asked"
+    if (target / "config.json").read_text() == "old export":
+        return "silent", "the earlier export was not replaced"
+    return "documented", "refused 3 targets that are not exports; replaced the earlier export"
 
 
 @case

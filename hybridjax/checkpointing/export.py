@@ -1,60 +1,192 @@
 """Export of a trained model as an HF checkpoint (`config.json`, safetensors, tokenizer).
 
-An export never deletes a file it did not write, and a crash never leaves a mix of two
-exports: the files are written into a temporary directory beside the target
-(`.<name>.export-tmp-*`) and moved into place with one `rename`. A target that exists and is not
-empty is refused unless `overwrite` is given; then the old directory is renamed aside
-(`.<name>.replaced-*`), the new one renamed in, and only then the old one removed, so a crash
-leaves either the old or the new export in place (and at worst the other one beside it).
+An export only ever replaces an export. It writes, beside its files, a manifest
+`.hybridjax-export.json` listing them; a target that exists and is not empty is refused unless
+`overwrite` is given, and even then it is replaced only when it holds an earlier export and
+nothing else (every file listed in its manifest). Refused, with one line naming the path and
+why: a run directory or any of its parents, anything inside a checkpoint directory
+(`global_step_<N>`), a directory holding a run's lock file (`.<name>.lock`, a live or past run)
+or checkpoints, and a directory with files the export did not write. The caller holds the
+target through the run lock (`run_lock.hold(..., create=False)`), so a run and an export, or
+two exports, never share it.
+
+A crash never leaves a mix of two exports: the files are written into a temporary directory
+beside the target (`.<name>.export-tmp-*`) and moved into place with one `rename`. With
+`overwrite` the old export is renamed aside (`.<name>.replaced-*`), the new one renamed in, and
+only then are the files of the old one's manifest removed (anything else found there is left,
+with a warning), so a crash leaves either the old or the new export in place.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 
 import jax
 from flax import nnx
 
+from hybridjax.checkpointing.manager import STEP_PREFIX
 from hybridjax.errors import CheckpointError, ExportError
 from hybridjax.models.hf_io import save_pretrained
 from hybridjax.models.lora import LoRAModel, merged_model, save_peft_adapter
 
 log = logging.getLogger(__name__)
 
+MANIFEST = ".hybridjax-export.json"  # the files an export wrote, relative to its directory
+_CHECKPOINT = re.compile(rf"{STEP_PREFIX}_\d+(\..*)?")  # a step, its orbax tmp or set-aside copy
+_LOCK = re.compile(r"\..+\.lock")  # `run_lock.lock_path`'s name
+_MAX_SCANNED = 100_000  # entries looked at under a target before it is refused as too big
+_SHOWN = 5
 
-def check_export_target(directory: str, overwrite: bool) -> None:
-    """Raises `ExportError` unless `directory` is absent, an empty directory, or (with
-    `overwrite`) a directory. Call it before any long work."""
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f", ... ({len(names)} entries)" if len(names) > _SHOWN else "")
+
+
+def _manifest(directory: str) -> set[str] | None:
+    """The files an earlier export wrote in `directory` (its manifest), or None without one."""
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        return {str(name) for name in files}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _scan(directory: str) -> tuple[list[str], list[str], bool]:
+    """(every file under `directory`, relative; the checkpoint directories among its
+    subdirectories; whether the scan stopped at `_MAX_SCANNED` entries)."""
+    files, checkpoints, seen = [], [], 0
+    for root, dirs, names in os.walk(directory):
+        rel = os.path.relpath(root, directory)
+        for name in dirs:
+            if _CHECKPOINT.fullmatch(name):
+                checkpoints.append(os.path.normpath(os.path.join(rel, name)))
+        files += [os.path.normpath(os.path.join(rel, n)) for n in names]
+        seen += len(dirs) + len(names)
+        if seen > _MAX_SCANNED:
+            return files, checkpoints, True
+    return files, checkpoints, False
+
+
+def _protected_problem(path: str, protected: Iterable[str]) -> str | None:
+    """Why `path` (a real path) may not be an export target given the run directories
+    `protected`, or None."""
+    for parent in [path, *_ancestors(path)]:
+        if _CHECKPOINT.fullmatch(os.path.basename(parent)):
+            return f"is inside the checkpoint directory {parent}"
+    for run in protected:
+        run = os.path.realpath(os.path.abspath(run))
+        if path == run:
+            return "is the run's directory (trainer.default_local_dir), which holds its checkpoints"
+        if run.startswith(path.rstrip(os.sep) + os.sep):
+            return f"holds the run directory {run}"
+    return None
+
+
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while (parent := os.path.dirname(path)) != path:
+        out.append(parent)
+        path = parent
+    return out
+
+
+def check_export_target(directory: str, overwrite: bool, protected: Iterable[str] = ()) -> None:
+    """Raises `ExportError` unless `directory` may receive an export: absent, an empty
+    directory, or (with `overwrite`) a directory holding an earlier export and nothing else.
+    Never one of the run directories `protected` or a parent of one, never inside a checkpoint
+    directory, never a directory holding a run lock or checkpoints. Call it before any long
+    work (and again just before writing). Each refusal is one line naming the path and why.
+    """
+    shown = directory
+    path = os.path.realpath(os.path.abspath(directory))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ExportError(f"export target {shown} exists and is not a directory")
+    problem = _protected_problem(path, protected)
+    if problem:
+        raise ExportError(f"export target {shown} {problem}; choose a directory of its own")
+    if not os.path.isdir(path) or not os.listdir(path):
+        return
+    files, checkpoints, truncated = _scan(path)
+    locks = [f for f in files if _LOCK.fullmatch(os.path.basename(f))]
+    if locks:
+        raise ExportError(
+            f"export target {shown} holds a run's lock file ({_listed(locks)}): a run's files "
+            "live there; choose a directory of its own"
+        )
+    if checkpoints:
+        raise ExportError(
+            f"export target {shown} holds checkpoints ({_listed(checkpoints)}); choose a "
+            "directory of its own"
+        )
+    if not overwrite:
+        raise ExportError(
+            f"export target {shown} is not empty ({_listed(sorted(os.listdir(path)))}); choose "
+            "an empty or new directory, or pass --overwrite to replace an earlier export"
+        )
+    written = _manifest(path)
+    if written is None:
+        raise ExportError(
+            f"export target {shown} was not written by an export (no {MANIFEST}), so "
+            "--overwrite does not replace it; remove it yourself or choose another directory"
+        )
+    foreign = sorted(set(files) - written - {MANIFEST})
+    if foreign or truncated:
+        raise ExportError(
+            f"export target {shown} holds files the export did not write "
+            f"({_listed(foreign) or 'too many to list'}); move them away or choose another "
+            "directory"
+        )
+
+
+def _write_manifest(directory: str) -> None:
+    files, _, _ = _scan(directory)
+    with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({"files": sorted(files)}, f, indent=1)
+
+
+def _remove_export(directory: str) -> None:
+    """Removes the files of an export's manifest under `directory`, then its empty
+    directories; anything else is left (with a warning)."""
+    written = (_manifest(directory) or set()) | {MANIFEST}
+    files, _, _ = _scan(directory)  # only files found under it: a manifest naming `../x` or an
+    for name in files:  # absolute path removes nothing outside
+        if name in written:
+            os.remove(os.path.join(directory, name))
+    for root, _, _ in sorted(os.walk(directory), key=lambda x: -len(x[0])):
+        with_files = os.listdir(root)
+        if not with_files:
+            os.rmdir(root)
     if os.path.isdir(directory):
-        if os.listdir(directory) and not overwrite:
-            names = sorted(os.listdir(directory))
-            shown = ", ".join(names[:5]) + (
-                f", ... ({len(names)} entries)" if len(names) > 5 else ""
-            )
-            raise ExportError(
-                f"export target {directory} is not empty ({shown}); choose an empty or new "
-                "directory, or pass --overwrite to replace it"
-            )
-    elif os.path.lexists(directory):
-        raise ExportError(f"export target {directory} exists and is not a directory")
+        log.warning("kept %s: it held files the replaced export did not write", directory)
 
 
 def write_hf_export(
-    model, tokenizer, directory: str, overwrite: bool = False, adapter_base: str = ""
+    model,
+    tokenizer,
+    directory: str,
+    overwrite: bool = False,
+    adapter_base: str = "",
+    protected: Iterable[str] = (),
 ) -> None:
-    """Writes `model` (a CausalLM) and `tokenizer` to `directory` in HF layout, atomically. A
-    LoRA model is written with its adapters merged into the weights, and the adapters alone
-    (peft layout, base model `adapter_base`) under `adapter/`.
+    """Writes `model` (a CausalLM) and `tokenizer` to `directory` in HF layout, atomically,
+    with the manifest of its files. A LoRA model is written with its adapters merged into the
+    weights, and the adapters alone (peft layout, base model `adapter_base`) under `adapter/`.
+    `protected`: run directories the export must not replace (see `check_export_target`).
 
     Raises:
-      ExportError: the target is not empty and `overwrite` is False, or is a file.
+      ExportError: the target is refused (`check_export_target`).
       OSError: writing failed (the target is unchanged; the temporary directory is removed).
     """
     directory = os.path.abspath(directory.rstrip("/"))
-    check_export_target(directory, overwrite)
+    check_export_target(directory, overwrite, protected)
     if jax.process_index() != 0:  # gathering is collective; only process 0 writes
         save_pretrained(merged_model(model), directory)
         return
@@ -66,12 +198,14 @@ def write_hf_export(
         if isinstance(model, LoRAModel):  # and the adapters alone, for peft
             save_peft_adapter(model, os.path.join(tmp, "adapter"), adapter_base)
         tokenizer.save(tmp)
+        _write_manifest(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if os.path.isdir(directory):
+            check_export_target(directory, overwrite, protected)  # again, just before
             aside = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
-            os.replace(directory, aside)  # an empty directory, or --overwrite
+            os.replace(directory, aside)  # an empty directory, or an earlier export
             os.replace(tmp, directory)
-            shutil.rmtree(aside)
+            _remove_export(aside)
         else:
             os.replace(tmp, directory)
     except BaseException:
@@ -85,10 +219,11 @@ def export_actor(trainer, directory: str, overwrite: bool = False) -> int:
     exported step.
 
     Raises:
-      ExportError: the target would lose files (checked before restoring).
+      ExportError: the target is refused (checked before restoring; `check_export_target`).
       CheckpointError: there is no loadable checkpoint, or it does not match the config.
     """
-    check_export_target(os.path.abspath(directory), overwrite)
+    protected = export_protected(trainer.cfg)
+    check_export_target(os.path.abspath(directory), overwrite, protected)
     step = trainer.restore()
     if step == 0:
         raise CheckpointError(
@@ -97,6 +232,17 @@ def export_actor(trainer, directory: str, overwrite: bool = False) -> int:
         )
     model = nnx.merge(trainer.actor_graphdef, trainer.actor_state.params)
     write_hf_export(model, trainer.tokenizer, directory, overwrite,
-                    adapter_base=trainer.cfg.actor_rollout_ref.model.path)  # fmt: skip
+                    adapter_base=trainer.cfg.actor_rollout_ref.model.path,
+                    protected=protected)  # fmt: skip
     log.info("exported the actor of step %d to %s", step, directory)
     return step
+
+
+def export_protected(cfg) -> list[str]:
+    """The run directories an RL export must not replace: `trainer.default_local_dir` and the
+    directory of an explicit `trainer.resume_mode` checkpoint."""
+    t = cfg.trainer
+    dirs = [t.default_local_dir]
+    if t.resume_mode not in ("auto", "disable"):
+        dirs.append(os.path.dirname(os.path.abspath(t.resume_mode.rstrip("/"))))
+    return dirs

@@ -22,9 +22,11 @@ Restoring a checkpoint, newest first:
      valid checkpoint is never skipped for not matching;
   3. the arrays load, and every floating-point value is finite; otherwise *unreadable*.
 An unreadable checkpoint is skipped with a warning naming the file and the reason; skipping
-never renames or deletes it. Only when the resumed run reaches that step again and saves it is
-the unreadable directory moved aside (`global_step_<N>.unreadable`, never over another one) to
-make room; orbax's keep-N policy removes old steps only after a newer one is committed.
+never renames or deletes it. When every checkpoint is unreadable, restoring is an error naming
+each (never a silent fresh start over a run's checkpoints). Only when the resumed run reaches
+that step again and saves it is the unreadable directory moved aside
+(`global_step_<N>.unreadable`, never over another one) to make room; orbax's keep-N policy
+removes old steps only after a newer one is committed.
 Read-only users (`read_only=True`: export, an explicit resume path) never create, change or
 delete anything under the directory.
 
@@ -284,12 +286,12 @@ class Checkpointer:
           check_meta: returns the ways a checkpoint's meta dict does not fit this run (e.g.
             the data iterator's size); any makes it a mismatch.
         Returns:
-          (step, state, meta), or None when no checkpoint is usable (unreadable ones skipped
-          with a warning naming the file).
+          (step, state, meta) of the newest readable one (unreadable ones skipped with a
+          warning naming the file), or None when there is no checkpoint.
         Raises:
           CheckpointError: a checkpoint does not match `target`'s tree, shapes or dtypes, or
             `check_meta` (each difference named with both values); `step` does not exist or is
-            unreadable.
+            unreadable; every checkpoint is unreadable (each named with its reason).
         """
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -302,6 +304,7 @@ class Checkpointer:
                 f"trainer.resume_mode: {self.step_path(step)} is not a checkpoint "
                 f"(checkpoints in {self.directory}: {listed})"
             )
+        unreadable = []
         for candidate in [step] if step is not None else sorted(available, reverse=True):
             try:
                 return self._restore_one(candidate, abstract, check_meta)
@@ -316,6 +319,13 @@ class Checkpointer:
                     err,
                 )
                 self._unreadable.add(candidate)
+                unreadable.append(f"{self.step_path(candidate)} ({err})")
+        if unreadable:  # not a fresh start over a run's checkpoints
+            raise CheckpointError(
+                f"every checkpoint in {self.directory} is unreadable: {'; '.join(unreadable)}; "
+                "restore them, or start afresh with trainer.resume_mode=disable or another "
+                "trainer.default_local_dir"
+            )
         return None
 
     def _restore_one(self, step: int, abstract: Any, check_meta) -> tuple[int, Any, dict]:

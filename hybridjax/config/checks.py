@@ -12,6 +12,7 @@ what the step can run. It runs before any model is built.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from hybridjax.algorithms.advantages import (
 )
 from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
 from hybridjax.config import fields
+from hybridjax.config.rollout_checks import eos_warnings, rollout_problems, rollout_warnings
 from hybridjax.config.run import dtype_of
 from hybridjax.config.schema import base_config, declared_checks
 from hybridjax.data.dataset import as_file_list
@@ -50,6 +52,7 @@ from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import placement_problems, pool_config, pool_sizes, role_pools
 from hybridjax.sharding.validate import head_count_problems
 
+log = logging.getLogger(__name__)
 REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
 RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -444,6 +447,9 @@ def validate(
     with the mesh, batch and head-count checks of `hybridjax.sharding` (`model_configs`: config
     key of each model → its ModelConfig, for the head counts).
 
+    Warns (one line each, `rollout_checks.rollout_warnings`) of sampling that leaves nothing to
+    learn from.
+
     Raises:
       ConfigError: listing every problem, one per line, each naming its key and value.
     """
@@ -455,12 +461,15 @@ def validate(
         problems += multi_turn_problems(cfg)
         problems += _pool_problems(cfg, n_devices, None)
         problems += _lora_problems(cfg)
+        problems += rollout_problems(cfg)
         problems += missing_logger_packages(cfg.trainer.logger)
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
         if not problems and model_configs:
             problems += model_problems(cfg, n_devices, model_configs)
     _raise(problems)
+    for warning in rollout_warnings(cfg):
+        log.warning(warning)
 
 
 def validate_models(
@@ -468,11 +477,14 @@ def validate_models(
 ) -> None:
     """The checks that need the models' shapes, on a config `validate` accepted: attention
     heads against each pool's tensor axes, and with `trainer.check_memory` the memory plan.
+    Warns (one line) when the actor's eos_token_id is outside its vocabulary.
 
     Raises:
       ConfigError: listing every problem, one per line, each naming its key and value.
     """
     _raise(model_problems(cfg, n_devices, model_configs))
+    for warning in eos_warnings(cfg, model_configs):
+        log.warning(warning)
 
 
 def _raise(problems: list[str]) -> None:

@@ -252,8 +252,8 @@ def declared_config() -> ConfigDict:
             log_prob_max_token_len_per_gpu=16384,
             ignore_eos=False,
             attention_impl=one_of("auto", ATTENTION_IMPLS),
-            decode_steps_per_call=32,
-            min_prefill_bucket=16,
+            decode_steps_per_call=positive(32),
+            min_prefill_bucket=positive(16),
             # KV pages as sequences grow, preempting the youngest when a pool runs out (vLLM),
             # or each sample's worst case reserved at admission (hybridjax.rollout.preemption)
             page_allocation=one_of("on_demand", PAGE_ALLOCATIONS),

@@ -166,11 +166,14 @@ def export(
     directory: str,
     base_path: str = "",
     overwrite: bool = False,
+    run_dir: str = "",
 ) -> None:
     """Writes `model` (LoRA: merged) and the tokenizer as an HF checkpoint in `directory`, and
     with LoRA the adapters for peft in `directory/adapter` (`base_path`: the base's HF dir);
-    atomically, refusing a non-empty `directory` unless `overwrite` (see `write_hf_export`)."""
-    write_hf_export(model, tokenizer, directory, overwrite, adapter_base=base_path)
+    atomically, refusing a non-empty `directory` unless `overwrite` replaces an earlier export,
+    and never the run directory `run_dir` or its parents (see `write_hf_export`)."""
+    protected = [run_dir] if run_dir else []
+    write_hf_export(model, tokenizer, directory, overwrite, base_path, protected)
 
 
 def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:
@@ -243,8 +246,8 @@ def setup(
     t = cfg.trainer
     set_compilation_cache(t.compilation_cache_dir)  # before the first compile
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
-    check_export_target(os.path.abspath(out), overwrite)
     hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)
+    check_export_target(os.path.abspath(out), overwrite, [t.default_local_dir])
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = train_mesh(cfg)
     train = load(cfg.data.train_files, tokenizer, cfg.data)
@@ -276,6 +279,6 @@ def train_and_export(
     validate = None if validate is None else on_mesh(run.mesh, validate)
     state, metrics = fit(cfg, run.graphdef, state, run.total, step_fn, batch_fn, validate)
     model = nnx.merge(run.graphdef, state.params)
-    export(model, run.tokenizer, run.out, cfg.model.path, overwrite)
+    export(model, run.tokenizer, run.out, cfg.model.path, overwrite, cfg.trainer.default_local_dir)
     print(f"{name} model written to {run.out}", flush=True)
     return metrics

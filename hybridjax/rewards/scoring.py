@@ -2,11 +2,12 @@
 processes with a per-call timeout (user code).
 
 A row's outcome is an `Outcome`: a finite score and its extra keys, or the kind of failure
-(`error`: raised, called `sys.exit`, or returned something other than a number or verl's dict
-with a numeric `score` (a string, None, a list...); `crash`: the worker process died, e.g.
-`os.abort()` or a segfault; `timeout`: still running after `timeout_s`; `nonfinite`: NaN or inf
-after conversion to float32, the training dtype, or a magnitude above `MAX_ABS_SCORE`, whose
-square would overflow the float32 statistics of the advantage).
+(`error`: raised, called `sys.exit` or `os._exit` (named with its exit code), or returned
+something other than a number or verl's dict with a numeric `score` (a string, None, a
+list...); `crash`: the worker process died, e.g. `os.abort()` or a segfault; `timeout`: still
+running after `timeout_s`; `nonfinite`: NaN or inf after conversion to float32, the training
+dtype, or a magnitude above `MAX_ABS_SCORE`, whose square would overflow the float32 statistics
+of the advantage).
 Nothing a reward function does reaches the caller as an exception.
 
 Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`
@@ -20,13 +21,16 @@ experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 import math
 import multiprocessing
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import pebble
@@ -34,6 +38,7 @@ import pebble
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
+PRELOAD = "hybridjax.rewards.forkserver_preload"  # imported by the workers' forkserver only
 MAX_ABS_SCORE = 1e6  # a larger score is a bug (squares of 1e19 already overflow float32)
 
 
@@ -192,6 +197,37 @@ def _call_one(fn: Callable[..., Any], row: Row) -> Outcome:
 _WORKER_FN: Callable[..., Any] | None = None  # the function, loaded once per worker process
 
 
+class WorkerExit(BaseException):
+    """A reward function called `os._exit` in its worker process (see `_os_exit_raises`)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"reward function called os._exit({self.code}) (exit code {self.code})"
+
+
+@contextlib.contextmanager
+def _os_exit_raises() -> Iterator[None]:
+    """While a reward function runs in its worker process, `os._exit` there raises
+    `WorkerExit` (its row fails, naming the exit code): a worker leaving with code 0 mid-call
+    looks to the pool like a normal exit, and the call would be reported only when its timeout
+    ran out. Processes the function starts, and the worker's own exit, keep the real one."""
+    real, worker = os._exit, os.getpid()
+
+    def _exit(status: int) -> NoReturn:
+        if os.getpid() != worker:
+            real(status)
+        raise WorkerExit(status)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _load_in_worker(spec: FunctionSpec) -> None:
     global _WORKER_FN
     _WORKER_FN = spec.load()
@@ -199,7 +235,24 @@ def _load_in_worker(spec: FunctionSpec) -> None:
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
     assert _WORKER_FN is not None, "the worker's initializer loads the function"
-    return call_rows(_WORKER_FN, rows, batched)
+    with _os_exit_raises():
+        return call_rows(_WORKER_FN, rows, batched)
+
+
+def quiet_bootstrap_errors(kind, value, tb) -> None:
+    """`sys.excepthook` of the workers' forkserver (installed by
+    `hybridjax.rewards.forkserver_preload`, so only there): a worker that was still starting
+    when its pool was shut down finds the pool's semaphores gone (`FileNotFoundError` in
+    `multiprocessing.synchronize`) and leaves with nothing to do; its traceback would print
+    before the trainer's own message. Every other error keeps its traceback."""
+    last = tb
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    where = last.tb_frame.f_code.co_filename if last is not None else ""
+    gone = os.path.join("multiprocessing", "synchronize.py")
+    if isinstance(value, FileNotFoundError) and where.endswith(gone):
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 class RowScorer:
@@ -229,7 +282,7 @@ class RowScorer:
             context = multiprocessing.get_context("forkserver")
             # Workers fork from a server that already imported this module (its replacements
             # start in ms, not in the ~0.5 s of a fresh import); no effect once it runs.
-            context.set_forkserver_preload(["__main__", __name__])
+            context.set_forkserver_preload(["__main__", __name__, PRELOAD])
             self._pool = pebble.ProcessPool(
                 max_workers=num_workers,
                 initializer=_load_in_worker,

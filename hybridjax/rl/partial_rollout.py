@@ -35,6 +35,15 @@ again from scratch (same request index and seed) with the current weights.
 Rollout correction: the rollout log-probs stay per token, each under its own sampling policy,
 so π_old / π_rollout (`algorithm.rollout_is_*`) corrects each token for its own lag.
 
+Checkpoints: at the end of each round the prompts in flight are recorded (`state_after`, a
+JSON-ready dict: each group's prompt, data row, sampling parameters, and per sample its tokens,
+log-probs, versions and finish reason), and the trainer saves the record of the round of the
+step it checkpoints. A resumed run loads it (`load_state`): finished samples wait to be handed
+over, samples part-way through go back to the engine as preempted sequences
+(`preemption.continuing`: recomputed from their tokens, their PRNG stream where it was), and
+groups not yet admitted go back to the queue. With "recompute" the resumed run thus samples
+what the uninterrupted run samples after its next weight swap.
+
 Only whole-batch single-turn sampling in one process: multi-turn, a greedy baseline (ReMax)
 and several processes are refused (`hybridjax.config.checks`, `RLTrainer`).
 """
@@ -50,7 +59,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from hybridjax.rl.generation import assemble_batch, sampling_params
-from hybridjax.rollout import Engine
+from hybridjax.rollout import Engine, SamplingParams
 from hybridjax.rollout.batching import (
     RolloutOutput,
     drop_preempted,
@@ -59,6 +68,9 @@ from hybridjax.rollout.batching import (
     refill_batch,
 )
 from hybridjax.rollout.pages import Prefix, Request
+from hybridjax.rollout.preemption import continuing
+
+KEPT_ROUNDS = 4  # records of the last rounds kept for `state_after` (a save lags by at most 2)
 
 
 @dataclasses.dataclass
@@ -138,6 +150,7 @@ class PartialRollout:
         self._next_index = 0
         self.num_regenerated = 0  # groups dropped by the staleness bound so far
         self.num_recomputed = 0  # sequences recomputed at weight swaps so far
+        self._records: dict[int, dict[str, Any]] = {}  # round -> prompts in flight after it
 
     def set_weights(self, params: Any, version: int) -> None:
         """Swaps policy `version`'s weights (generation layout) into the engine; running
@@ -192,7 +205,57 @@ class PartialRollout:
         groups = [self.groups.pop(i) for i in done]
         for i in done:
             del self._first_row[i]
+        self._records[step] = self._record()
+        self._records.pop(step - KEPT_ROUNDS, None)
         return self._assemble(groups)
+
+    def state_after(self, step: int) -> dict[str, Any]:
+        """The prompts in flight after round `step` (JSON-ready; for the checkpoint of step
+        `step`, see the module docstring). Raises KeyError if that round is not recent."""
+        return self._records[step]
+
+    def _record(self) -> dict[str, Any]:
+        groups = [
+            {
+                "index": i,
+                "prompt": list(g.request.prompt),
+                "params": dataclasses.asdict(g.request.params),
+                "row": {key: _to_json(value) for key, value in g.prompt.items()},
+                "tokens": [list(t) for t in g.tokens],
+                "log_probs": [list(x) for x in g.log_probs],
+                "versions": [list(v) for v in g.versions],
+                "reasons": list(g.reasons),
+            }
+            for i, g in sorted(self.groups.items())
+        ]
+        return {"next_index": self._next_index, "groups": groups}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Puts the prompts in flight of a checkpoint (`state_after`) back, on an idle stream:
+        finished samples wait to be handed over, started ones are queued in the engine as
+        preempted sequences (recomputed with the weights current when they are readmitted),
+        groups not yet admitted are queued as new."""
+        if self.groups or self._owner or self.engine.preempted:
+            raise RuntimeError("load_state needs a stream with nothing in flight")
+        sequences = []
+        eos, page_size = self.engine.eos_ids, self.engine.config.page_size
+        for g in state["groups"]:
+            params = dict(g["params"], stop_token_ids=tuple(g["params"]["stop_token_ids"]))
+            request = Request(tuple(g["prompt"]), SamplingParams(**params), int(g["index"]))
+            row = {key: _from_json(value) for key, value in g["row"].items()}
+            group = Group(request, row, g["tokens"], g["log_probs"], g["versions"], g["reasons"])
+            self.groups[request.index] = group
+            self._first_row[request.index] = request.index * self.n
+            if not any(group.tokens) and not any(r is not None for r in group.reasons):
+                self._queue.append(request)
+                continue
+            sequences += [
+                continuing(request, sample, group.tokens[sample], eos, page_size)
+                for sample in range(self.n)
+                if group.reasons[sample] is None
+            ]
+        self._next_index = int(state["next_index"])
+        self.engine.put_back(sequences)
 
     def batch(self, step: int, count: int):
         """`take`, as the step's (RLBatch, HostColumns) and token versions."""
@@ -256,6 +319,29 @@ class PartialRollout:
             versions[i, : len(g.versions[s])] = g.versions[s]
         reasons = tuple(str(g.reasons[s]) for g, s in rows)
         return prompts, RolloutOutput(responses, mask, log_probs, reasons), versions
+
+
+def _to_json(value: Any) -> Any:
+    """A data row's value as JSON (arrays and numpy scalars tagged with their dtype)."""
+    if isinstance(value, np.ndarray | np.generic):
+        return {"__array__": np.asarray(value).tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    """`_to_json` undone (tuples come back as lists)."""
+    if isinstance(value, dict):
+        if set(value) == {"__array__", "dtype"}:
+            array = np.asarray(value["__array__"], dtype=value["dtype"])
+            return array if array.ndim else array[()]
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
 
 
 def _stack(values: list) -> np.ndarray | list:

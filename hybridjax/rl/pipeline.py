@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -298,6 +299,7 @@ def _finish(pending, ctx: StepContext, batch, reads: Iterable[str] | None):
 
 # "<after|before|replace> <stage>: <module_or_file>:<function>", or "remove <stage>"
 _ENTRY = re.compile(r"^\s*(?:(after|before|replace)\s+(\S+?)\s*:\s*(\S+):(\w+)|remove\s+(\S+))\s*$")
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # an importable module's dotted name
 _EDITS = {"after": "insert_after", "before": "insert_before", "replace": "replace"}
 
 
@@ -307,13 +309,24 @@ def load_stage(target: str, function: str) -> Stage:
     with no declared reads or writes.
 
     Raises:
-      PipelineError: `target` is neither a file nor an importable module, or has no `function`.
+      PipelineError: `target` is neither a file nor an importable module (a path that does
+        not exist is not tried as a module), has a syntax error, or has no `function`.
     """
+    if not os.path.isfile(target) and not _MODULE.fullmatch(target):
+        why = "a directory" if os.path.isdir(target) else "no such file"
+        raise PipelineError(
+            f"trainer.stages: {target!r} is not a file or an importable module ({why}, and not "
+            "a module name); give a .py file or a module (a.b.c)"
+        )
     try:
         module = load_module(target)
     except CodeNotFound as err:
         raise PipelineError(
             f"trainer.stages: {target!r} is not a file or an importable module ({err})"
+        ) from None
+    except SyntaxError as err:
+        raise PipelineError(
+            f"trainer.stages: {err.filename or target}, line {err.lineno}: {err.msg}"
         ) from None
     found = getattr(module, function, None)
     if isinstance(found, Stage):

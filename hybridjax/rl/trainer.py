@@ -376,6 +376,8 @@ class RLTrainer:
             "nan_consecutive": self.nan_guard.consecutive,
             "nan_total": self.nan_guard.total,
         }
+        if self.partial is not None:  # the prompts in flight after this step's round
+            meta["partial_rollout"] = self.partial.state_after(self.global_step)
         self.checkpointer.save(self.global_step, self._state_tree(), meta)
 
     def restore(self) -> int:
@@ -409,6 +411,9 @@ class RLTrainer:
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
+        if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
+            with self.rollout_ahead.engine_lock:
+                self.partial.load_state(meta["partial_rollout"])
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (
             meta["nan_consecutive"],
@@ -426,12 +431,19 @@ class RLTrainer:
             "batch_size": "data.train_batch_size",
             "seed": "data.seed",
         }
-        return [
+        problems = [
             f"data iterator {key}: {saved.get(key)} in the checkpoint, {mine[key]} with this "
             f"config ({why})"
             for key, why in keys.items()
             if saved.get(key) != mine[key]
         ]
+        resumes = self.partial is not None and not self.checkpointer.read_only
+        if resumes and "partial_rollout" not in meta:
+            problems.append(
+                "trainer.partial_rollout: the checkpoint has no prompts in flight (saved "
+                "without partial rollouts, or by an older version)"
+            )
+        return problems
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -439,10 +451,18 @@ class RLTrainer:
         """Trains to `total_steps`, continuing after the last step this trainer ran (a
         notebook's `train_step(1)`), else from the checkpoint `trainer.resume_mode` restores (or
         the first step); saves every `trainer.save_freq` steps, at the end, and on
-        SIGTERM/SIGINT (then returns early). Returns the last step's metrics."""
+        SIGTERM/SIGINT (then returns early). Returns the last step's metrics (empty, and
+        nothing trained or written, when the start is already `total_steps`: it says so)."""
         t = self.cfg.trainer
         start = self.global_step or self.restore()
         self.global_step = start
+        if start >= self.total_steps:
+            announce(
+                log,
+                f"no steps left: the run is at step {start} and trains {self.total_steps} "
+                "steps (trainer.total_training_steps, or total_epochs); nothing to train",
+            )
+            return {}
         log_dir = os.path.join(t.default_local_dir, "logs")
         tracker = Tracking(
             t.logger if is_main() else (),  # one process writes the logs

@@ -56,12 +56,11 @@ from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
 from hybridjax.rollout.pages import Prefix, Request, num_pages
-from hybridjax.rollout.preemption import Preempted
+from hybridjax.rollout.preemption import Preempted, first_row
 from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
 from hybridjax.rollout.scheduler import Scheduler
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
-    Row,
     Slots,
     StepOutput,
     power_of_two_bucket,
@@ -532,22 +531,10 @@ class Engine:
             )
         if prefix.to_prefill:
             raise ValueError(f"request {prefix.request.index}: prompt not fully prefilled yet")
-        r, p = prefix.request, prefix.request.params
-        sample = prefix.next_sample
-        pages = self.pages.sample_pages(prefix)
-        stop = p.stop_token_ids + (() if p.ignore_eos else self.eos_ids)
-        row = Row(
-            token=r.prompt[-1],
-            position=len(r.prompt) - 1,
-            max_tokens=p.max_tokens,
-            pages=pages,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            seed=(p.seed & 0x7FFFFFFF, r.index, sample),
-            stop_ids=stop,
-        )
-        self.scheduler.assign(slot, row, len(r.prompt) + p.max_tokens, r.prompt)
+        r, sample = prefix.request, prefix.next_sample
+        pages = self.pages.sample_pages(prefix)  # counts the sample in
+        row = first_row(r, sample, self.eos_ids, pages)
+        self.scheduler.assign(slot, row, len(r.prompt) + r.params.max_tokens, r.prompt)
         self.scheduler.routing[slot] = list(prefix.routing)
 
     def free_resource(self, slot: int) -> None:

@@ -23,6 +23,8 @@ import dataclasses
 
 import numpy as np
 
+from hybridjax.rollout.pages import Request
+from hybridjax.rollout.prefix_cache import page_digests
 from hybridjax.rollout.slots import Row, Slots
 
 
@@ -56,6 +58,41 @@ class Preempted:
     def priority(self) -> tuple[int, int]:
         """(request index, sample): lower is older, readmitted first, preempted last."""
         return (self.request_index, self.sample)
+
+
+def first_row(request: Request, sample: int, eos_ids: tuple[int, ...], pages: list[int]) -> Row:
+    """The decode state of sample `sample` of `request` when it is inserted (`Engine.insert`):
+    its first input is the prompt's last token; `eos_ids` end it unless `ignore_eos`."""
+    p = request.params
+    return Row(
+        token=request.prompt[-1],
+        position=len(request.prompt) - 1,
+        max_tokens=p.max_tokens,
+        pages=pages,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=(p.seed & 0x7FFFFFFF, request.index, sample),
+        stop_ids=p.stop_token_ids + (() if p.ignore_eos else eos_ids),
+    )
+
+
+def continuing(
+    request: Request, sample: int, generated: list[int], eos_ids: tuple[int, ...], page_size: int
+) -> Preempted:
+    """Sample `sample` of `request` after it sampled `generated` (not finished), as a preempted
+    sequence that `Engine.put_back` queues for readmission: recomputed from its tokens, it
+    draws its next token as it would have without the interruption (a partial rollout resumed
+    from a checkpoint, `hybridjax.rl.partial_rollout`)."""
+    tokens = tuple(request.prompt) + tuple(generated)
+    row = dataclasses.replace(
+        first_row(request, sample, eos_ids, []),
+        token=tokens[-1],
+        position=len(tokens) - 1,
+        num_generated=len(generated),
+    )
+    expected = len(request.prompt) + request.params.max_tokens
+    return Preempted(row, tokens, expected, 0, tuple(page_digests(tokens[:-1], page_size)))
 
 
 def row_of(slots: Slots, slot: int) -> Row:

@@ -109,6 +109,25 @@ def test_unreadable_newest_step_is_skipped_and_kept_untouched(tmp_path, caplog):
     fresh.close()
 
 
+def test_every_checkpoint_unreadable_is_an_error_naming_each(tmp_path):
+    """Not a fresh start over a run's checkpoints: one message naming every file and why."""
+    _saved(tmp_path).close()
+    victims = [_largest_array_file(tmp_path / f"global_step_{s}") for s in (1, 2)]
+    for victim in victims:
+        with open(victim, "r+b") as f:
+            f.write(os.urandom(64))
+    before = _tree_bytes(tmp_path)
+    ckpt = Checkpointer(str(tmp_path), max_to_keep=3, read_only=True)
+    with pytest.raises(CheckpointError, match=f"every checkpoint in {tmp_path} is unreadable") as e:
+        ckpt.restore(_target())
+    ckpt.close()
+    for victim in victims:
+        assert f"{victim}: checksum mismatch" in str(e.value)
+    assert "trainer.resume_mode=disable" in str(e.value)
+    assert _tree_bytes(tmp_path) == before
+    assert Checkpointer(str(tmp_path / "new"), 1).restore(_target()) is None  # no checkpoint
+
+
 def test_checksum_mismatch_falls_back_and_names_the_file(tmp_path, caplog):
     _saved(tmp_path).close()
     assert (tmp_path / "global_step_2" / "checksums.json").is_file()
@@ -157,7 +176,8 @@ def test_non_finite_restored_state_is_unreadable(tmp_path, monkeypatch, caplog):
 
     real = manager.all_finite
     monkeypatch.setattr(manager, "all_finite", lambda tree: real(tree) and "big" not in tree)
-    assert ckpt.restore(_target()) is None
+    with pytest.raises(CheckpointError, match="global_step_1 .the restored state contains NaN"):
+        ckpt.restore(_target())  # every step is unreadable
     assert "contains NaN or inf" in caplog.text
     ckpt.close()
 

@@ -220,3 +220,82 @@ def test_router_replay_r3_and_the_engine_recording_go_together():
         assert "enable_rollout_routing_replay=True" in message
     assert "use_remove_padding=False" in _problems(**r3, **record)
     validate(_config(**r3, **record, **unpacked), 8)
+
+
+R = "actor_rollout_ref.rollout"  # tiny: prompt 256 + response 32 tokens, 16-token pages, n = 1
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({f"{R}.decode_steps_per_call": 0}, f"{R}.decode_steps_per_call: must be > 0 (got 0)"),
+        ({f"{R}.min_prefill_bucket": 0}, f"{R}.min_prefill_bucket: must be > 0"),
+        (
+            {f"{R}.page_size": 4096},
+            f"{R}.page_size: must be in [1, prompt_length + response_length",
+        ),
+        ({f"{R}.num_pages": 1}, f"{R}.num_pages: must be -1 (sized from memory) or >= 18"),
+        ({f"{R}.num_pages": 2, f"{R}.n": 2}, "or >= 21 (one group of n=2 samples"),
+    ],
+)
+def test_engine_sizes_name_the_key_and_the_valid_range(changes, needle):
+    message = _problems(**changes)
+    assert needle in message, message
+    assert len(message.splitlines()) == 2  # "invalid config (1 problem):" and the one line
+
+
+def test_the_smallest_pool_the_check_allows_serves_a_group():
+    validate(_config(**{f"{R}.num_pages": 18}), 8)
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        (
+            "after gen: ./no_such_stages.py:fn",
+            "'./no_such_stages.py' is not a file or an importable module (no such file",
+        ),
+        ("after gen: {tmp}:fn", "(a directory, and not a module name)"),
+        ("after gen: {tmp}/broken.py:fn", "broken.py, line 1: "),
+        ("after gen: no_such_module_xyz:fn", "'no_such_module_xyz' is not a file or an importable"),
+    ],
+)
+def test_a_bad_stages_path_is_one_line(entry, needle, tmp_path):
+    (tmp_path / "broken.py").write_text("def fn(batch, ctx:\n")
+    entry = entry.replace("{tmp}", str(tmp_path))
+    message = _problems(**{"trainer.stages": (entry,)})
+    assert "trainer.stages: " in message and needle.replace("{tmp}", str(tmp_path)) in message
+    assert len(message.splitlines()) == 2, message
+
+
+def test_greedy_samples_under_a_group_estimator_warn_that_advantages_are_zero(caplog):
+    grpo = {"algorithm.adv_estimator": "grpo", "critic.enable": False, f"{R}.n": 4}
+    validate(_config(**grpo, **{f"{R}.temperature": 0.0}), 8)
+    validate(_config(**grpo, **{f"{R}.do_sample": False}), 8)
+    lines = [r.getMessage() for r in caplog.records if "every advantage 0" in r.getMessage()]
+    assert len(lines) == 2 and f"{R}.temperature=0 with rollout.n=4" in lines[0]
+    assert "do_sample=False" in lines[1] and "'grpo'" in lines[0]
+    caplog.clear()
+    validate(_config(**grpo), 8)  # sampled: no warning
+    validate(_config(**{f"{R}.temperature": 0.0, f"{R}.n": 4}), 8)  # GAE: a critic's baseline
+    assert "every advantage" not in caplog.text
+
+
+def test_an_eos_outside_the_vocabulary_warns_in_one_line(caplog):
+    from hybridjax.config.checks import validate_models
+    from hybridjax.models.config import ModelConfig
+
+    config = _config()
+    shape = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1)
+    shape |= dict(num_attention_heads=2, num_key_value_heads=1)
+    inside = ModelConfig(vocab_size=100, eos_token_id=(7, 99), **shape)
+    validate_models(config, 8, {"actor_rollout_ref.model": inside})
+    assert "outside the vocabulary" not in caplog.text
+    outside = ModelConfig(vocab_size=100, eos_token_id=(7, 100), **shape)
+    validate_models(config, 8, {"actor_rollout_ref.model": outside})
+    lines = [r.getMessage() for r in caplog.records if "outside the vocabulary" in r.getMessage()]
+    assert lines == [
+        "actor_rollout_ref.model: eos_token_id 100 is outside the vocabulary (vocab_size 100), "
+        "so no response ends before rollout.response_length; fix the tokenizer's or the "
+        "model's eos_token_id (model.override_config.eos_token_id)"
+    ]

@@ -135,3 +135,44 @@ def test_unknown_key_on_the_command_line_is_one_line(flag, message):
         f"hybridjax.train: error: in the command line's flags: {message}"
     )
     assert "Traceback" not in out.stderr
+
+
+def test_a_failed_saves_library_echoes_are_dropped(monkeypatch, capsys):
+    """A full disk during a save: TensorStore's callbacks print "Event loop is closed" through
+    `sys.excepthook` (a hundred times), orbax logs the failure from its threads; the user sees
+    the handler's one line. Other errors and orbax's other lines stay; debug keeps it all."""
+    import logging
+
+    orbax_file = os.path.join(os.sep, "x", "orbax", "checkpoint", "async_utils.py")
+
+    def record(message):
+        return logging.LogRecord("absl", logging.ERROR, orbax_file, 1, message, None, None)
+
+    def fn():
+        sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+        absl = logging.getLogger("absl")
+        for message in (
+            "[process=0][thread=array_type_handler] _SignalingThread.run() raised an exception",
+            "[process=0] Failed to run 4 Handler Commit operations in background save thread",
+            "[process=0][step=4][wait_until_finished] Save Finalize thread failed.",
+            "orbax: another problem",
+        ):
+            absl.handle(record(message))
+        sys.excepthook(KeyError, KeyError("other"), None)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(errors, "_leave_now", lambda code: sys.exit(code))
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        code, stderr = _run(fn, monkeypatch, capsys)
+        assert code == EXIT_USER_ERROR
+        assert "Event loop is closed" not in stderr and "Finalize" not in stderr
+        assert "raised" not in stderr and "background save" not in stderr
+        assert "orbax: another problem" in stderr and "KeyError: 'other'" in stderr
+        assert stderr.strip().splitlines()[-1].startswith("prog: error: disk full")
+        code, stderr = _run(fn, monkeypatch, capsys, debug="1")
+        assert "Event loop is closed" in stderr and "Finalize thread" in stderr
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert sys.excepthook is sys.__excepthook__ or "closed_loop" not in repr(sys.excepthook)

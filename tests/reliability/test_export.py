@@ -1,22 +1,28 @@
-"""HF export: refuses an occupied target, replaces it only with `overwrite`, and a crash in the
-middle leaves the old export (and nothing else) in place."""
+"""HF export: refuses an occupied target, replaces only an earlier export with `overwrite`, never
+a run directory, its parents, checkpoints or a live run's files, and a crash in the middle
+leaves the old export (and nothing else) in place."""
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from flax import nnx
 
 from configs.sft_arithmetic import TOKENIZER
-from hybridjax.checkpointing.export import write_hf_export
+from hybridjax.checkpointing.export import MANIFEST, check_export_target, write_hf_export
 from hybridjax.errors import ExportError
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
 from hybridjax.models.tokenizer import Tokenizer
 
-EXPORT = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+REPO = pathlib.Path(__file__).resolve().parents[2]
+EXPORT = [MANIFEST, "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +73,128 @@ def test_occupied_target_is_refused_untouched(tmp_path, model_and_tokenizer):
         write_hf_export(*model_and_tokenizer, str(tmp_path / "file"))
 
 
-def test_overwrite_replaces_the_whole_directory(tmp_path, model_and_tokenizer):
-    target = _occupied(tmp_path)
+def test_overwrite_replaces_an_earlier_export(tmp_path, model_and_tokenizer):
+    target = tmp_path / "hf"
+    write_hf_export(*model_and_tokenizer, str(target))
+    (target / "config.json").write_text("{}")  # an export's own file, changed: still its own
     write_hf_export(*model_and_tokenizer, str(target), overwrite=True)
     assert sorted(os.listdir(target)) == EXPORT
+    assert (target / "config.json").read_text() != "{}"
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_overwrite_removes_nothing_outside_the_export(tmp_path, model_and_tokenizer):
+    """A manifest naming files outside its directory (edited, or crafted) removes none."""
+    target = tmp_path / "hf"
+    write_hf_export(*model_and_tokenizer, str(target))
+    (tmp_path / "keep.txt").write_text("mine")
+    manifest = target / MANIFEST
+    files = json.loads(manifest.read_text())["files"]
+    manifest.write_text(json.dumps({"files": [*files, "../keep.txt", str(tmp_path / "keep.txt")]}))
+    write_hf_export(*model_and_tokenizer, str(target), overwrite=True)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(target)) == EXPORT
+
+
+def _refused(target, match, **kw) -> None:
+    """`check_export_target` refuses `target` in one line naming it and `match`."""
+    with pytest.raises(ExportError) as err:
+        check_export_target(str(target), overwrite=True, **kw)
+    message = str(err.value)
+    assert "\n" not in message and str(target) in message, message
+    assert match in message, message
+
+
+def test_overwrite_refuses_files_it_did_not_write_and_leaves_them(tmp_path, model_and_tokenizer):
+    target = _occupied(tmp_path)
+    before = _files(target)
+    with pytest.raises(ExportError, match=f"{target} was not written by an export"):
+        write_hf_export(*model_and_tokenizer, str(target), overwrite=True)
+    assert _files(target) == before
+    write_hf_export(*model_and_tokenizer, str(tmp_path / "hf2"))
+    (tmp_path / "hf2" / "notes.txt").write_text("mine")  # an export plus a file of the user
+    _refused(tmp_path / "hf2", "files the export did not write (notes.txt)")
+    (tmp_path / "hf2" / "notes.txt").unlink()
+    (tmp_path / "hf2" / "adapter").mkdir()
+    (tmp_path / "hf2" / "adapter" / "x.bin").write_bytes(b"")  # deeper too
+    _refused(tmp_path / "hf2", "did not write (adapter/x.bin)")
+
+
+def test_overwrite_refuses_runs_checkpoints_and_their_parents(tmp_path):
+    run = tmp_path / "runs" / "run"
+    step = run / "global_step_2"
+    (step / "state").mkdir(parents=True)
+    (run / "logs").mkdir()
+    _refused(run, "is the run's directory", protected=[str(run)])
+    _refused(tmp_path / "runs", "holds the run directory", protected=[str(run)])
+    _refused(tmp_path, "holds the run directory", protected=[str(run)])
+    _refused(step, "inside the checkpoint directory")
+    _refused(step / "state", "inside the checkpoint directory")
+    _refused(tmp_path / "runs", "holds checkpoints (run/global_step_2)")  # any run, known or not
+    (tmp_path / "runs" / ".run.lock").write_text("")
+    _refused(tmp_path / "runs", "holds a run's lock file (.run.lock)")
+    assert step.is_dir() and (run / "logs").is_dir()
+    check_export_target(str(run / "hf"), overwrite=True, protected=[str(run)])  # sft's default
+
+
+HOLDER = """
+import sys, time
+from hybridjax.checkpointing.run_lock import hold
+lock = hold(sys.argv[1], "trainer.default_local_dir")
+print("held", flush=True)
+sys.stdin.readline()  # the test's export happens here
+with open(sys.argv[1] + "/global_step_1.txt", "w") as f:  # the run's next save
+    f.write("saved")
+print("saved", flush=True)
+"""
+
+
+def test_export_to_the_parent_of_a_live_run_is_refused_and_the_run_goes_on(tmp_path):
+    """A run (a process holding its directory, as `hybridjax.train` does) under `parent`; an
+    export with --overwrite to `parent` through the command line is refused in one line, before
+    any model is built, and the run saves its next step."""
+    parent, run = tmp_path / "parent", tmp_path / "parent" / "run"
+    run.mkdir(parents=True)
+    (run / "global_step_0.txt").write_text("saved")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        export = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hybridjax.train",
+                "--config=configs/tiny.py",
+                f"--config.trainer.default_local_dir={tmp_path / 'other_run'}",
+                f"--export_hf={parent}",
+                "--overwrite",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=300,
+        )
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "saved"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert export.returncode == 2, export.stderr
+    lines = export.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"hybridjax.train: error: export target {parent} holds a run")
+    assert "Traceback" not in export.stderr
+    assert holder.returncode == 0
+    assert sorted(os.listdir(run)) == ["global_step_0.txt", "global_step_1.txt"]
 
 
 def test_a_crash_while_writing_leaves_the_old_export(tmp_path, model_and_tokenizer, monkeypatch):

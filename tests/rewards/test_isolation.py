@@ -128,3 +128,41 @@ def test_dapo_turns_on_the_overlong_shaping():
     assert overlong_enabled({"reward_manager": "naive", "overlong_buffer": {"enable": True}})
     with pytest.raises(ValueError, match=r"reward_model.reward_manager='verl'; expected one of"):
         RewardConfig(reward_manager="verl")
+
+
+def test_os_exit_is_named_with_its_exit_code_at_once(tmp_path):
+    """`os._exit(0)` mid-call looks to the process pool like a worker's normal exit: it was
+    reported as a timeout after `timeout_s`; now the row fails at once, naming the code."""
+    path = tmp_path / "exits.py"
+    path.write_text(
+        "import os\n\ndef compute_score(d, s, g, extra_info=None):\n    os._exit(int(s))\n"
+    )
+    manager = RewardManager(RewardConfig(custom_path=str(path), on_error="raise", timeout_s=30.0))
+    for code in ("0", "3"):
+        start = time.perf_counter()
+        with pytest.raises(RewardFunctionError, match=rf"os\._exit\({code}\) \(exit code {code}\)"):
+            _score(manager, [code])
+        assert time.perf_counter() - start < 10
+    manager.close()
+
+
+def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
+    """What such a worker meets while it unpickles its pool's lock: the semaphore is gone.
+    The forkserver's hook drops that traceback and keeps every other one."""
+    import importlib.util
+    import multiprocessing.synchronize
+    import sys
+
+    from hybridjax.rewards.scoring import PRELOAD, quiet_bootstrap_errors
+
+    lock = multiprocessing.synchronize.SemLock.__new__(multiprocessing.synchronize.SemLock)
+    with pytest.raises(FileNotFoundError) as gone:
+        lock.__setstate__((0, 1, 1, "/hybridjax-test-no-such-semaphore"))
+    quiet_bootstrap_errors(gone.type, gone.value, gone.tb)
+    assert capsys.readouterr().err == ""
+    try:
+        raise FileNotFoundError("a user's file")
+    except FileNotFoundError:
+        quiet_bootstrap_errors(*sys.exc_info())
+    assert "Traceback" in capsys.readouterr().err
+    assert importlib.util.find_spec(PRELOAD) is not None  # the forkserver's preload exists

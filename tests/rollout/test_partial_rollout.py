@@ -4,6 +4,7 @@ weights, each token records its version, the staleness bound regenerates old gro
 validation rollout in between leaves the carried sequences intact."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -151,3 +152,42 @@ def test_keep_swaps_the_weights_without_a_prefill(setup, eos_model, same_weights
 def test_an_unknown_kv_mode_is_refused(eos_model):
     with pytest.raises(ValueError, match="partial_rollout_kv='reuse'.*'recompute' or 'keep'"):
         PartialRollout(Engine(eos_model, ENGINE_CONFIG), ROLLOUT, 0, 0, None, 1, kv="reuse")
+
+
+def _rounds(stream, other, first: int, last: int, count: int = 2) -> list:
+    """Rounds `first` .. `last` of a stream whose weights after round 1 are `other`'s."""
+    out = []
+    for step in range(first, last + 1):
+        stream.set_weights(nnx.state(other), version=1)
+        got, rows, versions = stream.take(step=step, count=count)
+        out.append((got["ground_truth"], rows.responses, rows.rollout_log_probs, versions))
+    return out
+
+
+def test_the_prompts_in_flight_resume_from_their_record_as_if_never_stopped(eos_model):
+    """Sampled, 6 prompts × 2 samples on 4 slots: after round 1 some groups are finished and
+    not handed over, some run part-way, some wait in the queue. The record of round 1, through
+    JSON (as a checkpoint stores it), loaded into a new stream on the engine, idle again with
+    the weights of round 1, gives rounds 2 and 3 equal to the uninterrupted stream's: tokens,
+    log-probs, versions, and the same prompt left in flight."""
+    rollout = dict(n=2, do_sample=True, temperature=1.0, response_length=8)
+    other = make_model(dataclasses.replace(TINY, eos_token_id=eos_model.config.eos_token_id), 1)
+    engine = Engine(eos_model, ENGINE_CONFIG)
+    stream = PartialRollout(engine, rollout, 0, 0, None, threshold=1)
+    stream.add(_prompts(make_prompts()[:6]), step=1)
+    stream.take(step=1, count=1)
+    record = json.loads(json.dumps(stream.state_after(1)))
+    tokens = [sum(map(len, g["tokens"])) for g in record["groups"]]
+    assert len(record["groups"]) == 5 and 0 in tokens and max(tokens) > 0
+    want = _rounds(stream, other, 2, 3)
+    assert engine.num_active == 0 and not engine.preempted
+    engine.update_weights(nnx.state(eos_model))
+    resumed = PartialRollout(engine, rollout, 0, 0, None, threshold=1)
+    resumed.load_state(record)
+    got = _rounds(resumed, other, 2, 3)
+    for (tags, responses, log_probs, versions), (tags2, r2, lp2, v2) in zip(want, got, strict=True):
+        assert tags == tags2
+        np.testing.assert_array_equal(responses, r2)
+        np.testing.assert_array_equal(versions, v2)
+        np.testing.assert_allclose(log_probs, lp2, atol=1e-6)
+    assert resumed.groups.keys() == stream.groups.keys() == {5}

@@ -1,20 +1,22 @@
 """The Python sandbox tool: code a model wrote runs under bubblewrap (`bwrap`), never in our
 own process or with our own file system.
 
-Each call starts `prlimit ... bwrap ... python -I -c CODE` with
+Each call starts `prlimit ... bwrap ... [prlimit --nproc] python -I -c CODE` with
   * new user, mount, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all`): no
     network at all, no other process visible, uid 65534 inside;
   * a root file system holding only the system's program directories (`/usr`, `/lib*`, `/bin`)
-    and the interpreter's own prefix, all read-only: no `/etc`, `/home`, `/root` or run
-    directory exists inside;
-  * a private, empty working directory `/work` and `/tmp` (tmpfs of at most `max_file_mb`;
-    an interpreter prefix under either is mounted over them);
-  * rlimits on CPU time, address space, processes, file size and open files (`prlimit`,
+    and the interpreter's own prefixes (its virtualenv and base installation), all read-only,
+    bwrap's own root included: no `/etc`, `/home`, `/root` or run directory exists inside;
+  * the only writable places: a private, empty working directory `/work`, `/tmp` and
+    `/dev/shm`, each a tmpfs of at most `max_file_mb` (an interpreter prefix under one of them
+    is mounted over it, read-only);
+  * rlimits on CPU time, address space (per process), file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
+  * `max_processes` and `memory_mb` for the whole run, whoever runs it
+    (`hybridjax.tools.sandbox_limits`: a cgroup where one can be made, else RLIMIT_NPROC in the
+    sandbox's own user namespace, and a supervisor of the run's process tree);
   * the wall-clock timeout: the outer `bwrap` is killed, which kills the namespace's init and
     with it every process of the sandbox, daemons and new sessions included.
-The kernel does not apply RLIMIT_NPROC to the real root user, so under root the PID
-namespace and the timeout are what bound a fork bomb.
 
 Where `bwrap` is missing the tool refuses to run (`SandboxUnavailable`), unless its config says
 `isolation: none` (the code then runs as this user with rlimits only, at the user's own risk).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import shutil
@@ -36,7 +39,9 @@ from typing import Any
 
 from hybridjax.errors import UserError
 from hybridjax.tools.base import Tool, register_tool
-from hybridjax.tools.sandbox_limits import RunCgroup, Supervisor, inner_prlimit
+from hybridjax.tools.sandbox_limits import RunCgroup, Supervisor, describe, inner_prlimit
+
+log = logging.getLogger(__name__)
 
 ISOLATIONS = ("bwrap", "none")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
@@ -52,8 +57,10 @@ class SandboxUnavailable(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Limits of one sandboxed run: wall-clock `timeout_s` (CPU time is limited to its ceiling),
-    `memory_mb` of address space, `max_processes`, `max_file_mb` per file (and of the private
-    tmpfs), `max_open_files`, and `max_output` characters kept of each of stdout and stderr."""
+    `memory_mb` for all its processes together (and of address space for each),
+    `max_processes` tasks in all (threads included), `max_file_mb` per file and of each
+    private tmpfs (`/work`, `/tmp`, `/dev/shm`), `max_open_files` per process, and
+    `max_output` characters kept of each of stdout and stderr."""
 
     timeout_s: float = 5.0
     memory_mb: int = 256
@@ -271,7 +278,8 @@ class PythonTool(Tool):
     """`python(code)`: runs the code in the sandbox (`run_python`); returns what it printed.
 
     Config (tool config file): `isolation` (`bwrap`, default; `none` runs unisolated at the
-    user's own risk) and the `Limits` fields (`timeout_s` 5, `memory_mb` 256, `max_processes`
+    user's own risk, its processes and memory bounded by a cgroup or the supervisor only) and
+    the `Limits` fields (`timeout_s` 5, `memory_mb` 256, `max_processes`
     64, `max_file_mb` 16, `max_open_files` 64, `max_output` 10000).
 
     Raises (at construction): SandboxUnavailable without bubblewrap; ValueError for a bad key.
@@ -295,6 +303,8 @@ class PythonTool(Tool):
         self.isolation = str(self.config.get("isolation", "bwrap"))
         self.limits = limits_of(self.config)
         require_isolation(self.isolation)
+        bounds = describe(self.limits.max_processes, self.limits.memory_mb, self.isolation)
+        log.info("python tool: processes bounded by %(processes)s, memory by %(memory)s", bounds)
 
     def execute(self, arguments: dict[str, Any]) -> str:
         code = arguments.get("code")

@@ -14,10 +14,13 @@ run together) are bounded by the first mechanism this machine and user allow:
     sandbox has a cgroup or the supervisor;
   * always, as the backstop: the supervisor (`Supervisor`), a thread that walks the run's
     process tree every `POLL_S` seconds and kills the whole run when its tasks exceed
-    `max_processes` or the sum of their resident memory exceeds `memory_mb` (it may overshoot
-    by what a run allocates in one poll; each process also keeps `RLIMIT_AS` of `memory_mb`).
+    `max_processes` or their memory (proportional set sizes, so pages shared after a fork
+    count once) exceeds `memory_mb`. It may overshoot by what a run allocates in one poll, and
+    does not see the sandbox's tmpfs (bounded by their own size); each process also keeps
+    `RLIMIT_AS` of `memory_mb`.
 
-`mechanisms(run_cgroup, isolation)` names what bounds a run; the tool logs it once.
+`mechanisms(run_cgroup, isolation)` names what bounds a run; the python tool logs it (at INFO)
+when it is built.
 """
 
 from __future__ import annotations
@@ -161,6 +164,14 @@ def mechanisms(run_cgroup: RunCgroup | None, isolation: str) -> dict[str, str]:
     if isolation == "bwrap" and os.geteuid() != 0:
         processes = "RLIMIT_NPROC in the sandbox's user namespace"
     return {"processes": processes, "memory": f"{supervisor}: sum of resident memory"}
+
+
+def describe(max_processes: int, memory_mb: int, isolation: str) -> dict[str, str]:
+    """`mechanisms` of a run on this machine as this user (makes and removes a trial cgroup)."""
+    cgroup = RunCgroup.create(max_processes, memory_mb)
+    if cgroup is not None:
+        cgroup.close()
+    return mechanisms(cgroup, isolation)
 
 
 def inner_prlimit(max_processes: int) -> list[str]:

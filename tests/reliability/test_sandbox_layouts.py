@@ -103,16 +103,17 @@ def test_this_interpreter():
 
 def _scratch(layout: str, stack) -> str:
     """A new directory for a virtualenv in `layout`, removed after the test."""
-    parent = {
-        "in-the-clone": REPO,
-        "under-home": os.path.join(os.path.expanduser("~"), ".cache"),
-        "under-tmp": tempfile.gettempdir(),
-        "path-with-spaces": os.path.join(tempfile.gettempdir(), "a dir with spaces"),
+    parent, prefix = {
+        "in-the-clone": (REPO, ".sandbox-venv-"),
+        "under-home": (os.path.join(os.path.expanduser("~"), ".cache"), "sandbox-venv-"),
+        "under-tmp": (tempfile.gettempdir(), "sandbox-venv-"),
+        "path-with-spaces": (tempfile.gettempdir(), "a dir with spaces "),
     }[layout]
-    if not os.access(os.path.dirname(parent), os.W_OK):
-        pytest.skip(f"{parent} is not writable")
-    os.makedirs(parent, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=".sandbox-venv-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as e:
+        pytest.skip(f"cannot make a directory in {parent}: {e}")
     stack.callback(shutil.rmtree, path, ignore_errors=True)
     return path
 

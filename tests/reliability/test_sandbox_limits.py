@@ -26,7 +26,7 @@ SPAWN = (
 # issue 48: eight children held 1.67 GB under memory_mb=256
 HOLD = (
     "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n"
-    "        b = b'x' * (64 << 20)\n        time.sleep(3)\n        os._exit(0)\n"
+    "        b = b'x' * (64 << 20)\n        time.sleep(1)\n        os._exit(0)\n"
     "print([os.wait()[1] for _ in range(8)])"
 )
 # issue 48: 2 GB written to /work in 0.9 s

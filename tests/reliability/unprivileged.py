@@ -34,7 +34,7 @@ def run(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     (text stdout and stderr)."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "LANG": "C.UTF-8"}
     if os.geteuid() != 0:
-        env["PYTHONPATH"] = REPO
+        env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, sys.path)])
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=timeout_s)  # fmt: skip
     base, prefix = os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)

@@ -180,13 +180,28 @@ def inner_prlimit(max_processes: int) -> list[str]:
 
 
 def _tree(root: int) -> list[int]:
-    """`root` and its descendants (through /proc/<pid>/task/<tid>/children)."""
+    """`root` and its descendants (through /proc/<pid>/task/<tid>/children, or the parent
+    pids of every process where the kernel lacks CONFIG_PROC_CHILDREN)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return _tree_by_parents(root)
     pids, i = [root], 0
     while i < len(pids):
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pids[i]}/task"):
                 with open(f"/proc/{pids[i]}/task/{tid}/children") as f:
                     pids += [int(p) for p in f.read().split()]
+        i += 1
+    return pids
+
+
+def _tree_by_parents(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{name}/stat") as f:
+            children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+    pids, i = [root], 0
+    while i < len(pids):
+        pids += children.get(pids[i], [])
         i += 1
     return pids
 

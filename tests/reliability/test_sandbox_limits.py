@@ -10,6 +10,7 @@ every task of the user)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -20,8 +21,9 @@ from hybridjax.tools.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
-SPAWN = (
-    "import subprocess\nps = [subprocess.Popen(['sleep', '2']) for _ in range({})]\nprint(len(ps))"
+SPAWN = (  # the children live 1 s, long enough for the supervisor's poll to see them all
+    "import subprocess\nps = [subprocess.Popen(['sleep', '1']) for _ in range({})]\n"
+    "print(len([p.wait() for p in ps]))"
 )
 # issue 48: eight children held 1.67 GB under memory_mb=256
 HOLD = (
@@ -84,7 +86,10 @@ print(json.dumps({{"results": results, "threads": threading.active_count(),
 """
 
 
-@pytest.mark.skipif(bool(unprivileged.available()), reason=unprivileged.available())
+UNAVAILABLE = unprivileged.available()
+
+
+@pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
 def test_limits_hold_for_an_unprivileged_user_with_many_threads():
     done = unprivileged.run(UNPRIVILEGED.format(cases=json.dumps(CASES)))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -108,3 +113,18 @@ def test_the_supervisor_stops_a_run_over_its_processes_or_memory(monkeypatch):
     code = HOLD.replace("range(8)", "range(4)")  # 4 x 64 MiB, each under RLIMIT_AS
     rc, _, err = run_python(code, isolation="none", limits=limits)
     assert rc == -9 and err.splitlines()[-1].endswith("MiB in use > memory_mb=128"), err
+
+
+def test_the_process_tree_is_found_with_or_without_proc_children():
+    import subprocess
+    import time
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 5 & (sleep 5 &); wait"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        tree = sandbox_limits._tree(shell.pid)
+        assert len(tree) == 2 and tree[0] == shell.pid  # the detached sleep left the tree
+        assert sorted(sandbox_limits._tree_by_parents(shell.pid)) == sorted(tree)
+    finally:
+        os.killpg(shell.pid, 9)
+        shell.wait()

@@ -26,7 +26,10 @@ def available() -> str:
     if os.geteuid() != 0:
         return ""
     missing = [tool for tool in ("unshare", "setpriv", "mount") if shutil.which(tool) is None]
-    return f"needs {', '.join(missing)} (util-linux)" if missing else ""
+    if missing:
+        return f"needs {', '.join(missing)} (util-linux)"
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    return f"unshare --mount fails here: {probe.stderr.strip()}" if probe.returncode else ""
 
 
 def run(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:

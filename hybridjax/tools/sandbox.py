@@ -39,7 +39,13 @@ from typing import Any
 
 from hybridjax.errors import UserError
 from hybridjax.tools.base import Tool, register_tool
-from hybridjax.tools.sandbox_limits import RunCgroup, Supervisor, describe, inner_prlimit
+from hybridjax.tools.sandbox_limits import (
+    RunCgroup,
+    Supervisor,
+    describe,
+    inner_prlimit,
+    kernel_counts_tasks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +209,10 @@ def _run(
     )
     out, err = _Reader(proc.stdout, limits.max_output), _Reader(proc.stderr, limits.max_output)
     supervisor = None
-    if cgroup is None:  # the kernel bounds processes here only by the RLIMIT_NPROC of bwrap's
-        counted = isolation == "bwrap" and os.geteuid() != 0  # user namespace, not for root
+    if cgroup is None:  # what the kernel does not bound, the supervisor does
         supervisor = Supervisor(
             proc.pid,
-            max_processes=None if counted else limits.max_processes,
+            max_processes=None if kernel_counts_tasks(None, isolation) else limits.max_processes,
             memory_mb=limits.memory_mb,
             overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
         )
@@ -225,7 +230,8 @@ def _run(
         err.join()
     said = f"sandbox: stopped: {supervisor.reason}" if supervisor and supervisor.reason else ""
     if cgroup is not None and cgroup.out_of_memory():
-        said = f"sandbox: a process was killed: the processes together reached {limits.memory_mb=}"
+        said = "sandbox: a process was killed: the processes together reached "
+        said += f"memory_mb={limits.memory_mb}"
     stderr = err.text(head=False)
     if said:
         stderr = (stderr + f"\n{said}\n")[-limits.max_output :]

@@ -161,9 +161,15 @@ def mechanisms(run_cgroup: RunCgroup | None, isolation: str) -> dict[str, str]:
                 "memory": f"{run_cgroup.version} {memory}"}  # fmt: skip
     supervisor = f"supervisor (process tree every {POLL_S} s)"
     processes = supervisor
-    if isolation == "bwrap" and os.geteuid() != 0:
+    if kernel_counts_tasks(None, isolation):
         processes = "RLIMIT_NPROC in the sandbox's user namespace"
     return {"processes": processes, "memory": f"{supervisor}: sum of resident memory"}
+
+
+def kernel_counts_tasks(run_cgroup: RunCgroup | None, isolation: str) -> bool:
+    """Whether the kernel bounds a run's tasks: by its cgroup, or by RLIMIT_NPROC in bwrap's
+    user namespace (which the kernel does not apply to the real root user)."""
+    return run_cgroup is not None or (isolation == "bwrap" and os.geteuid() != 0)
 
 
 def describe(max_processes: int, memory_mb: int, isolation: str) -> dict[str, str]:

@@ -102,3 +102,21 @@ def test_refusals_are_one_line_with_the_choices(tmp_path, class_name, reason):
     message = str(e.value)
     assert "\n" not in message and reason in message and CHOICES in message
     assert "antigravity" not in sys.modules
+
+
+def test_a_planted_module_is_not_imported_by_a_fresh_interpreter(tmp_path):
+    """As a user runs it: `python -c`/`-m` put the current directory first on sys.path."""
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    mark = tmp_path / "side_effect"
+    _plant(tmp_path, "planted_tools", mark)
+    _config(tmp_path, "planted_tools.Evil")
+    code = "from hybridjax.tools import load_tools\nload_tools('tools.yaml')"
+    env = os.environ | {"PYTHONPATH": repo}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0 and not mark.exists()
+    assert "ValueError: tools.yaml: tools[0]: class_name 'planted_tools.Evil'" in done.stderr

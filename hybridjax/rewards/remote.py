@@ -111,17 +111,17 @@ class RemoteClient:
             health = response.json()
         except (httpx.HTTPError, ValueError) as e:
             raise RewardServerError(f"reward server {url} failed its health check: {e!r}") from e
+        if not health.get("authorized", True):  # checked first: it then says nothing else
+            raise RewardServerError(
+                f"reward server {url} wants a bearer token: set {TOKEN_ENV} to the server's "
+                "token in the trainer's environment"
+            )
         served = health.get("kind")
         if served != self.kind:
             raise RewardServerError(
                 f"reward server {url} serves kind {served!r}, expected {self.kind!r} "
                 "(a rule server takes rows of text, a model server token ids, a judge server "
                 "prompt and response texts)"
-            )
-        if not health.get("authorized", True):
-            raise RewardServerError(
-                f"reward server {url} wants a bearer token: set {TOKEN_ENV} to the server's "
-                "token in the trainer's environment"
             )
         return str(health.get("serves", served))
 

@@ -7,9 +7,9 @@
         --judge_config '{"parser": "number", "max_score": 10}'  # a generative RM (LLM judge)
 
 JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`):
-  * `GET /health` → `{"status": "ok", "kind": "rule" | "model", "serves": str, "authorized":
-    bool, ...}`: `serves` names the function (or model) behind the URL, `authorized` whether the
-    request carried the right bearer token (health itself needs none).
+  * `GET /health` → `{"status": "ok", "kind": "rule" | "model" | "judge", "serves": str,
+    "authorized": true, ...}`: `serves` names the function (or model) behind the URL. Without
+    the right bearer token only `{"status": "ok", "authorized": false}`: the server is alive.
   * `POST /score` (rule servers) `{"rows": [{"data_source", "solution_str", "ground_truth",
     "extra_info"}]}` → `{"results": [...]}`, one per row in order: `{"kind": "ok", "score": float,
     "extras": {...}}` or `{"kind": "error" | "crash" | "timeout" | "nonfinite", "error": str}`.
@@ -21,13 +21,14 @@ JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`)
     (`hybridjax.rewards.genrm`: template, parser and sampling from `--judge_config`, the keys of
     `reward_model.generative`; the judge runs on our paged engine with continuous batching, so
     several trainers share one judge).
-A malformed body gets 422 with the reason, a wrong or missing bearer token 401 (when the
-environment variable `HYBRIDJAX_REWARD_TOKEN` is set for the server), a body over
-`--max_request_bytes` 413, a body without Content-Length 411. The server binds 127.0.0.1 unless
-`--host` says otherwise. Rule functions run as in the trainer (`hybridjax.rewards.scoring`:
-custom ones isolated in worker processes with `--timeout_s`); a reward model runs on the devices
-of this process (`CUDA_VISIBLE_DEVICES`, or `--xla_force_host_platform_device_count` on CPU),
-its batch sharded over all of them.
+Before any of a body is read (`hybridjax.rewards.request_guard`): a wrong or missing bearer
+token gets 401 (when the environment variable `HYBRIDJAX_REWARD_TOKEN` is set for the server),
+a Content-Length over `--max_request_bytes` 413, none 411; a body not in after
+`--body_timeout_s` 408. Each drops the connection. A malformed body gets 422. The server binds
+127.0.0.1 unless `--host` says otherwise. Rule functions run as in the trainer
+(`hybridjax.rewards.scoring`: custom ones isolated in worker processes with `--timeout_s`); a
+reward model runs on the devices of this process (`CUDA_VISIBLE_DEVICES`, or
+`--xla_force_host_platform_device_count` on CPU), its batch sharded over all of them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -50,13 +50,14 @@ from typing import Any
 import fastapi
 import numpy as np
 import pydantic
-from fastapi.responses import JSONResponse
 
 from hybridjax.rewards.manager import RewardConfig, build_scorer
 from hybridjax.rewards.remote import TOKEN_ENV
+from hybridjax.rewards.request_guard import RequestGuard, token_matches
 from hybridjax.rewards.scoring import normalize
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 class Row(pydantic.BaseModel):
@@ -83,25 +84,6 @@ class JudgeRow(pydantic.BaseModel):
 
 class JudgeRequest(pydantic.BaseModel):
     rows: list[JudgeRow]
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length), 411 without one."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            length = dict(scope["headers"]).get(b"content-length")
-            status, reason = None, ""
-            if length is None or not length.isdigit():
-                status, reason = 411, "a Content-Length header is required"
-            elif int(length) > self.max_bytes:
-                status, reason = 413, f"body of {int(length)} bytes > {self.max_bytes}"
-            if status:
-                return await JSONResponse({"detail": reason}, status)(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 class ServedModel:
@@ -195,6 +177,7 @@ def create_app(
     token: str = "",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     judge: ServedJudge | None = None,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> fastapi.FastAPI:
     """The ASGI app: a rule server (`reward_config`), a model server (`model`) or a judge
     server (`judge`).
@@ -205,11 +188,8 @@ def create_app(
     if sum(x is not None for x in (reward_config, model, judge)) != 1:
         raise ValueError("a reward server serves one of a rule function, a reward model, a judge")
 
-    def authorized(authorization: str) -> bool:
-        return not token or secrets.compare_digest(authorization, f"Bearer {token}")
-
     def authorize(authorization: str = fastapi.Header(default="")) -> None:
-        if not authorized(authorization):
+        if not token_matches(authorization, token):  # RequestGuard checked it first
             raise fastapi.HTTPException(401, "missing or wrong bearer token")
 
     scorer = None if reward_config is None else build_scorer(reward_config)[0]
@@ -221,7 +201,9 @@ def create_app(
             scorer.close()  # stops the worker processes
 
     app = fastapi.FastAPI(title="hybridjax reward server", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(
+        RequestGuard, token=token, max_bytes=max_request_bytes, body_timeout_s=body_timeout_s
+    )
     guarded = [fastapi.Depends(authorize)]
 
     if model is not None:
@@ -258,7 +240,9 @@ def create_app(
 
     @app.get("/health")
     def health_check(authorization: str = fastapi.Header(default="")) -> dict:
-        return health | {"authorized": authorized(authorization)}
+        if not token_matches(authorization, token):
+            return {"status": "ok", "authorized": False}  # alive; nothing of what it serves
+        return health | {"authorized": True}
 
     return app
 
@@ -317,21 +301,28 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default="float32", help="the judge's parameters")
     parser.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument(
+        "--body_timeout_s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+        help="a request body must arrive within this many seconds of its headers",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
+    limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout_s}
+    if args.body_timeout_s <= 0:
+        parser.error(f"--body_timeout_s={args.body_timeout_s}; must be > 0")
     if args.judge_path:
         try:
             block = json.loads(args.judge_config)
         except json.JSONDecodeError as e:
             parser.error(f"--judge_config is not JSON: {e}")
         served = ServedJudge(args.judge_path, block, args.dtype)
-        app = create_app(judge=served, token=token, max_request_bytes=args.max_request_bytes)
+        app = create_app(judge=served, token=token, **limits)
         what = f"judge {args.judge_path} ({served.config.describe()})"
     elif args.model_path:
         app = create_app(
             model=ServedModel(args.model_path, args.micro_batch_size_per_device),
-            token=os.environ.get(TOKEN_ENV, ""),
-            max_request_bytes=args.max_request_bytes,
+            token=token,
+            **limits,
         )
     else:
         try:
@@ -346,8 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             custom_name=args.custom_name,
             custom_kwargs=tuple(sorted(kwargs.items())),
         )
-        app = create_app(config, token=os.environ.get(TOKEN_ENV, ""),
-                         max_request_bytes=args.max_request_bytes)  # fmt: skip
+        app = create_app(config, token=token, **limits)
     import uvicorn
 
     if not args.judge_path:

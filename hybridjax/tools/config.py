@@ -1,17 +1,24 @@
 """verl's tool config file (`actor_rollout_ref.rollout.multi_turn.tool_config_path`):
 
 tools:
-  - class_name: calculator            # a registered name, or "package.module.Class"
+  - class_name: calculator            # a registered name, or "package.module.Class" (below)
     config: {type: native}            # passed to the tool
     tool_schema:                      # OpenAI function schema (optional for built-ins)
       type: function
       function: {name: calculator, description: ..., parameters: {...}}
+
+A `package.module.Class` is looked up before anything is imported (`tool_class`): only a module
+installed or in a PYTHONPATH directory, never one in the current directory that PYTHONPATH does
+not name, and only when its source defines or imports `Class`.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
+import sys
+from importlib.machinery import ModuleSpec, PathFinder
 
 import yaml
 
@@ -29,22 +36,82 @@ VERL_CLASSES = {sandbox_fusion.VERL_CLASS: "sandbox_fusion"}  # verl's class pat
 
 
 def tool_class(name: str, where: str) -> type[Tool]:
-    """A registered tool class (or verl's class path of one), or one imported from a dotted
-    path; ValueError otherwise."""
+    """A registered tool class (or verl's class path of one), or `package.module.Class` from a
+    module on the configured import path (installed, or in a `PYTHONPATH` directory).
+
+    Nothing is imported before it is allowed: the module is found without running any code,
+    never in the current directory unless `PYTHONPATH` names it, and must define or import the
+    name `Class` in its source; only then is it imported.
+
+    Raises:
+      ValueError: one line naming `where`, the class and the registered tools.
+    """
     name = VERL_CLASSES.get(name, name)
     if name in TOOL_CLASSES:
         return TOOL_CLASSES[name]
     module, _, attr = name.rpartition(".")
+    reason = _refusal(module, attr) if module else "not a dotted path"
     try:
-        cls = getattr(importlib.import_module(module), attr) if module else None
-    except (ImportError, AttributeError):
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, Tool)):
+        cls = None if reason else getattr(importlib.import_module(module), attr, None)
+    except ImportError as e:
+        reason = f"importing {module!r} failed: {e}"
+    if not reason and not (isinstance(cls, type) and issubclass(cls, Tool)):
+        reason = f"{attr} is not a subclass of hybridjax.tools.Tool"
+    if reason:
         raise ValueError(
-            f"{where}: class_name {name!r} is neither a built-in tool ({sorted(TOOL_CLASSES)}) "
-            "nor an importable subclass of hybridjax.tools.Tool"
+            f"{where}: class_name {name!r} is neither a registered tool ({sorted(TOOL_CLASSES)}) "
+            f"nor a Tool class on the import path: {reason}"
         )
-    return cls
+    return cls  # type: ignore[return-value]
+
+
+def _import_path() -> list[str]:
+    """`sys.path` without the current directory, which Python adds implicitly (`''`, or the
+    start-up directory under `python -m`); kept where the user listed it in PYTHONPATH."""
+    cwd = os.path.realpath(os.getcwd())
+    listed = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    explicit = {os.path.realpath(p) for p in listed if p}
+    return [p for p in sys.path if p and (os.path.realpath(p) != cwd or cwd in explicit)]
+
+
+def _find_spec(module: str, path: list[str]) -> ModuleSpec | None:
+    """The spec of `module` on `path`, found without importing it or its parents (a module
+    already imported answers with its own spec)."""
+    spec, search = None, path
+    parts = module.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(full)
+        spec = loaded.__spec__ if loaded is not None else PathFinder.find_spec(full, search)
+        if spec is None or (i + 1 < len(parts) and spec.submodule_search_locations is None):
+            return None
+        search = list(spec.submodule_search_locations or [])
+    return spec
+
+
+def _refusal(module: str, attr: str) -> str:
+    """Why `module.attr` may not be imported, or '' when it may."""
+    spec = _find_spec(module, _import_path())
+    where = "the current directory is searched only when PYTHONPATH names it"
+    if spec is None:
+        return f"no module {module!r} found ({where})"
+    if module.split(".")[0] not in sys.modules:  # the import itself must find the same file
+        shadow = _find_spec(module, sys.path)
+        if shadow is None or shadow.origin != spec.origin:
+            return f"{module!r} would be imported from {getattr(shadow, 'origin', None)} ({where})"
+    if module in sys.modules:
+        return ""
+    origin = spec.origin or ""
+    if not origin.endswith(".py"):
+        return f"{module!r} is not Python source ({origin})"
+    try:
+        with open(origin, "rb") as f:
+            tree = ast.parse(f.read(), origin)
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"{origin} cannot be read: {e}"
+    bound = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    bound |= {a.asname or a.name for a in ast.walk(tree) if isinstance(a, ast.alias)}
+    return "" if attr in bound else f"{module!r} defines no {attr!r}"
 
 
 def load_tools(path: str | os.PathLike) -> list[Tool]:

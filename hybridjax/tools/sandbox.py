@@ -1,20 +1,22 @@
 """The Python sandbox tool: code a model wrote runs under bubblewrap (`bwrap`), never in our
 own process or with our own file system.
 
-Each call starts `prlimit ... bwrap ... python -I -c CODE` with
+Each call starts `prlimit ... bwrap ... [prlimit --nproc] python -I -c CODE` with
   * new user, mount, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all`): no
     network at all, no other process visible, uid 65534 inside;
   * a root file system holding only the system's program directories (`/usr`, `/lib*`, `/bin`)
-    and the interpreter's own prefix, all read-only: no `/etc`, `/home`, `/root` or run
-    directory exists inside;
-  * a private, empty working directory `/work` and `/tmp` (tmpfs of at most `max_file_mb`;
-    an interpreter prefix under either is mounted over them);
-  * rlimits on CPU time, address space, processes, file size and open files (`prlimit`,
+    and the interpreter's own prefixes (its virtualenv and base installation), all read-only,
+    bwrap's own root included: no `/etc`, `/home`, `/root` or run directory exists inside;
+  * the only writable places: a private, empty working directory `/work`, `/tmp` and
+    `/dev/shm`, each a tmpfs of at most `max_file_mb` (an interpreter prefix under one of them
+    is mounted over it, read-only);
+  * rlimits on CPU time, address space (per process), file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
+  * `max_processes` and `memory_mb` for the whole run, whoever runs it
+    (`hybridjax.tools.sandbox_limits`: a cgroup where one can be made, else RLIMIT_NPROC in the
+    sandbox's own user namespace, and a supervisor of the run's process tree);
   * the wall-clock timeout: the outer `bwrap` is killed, which kills the namespace's init and
     with it every process of the sandbox, daemons and new sessions included.
-The kernel does not apply RLIMIT_NPROC to the real root user, so under root the PID
-namespace and the timeout are what bound a fork bomb.
 
 Where `bwrap` is missing the tool refuses to run (`SandboxUnavailable`), unless its config says
 `isolation: none` (the code then runs as this user with rlimits only, at the user's own risk).
@@ -22,8 +24,11 @@ Where `bwrap` is missing the tool refuses to run (`SandboxUnavailable`), unless 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,10 +39,20 @@ from typing import Any
 
 from hybridjax.errors import UserError
 from hybridjax.tools.base import Tool, register_tool
+from hybridjax.tools.sandbox_limits import (
+    RunCgroup,
+    Supervisor,
+    describe,
+    inner_prlimit,
+    kernel_counts_tasks,
+)
+
+log = logging.getLogger(__name__)
 
 ISOLATIONS = ("bwrap", "none")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 _WORKDIR = "/work"
+_PRIVATE_DIRS = (_WORKDIR, "/tmp", "/dev/shm")  # the only writable places, each a sized tmpfs
 _NOBODY = "65534"
 
 
@@ -48,8 +63,10 @@ class SandboxUnavailable(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Limits of one sandboxed run: wall-clock `timeout_s` (CPU time is limited to its ceiling),
-    `memory_mb` of address space, `max_processes`, `max_file_mb` per file (and of the private
-    tmpfs), `max_open_files`, and `max_output` characters kept of each of stdout and stderr."""
+    `memory_mb` for all its processes together (and of address space for each),
+    `max_processes` tasks in all (threads included), `max_file_mb` per file and of each
+    private tmpfs (`/work`, `/tmp`, `/dev/shm`), `max_open_files` per process, and
+    `max_output` characters kept of each of stdout and stderr."""
 
     timeout_s: float = 5.0
     memory_mb: int = 256
@@ -69,7 +86,6 @@ class Limits:
             "prlimit",
             f"--cpu={cpu}",
             f"--as={self.memory_mb << 20}",
-            f"--nproc={self.max_processes}",
             f"--fsize={self.max_file_mb << 20}",
             f"--nofile={self.max_open_files}",
             "--core=0",
@@ -93,7 +109,19 @@ def require_isolation(isolation: str) -> None:
         )
 
 
-def bwrap_args() -> list[str]:
+def _prefixes() -> list[str]:
+    """The interpreter's prefixes (as named and resolved) outside the system directories."""
+    named = {sys.prefix, sys.base_prefix}
+    return sorted(
+        p for p in named | set(map(os.path.realpath, named)) if not _under(p, _SYSTEM_DIRS)
+    )
+
+
+def _under(path: str, dirs: tuple[str, ...]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def bwrap_args(limits: Limits) -> list[str]:
     """The bubblewrap command line up to the sandboxed program (see the module docstring)."""
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
     args += ["--uid", _NOBODY, "--gid", _NOBODY, "--cap-drop", "ALL"]
@@ -103,10 +131,18 @@ def bwrap_args() -> list[str]:
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", _WORKDIR]
-    # after the private /tmp and /work: an interpreter that lives there stays visible
-    for prefix in sorted({sys.prefix, sys.base_prefix}):
-        if not prefix.startswith(_SYSTEM_DIRS):
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    prefixes = _prefixes()
+    for prefix in prefixes:
+        if not _under(prefix, _PRIVATE_DIRS):
+            args += ["--ro-bind", prefix, prefix]
+    # everything so far, bwrap's own root file system included, becomes read-only; then the
+    # private dirs are mounted writable, each a tmpfs of at most max_file_mb
+    args += ["--dir", _WORKDIR, "--dir", "/tmp", "--remount-ro", "/", "--remount-ro", "/dev"]
+    for path in _PRIVATE_DIRS:
+        args += ["--size", str(limits.max_file_mb << 20), "--tmpfs", path]
+    for prefix in prefixes:  # an interpreter under a private dir stays visible over it
+        if _under(prefix, _PRIVATE_DIRS):
             args += ["--ro-bind", prefix, prefix]
     args += ["--chdir", _WORKDIR]
     env = {"PATH": "/usr/bin:/bin", "HOME": _WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
@@ -125,7 +161,9 @@ def run_python(
 ) -> tuple[int, str, str]:
     """Runs `code` in the sandbox. Returns (exit code, the first `max_output` characters of
     stdout, the last `max_output` of stderr); a process killed by a signal has exit code
-    -signal. `limits` (when given) replaces `timeout_s`, `memory_mb` and `max_output`.
+    -signal, and a run stopped for its processes or memory ends stderr with a line
+    `sandbox: ...` saying which. `limits` (when given) replaces `timeout_s`, `memory_mb` and
+    `max_output`.
 
     Raises:
       TimeoutError: still running after `timeout_s` (every process of the sandbox is killed).
@@ -134,16 +172,31 @@ def run_python(
     limits = limits or Limits(timeout_s, memory_mb, max_output=max_output)
     require_isolation(isolation)
     python = [sys.executable, "-I", "-c", code]
-    if isolation == "bwrap":
-        command = limits.prlimit_args() + bwrap_args() + python
-        sized = command.index("--tmpfs")  # the private /tmp holds at most max_file_mb
-        command[sized:sized] = ["--size", str(limits.max_file_mb << 20)]
-        return _run(command, limits, cwd=None)
-    with tempfile.TemporaryDirectory() as cwd:
-        return _run(limits.prlimit_args() + python, limits, cwd)
+    with contextlib.ExitStack() as stack:
+        cgroup = RunCgroup.create(limits.max_processes, limits.memory_mb)
+        if cgroup is not None:
+            stack.callback(cgroup.close)
+        if isolation == "bwrap":
+            inner = [] if cgroup else inner_prlimit(limits.max_processes)
+            command, cwd = limits.prlimit_args() + bwrap_args(limits) + inner + python, None
+        else:
+            cwd = stack.enter_context(tempfile.TemporaryDirectory())
+            command = limits.prlimit_args() + python
+        return _run(_joining(cgroup) + command, limits, cwd, cgroup, isolation)
 
 
-def _run(command: list[str], limits: Limits, cwd: str | None) -> tuple[int, str, str]:
+def _joining(cgroup: RunCgroup | None) -> list[str]:
+    """A prefix under which the command's first process joins `cgroup`, before it starts any
+    other: `sh` writes its own pid to each `cgroup.procs`, then execs the command."""
+    if cgroup is None:
+        return []
+    writes = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in cgroup.procs_files)
+    return ["sh", "-c", f'{writes} && exec "$@"', "sh"]
+
+
+def _run(
+    command: list[str], limits: Limits, cwd: str | None, cgroup: RunCgroup | None, isolation: str
+) -> tuple[int, str, str]:
     env = {"PATH": os.environ.get("PATH", "")}
     proc = subprocess.Popen(
         command,
@@ -155,6 +208,14 @@ def _run(command: list[str], limits: Limits, cwd: str | None) -> tuple[int, str,
         start_new_session=True,
     )
     out, err = _Reader(proc.stdout, limits.max_output), _Reader(proc.stderr, limits.max_output)
+    supervisor = None
+    if cgroup is None:  # what the kernel does not bound, the supervisor does
+        supervisor = Supervisor(
+            proc.pid,
+            max_processes=None if kernel_counts_tasks(None, isolation) else limits.max_processes,
+            memory_mb=limits.memory_mb,
+            overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
+        )
     try:
         rc = proc.wait(timeout=limits.timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -162,10 +223,19 @@ def _run(command: list[str], limits: Limits, cwd: str | None) -> tuple[int, str,
         proc.wait()
         raise TimeoutError(f"code ran longer than {limits.timeout_s} s") from e
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
         out.join()
         err.join()
-    return rc, out.text(head=True), err.text(head=False)
+    said = f"sandbox: stopped: {supervisor.reason}" if supervisor and supervisor.reason else ""
+    if cgroup is not None and cgroup.out_of_memory():
+        said = "sandbox: a process was killed: the processes together reached "
+        said += f"memory_mb={limits.memory_mb}"
+    stderr = err.text(head=False)
+    if said:
+        stderr = (stderr + f"\n{said}\n")[-limits.max_output :]
+    return rc, out.text(head=True), stderr
 
 
 def _kill_group(pid: int) -> None:
@@ -214,7 +284,8 @@ class PythonTool(Tool):
     """`python(code)`: runs the code in the sandbox (`run_python`); returns what it printed.
 
     Config (tool config file): `isolation` (`bwrap`, default; `none` runs unisolated at the
-    user's own risk) and the `Limits` fields (`timeout_s` 5, `memory_mb` 256, `max_processes`
+    user's own risk, its processes and memory bounded by a cgroup or the supervisor only) and
+    the `Limits` fields (`timeout_s` 5, `memory_mb` 256, `max_processes`
     64, `max_file_mb` 16, `max_open_files` 64, `max_output` 10000).
 
     Raises (at construction): SandboxUnavailable without bubblewrap; ValueError for a bad key.
@@ -238,6 +309,8 @@ class PythonTool(Tool):
         self.isolation = str(self.config.get("isolation", "bwrap"))
         self.limits = limits_of(self.config)
         require_isolation(self.isolation)
+        bounds = describe(self.limits.max_processes, self.limits.memory_mb, self.isolation)
+        log.info("python tool: processes bounded by %(processes)s, memory by %(memory)s", bounds)
 
     def execute(self, arguments: dict[str, Any]) -> str:
         code = arguments.get("code")

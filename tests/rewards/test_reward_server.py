@@ -94,7 +94,8 @@ def test_slow_server_timeouts_are_counted(server, token):
 
 def test_bad_requests_get_4xx(server):
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    assert httpx.get(f"{server}/health").json()["kind"] == "rule"  # no token needed
+    assert httpx.get(f"{server}/health").json() == {"status": "ok", "authorized": False}
+    assert httpx.get(f"{server}/health", headers=auth).json()["kind"] == "rule"
     json_type = auth | {"Content-Type": "application/json"}
     malformed = httpx.post(f"{server}/score", content=b'{"rows": [', headers=json_type)
     assert malformed.status_code == 422 and "JSON" in malformed.text
@@ -119,7 +120,8 @@ def test_missing_token_is_a_clear_error_at_start(server, monkeypatch):
 
 def test_servers_of_different_rewards_are_refused(server, user_file, token):
     """Requests go round-robin over the URLs, so two servers must serve the same function."""
-    assert httpx.get(f"{server}/health").json()["serves"] == (
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{server}/health", headers=auth).json()["serves"] == (
         "user_rewards.py:compute_score {} (naive)"
     )
     process, builtin = start_local(env=os.environ | {TOKEN_ENV: TOKEN})

@@ -149,8 +149,11 @@ def test_the_sandbox_finds_an_interpreter_under_its_private_dirs(under, monkeypa
     import sys
     import tempfile
 
-    os.makedirs(under, exist_ok=True)
-    prefix = tempfile.mkdtemp(prefix="venv-", dir=under)
+    try:
+        os.makedirs(under, exist_ok=True)
+        prefix = tempfile.mkdtemp(prefix="venv-", dir=under)
+    except OSError as e:  # not root: /work may not exist or be writable
+        pytest.skip(f"cannot make a directory under {under}: {e}")
     try:
         os.makedirs(f"{prefix}/bin")
         os.symlink(os.path.realpath(sys.executable), f"{prefix}/bin/python")

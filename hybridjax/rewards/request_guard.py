@@ -1,0 +1,96 @@
+"""The reward server's gate (ASGI middleware): nothing of a request's body is read before the
+request is authenticated and its size allowed, and a body must arrive within a deadline.
+
+For every request but `GET /health`, in this order, each refusal a JSON `{"detail"}` answer
+sent with `Connection: close` (the connection is dropped, the rest of the body never read):
+  1. 401 when the server has a token and the `Authorization` header is not `Bearer <token>`;
+  2. 411 without a numeric `Content-Length` on a POST, 413 when it exceeds `max_bytes`;
+  3. 408 when the whole body has not arrived `body_timeout_s` seconds after the headers (a
+     stalled or trickling client).
+An accepted body is read here and handed on to the app, so the app's own parsing never waits
+on the network. `/health` is the app's: it tells an unauthenticated caller only that the
+server is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+Scope = dict[str, Any]
+
+
+def token_matches(authorization: str | bytes, token: str) -> bool:
+    """Whether an `Authorization` header carries `Bearer <token>` (always, without a token);
+    compared in constant time."""
+    if not token:
+        return True
+    if isinstance(authorization, str):
+        authorization = authorization.encode("latin-1", "replace")
+    return secrets.compare_digest(authorization, f"Bearer {token}".encode())
+
+
+class RequestGuard:
+    """ASGI middleware: authentication, then `Content-Length`, then the body under a deadline
+    (see the module docstring). `token` '' lets every caller in."""
+
+    def __init__(self, app, token: str, max_bytes: int, body_timeout_s: float):
+        self.app, self.token = app, token
+        self.max_bytes, self.body_timeout_s = max_bytes, body_timeout_s
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) == ("GET", "/health"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if not token_matches(headers.get(b"authorization", b""), self.token):
+            return await _refuse(401, "missing or wrong bearer token", scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if not length.isdigit():
+            return await _refuse(411, "a Content-Length header is required", scope, receive, send)
+        if int(length) > self.max_bytes:
+            reason = f"body of {int(length)} bytes > {self.max_bytes}"
+            return await _refuse(413, reason, scope, receive, send)
+        try:
+            body = await asyncio.wait_for(_read_body(receive), self.body_timeout_s)
+        except TimeoutError:
+            reason = f"the body did not arrive within {self.body_timeout_s} s"
+            return await _refuse(408, reason, scope, receive, send)
+        if body is None:
+            return None  # the client went away
+        return await self.app(scope, _replay(body, receive), send)
+
+
+async def _read_body(receive) -> bytes | None:
+    """The request body (None when the client disconnects first)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI `receive` that gives `body` once, then waits on the client as before."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _refuse(status: int, reason: str, scope: Scope, receive, send) -> None:
+    response = JSONResponse({"detail": reason}, status, headers={"Connection": "close"})
+    await response(scope, receive, send)

@@ -1,0 +1,268 @@
+"""Limits on a whole sandbox run, not on each of its processes or on the user running it.
+
+Processes (`max_processes`, threads included) and memory (`memory_mb`, every process of the
+run together) are bounded by the first mechanism this machine and user allow:
+
+  * a cgroup per run (`RunCgroup`): cgroup v2 `pids.max` and `memory.max` (swap off) where a
+    cgroup v2 hierarchy with those controllers is writable (root on a cgroup v2 host), else the
+    cgroup v1 `pids` and `memory` hierarchies (`pids.max`, `memory.limit_in_bytes`) where
+    writable. The kernel then refuses a fork past the limit (`BlockingIOError`) and OOM-kills
+    inside the run only;
+  * processes, without a cgroup: `RLIMIT_NPROC` set inside the sandbox's own user namespace
+    (`inner_prlimit`). The kernel counts it per user per user namespace, so it counts this
+    run's tasks and nothing of the trainer's; it does not apply to the real root user, whose
+    sandbox has a cgroup or the supervisor;
+  * always, as the backstop: the supervisor (`Supervisor`), a thread that walks the run's
+    process tree every `POLL_S` seconds and kills the whole run when its tasks exceed
+    `max_processes` or their memory (proportional set sizes, so pages shared after a fork
+    count once) exceeds `memory_mb`. It may overshoot by what a run allocates in one poll, and
+    does not see the sandbox's tmpfs (bounded by their own size); each process also keeps
+    `RLIMIT_AS` of `memory_mb`.
+
+`mechanisms(run_cgroup, isolation)` names what bounds a run; the python tool logs it (at INFO)
+when it is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import threading
+import time
+
+POLL_S = 0.02
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_COUNTER = itertools.count()
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    """(mount point, file system type, super options) of each cgroup mount."""
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            fstype, options = fields[sep + 1], set(fields[sep + 3].split(","))
+            if fstype in ("cgroup", "cgroup2"):
+                found.append((fields[4], fstype, options))
+    return found
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, and under '' its cgroup v2 path."""
+    paths = {}
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else [""]:
+                paths[controller] = path
+    return paths
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class RunCgroup:
+    """The cgroup(s) of one sandbox run. `create` returns None where none can be made (not
+    root, no delegation); otherwise the run's first process writes its pid to each of
+    `procs_files` before it starts the sandbox. `close()` kills what is left and removes them."""
+
+    def __init__(self, dirs: list[str], version: str):
+        self.dirs, self.version = dirs, version
+        self.procs_files = [os.path.join(d, "cgroup.procs") for d in dirs]
+
+    @classmethod
+    def create(cls, max_processes: int, memory_mb: int) -> RunCgroup | None:
+        name = f"hybridjax-sandbox-{os.getpid()}-{next(_COUNTER)}"
+        mounts, own = _mounts(), _own_cgroups()
+        for mount, fstype, _ in mounts:
+            if fstype == "cgroup2":
+                with contextlib.suppress(OSError):
+                    return cls._v2(mount, name, max_processes, memory_mb)
+        v1 = {c: m for m, fstype, opts in mounts if fstype == "cgroup" for c in ("pids", "memory")
+              if c in opts}  # fmt: skip
+        if set(v1) != {"pids", "memory"}:
+            return None
+        made: dict[str, str] = {}
+        try:
+            for controller, mount in v1.items():
+                path = os.path.join(mount, own.get(controller, "/").lstrip("/"), name)
+                os.mkdir(path)
+                made[controller] = path
+            _write(os.path.join(made["pids"], "pids.max"), str(max_processes))
+            memory = os.path.join(made["memory"], "memory.")
+            _write(memory + "limit_in_bytes", str(memory_mb << 20))
+            with contextlib.suppress(OSError):  # memory + swap, where swap accounting is on
+                _write(memory + "memsw.limit_in_bytes", str(memory_mb << 20))
+        except OSError:
+            for path in made.values():
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            return None
+        return cls(list(made.values()), "cgroup v1")
+
+    @classmethod
+    def _v2(cls, mount: str, name: str, max_processes: int, memory_mb: int) -> RunCgroup:
+        """Under `<mount>/hybridjax-sandbox`, a directory of run cgroups with no process of its
+        own (so it may delegate controllers). Raises OSError where not allowed."""
+        with open(os.path.join(mount, "cgroup.controllers")) as f:
+            if not {"pids", "memory"} <= set(f.read().split()):
+                raise OSError("cgroup v2 without the pids and memory controllers")
+        parent = os.path.join(mount, "hybridjax-sandbox")
+        os.makedirs(parent, exist_ok=True)
+        _write(os.path.join(parent, "cgroup.subtree_control"), "+pids +memory")
+        path = os.path.join(parent, name)
+        os.mkdir(path)
+        try:
+            _write(os.path.join(path, "pids.max"), str(max_processes))
+            _write(os.path.join(path, "memory.max"), str(memory_mb << 20))
+            with contextlib.suppress(OSError):
+                _write(os.path.join(path, "memory.swap.max"), "0")
+        except OSError:
+            os.rmdir(path)
+            raise
+        return cls([path], "cgroup v2")
+
+    def out_of_memory(self) -> bool:
+        """Whether the kernel OOM-killed a process of this run."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):
+                with contextlib.suppress(OSError), open(os.path.join(d, name)) as f:
+                    counts = dict(line.split() for line in f if len(line.split()) == 2)
+                    if int(counts.get("oom_kill", 0)) > 0:
+                        return True
+        return False
+
+    def close(self) -> None:
+        """Kills every process left in the run's cgroups and removes them."""
+        for d in self.dirs:
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+                    break
+                with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+                    for pid in f.read().split():
+                        with contextlib.suppress(OSError):
+                            os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.01)
+
+
+def mechanisms(run_cgroup: RunCgroup | None, isolation: str) -> dict[str, str]:
+    """What bounds a run's processes and its memory, e.g. `{"processes": "cgroup v1 pids.max",
+    "memory": "cgroup v1 memory.limit_in_bytes"}`; the supervisor backs up every entry."""
+    if run_cgroup is not None:
+        v2 = run_cgroup.version == "cgroup v2"
+        memory = "memory.max" if v2 else "memory.limit_in_bytes"
+        return {"processes": f"{run_cgroup.version} pids.max",
+                "memory": f"{run_cgroup.version} {memory}"}  # fmt: skip
+    supervisor = f"supervisor (process tree every {POLL_S} s)"
+    processes = supervisor
+    if kernel_counts_tasks(None, isolation):
+        processes = "RLIMIT_NPROC in the sandbox's user namespace"
+    return {"processes": processes, "memory": f"{supervisor}: sum of resident memory"}
+
+
+def kernel_counts_tasks(run_cgroup: RunCgroup | None, isolation: str) -> bool:
+    """Whether the kernel bounds a run's tasks: by its cgroup, or by RLIMIT_NPROC in bwrap's
+    user namespace (which the kernel does not apply to the real root user)."""
+    return run_cgroup is not None or (isolation == "bwrap" and os.geteuid() != 0)
+
+
+def describe(max_processes: int, memory_mb: int, isolation: str) -> dict[str, str]:
+    """`mechanisms` of a run on this machine as this user (makes and removes a trial cgroup)."""
+    cgroup = RunCgroup.create(max_processes, memory_mb)
+    if cgroup is not None:
+        cgroup.close()
+    return mechanisms(cgroup, isolation)
+
+
+def inner_prlimit(max_processes: int) -> list[str]:
+    """The command prefix, run inside the sandbox's user namespace, that bounds its tasks."""
+    return ["prlimit", f"--nproc={max_processes}", "--"]
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and its descendants (through /proc/<pid>/task/<tid>/children, or the parent
+    pids of every process where the kernel lacks CONFIG_PROC_CHILDREN)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return _tree_by_parents(root)
+    pids, i = [root], 0
+    while i < len(pids):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pids[i]}/task"):
+                with open(f"/proc/{pids[i]}/task/{tid}/children") as f:
+                    pids += [int(p) for p in f.read().split()]
+        i += 1
+    return pids
+
+
+def _tree_by_parents(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{name}/stat") as f:
+            children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+    pids, i = [root], 0
+    while i < len(pids):
+        pids += children.get(pids[i], [])
+        i += 1
+    return pids
+
+
+def _usage(pids: list[int]) -> tuple[int, int]:
+    """(tasks, bytes) of `pids`: their threads, and their proportional set size (shared pages
+    split between their sharers, so forked children are not counted twice; resident size
+    where /proc/<pid>/smaps_rollup is missing). A process that has exited counts nothing."""
+    tasks = used = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat") as f:
+                tasks += int(f.read().rsplit(")", 1)[1].split()[17])
+            used += _pss(pid)
+    return tasks, used
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class Supervisor(threading.Thread):
+    """Polls the process tree under `pid` every `POLL_S` s; when its tasks exceed
+    `max_processes` + `overhead` (the sandbox's own launcher processes) or its memory (sum of
+    proportional set sizes) exceeds `memory_mb`, kills process group `pid` and says why in
+    `reason`. A limit of None is not checked (a kernel mechanism bounds it exactly)."""
+
+    def __init__(self, pid: int, max_processes: int | None, memory_mb: int | None, overhead: int):
+        super().__init__(daemon=True)
+        self.pid, self.overhead = pid, overhead
+        self.max_processes, self.memory_mb = max_processes, memory_mb
+        self.reason = ""
+        self._done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._done.wait(POLL_S):
+            tasks, used = _usage(_tree(self.pid))
+            if self.max_processes is not None and tasks > self.max_processes + self.overhead:
+                self.reason = f"more than max_processes={self.max_processes} processes"
+            elif self.memory_mb is not None and used > self.memory_mb << 20:
+                self.reason = f"{used >> 20} MiB in use > memory_mb={self.memory_mb}"
+            if self.reason:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()

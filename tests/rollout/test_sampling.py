@@ -47,7 +47,7 @@ def test_log_prob_is_of_the_renormalised_distribution():
     keys = uniforms(0, 64)
     logits = jnp.repeat(LOGITS, 64, axis=0)
     ones = jnp.ones(64)
-    tok, lp = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, use_filter=True)
+    tok, lp, _ = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, True)
     assert set(np.asarray(tok).tolist()) == {0, 1}
     expect = np.log(PROBS[np.asarray(tok)] / 0.8)  # kept mass 0.8
     np.testing.assert_allclose(lp, expect, rtol=1e-5)
@@ -57,7 +57,7 @@ def test_temperature_log_prob_and_greedy_rows():
     keys = uniforms(1, 2)
     logits = jnp.repeat(LOGITS, 2, axis=0)
     temperature = jnp.array([0.0, 2.0])
-    tok, lp = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
+    tok, lp, _ = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
     assert int(tok[0]) == 0
     np.testing.assert_allclose(lp[0], np.log(0.5), rtol=1e-6)  # greedy: T = 1, not truncated
     scaled = np.sqrt(PROBS) / np.sqrt(PROBS).sum()  # p^(1/T) renormalised, T = 2
@@ -67,7 +67,7 @@ def test_temperature_log_prob_and_greedy_rows():
 def test_sampling_follows_the_distribution():
     keys = uniforms(2, 4000)
     logits = jnp.repeat(LOGITS, 4000, axis=0)
-    tok, _ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
+    tok, *_ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
     freq = np.bincount(np.asarray(tok), minlength=4) / 4000
     np.testing.assert_allclose(freq, PROBS, atol=0.03)
 

@@ -127,7 +127,7 @@ def _sequences(model, rows: int = 8, seed: int = 0):
         attention[:, p + t] = 1
         positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0)
         hidden, _ = model.model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(attention))
-        logits = model.logits(hidden[:, p + t - 1])
+        logits = model.logits(hidden[:, p + t - 1 : p + t])[:, 0]
         key, sub = jax.random.split(key)
         ids[:, p + t] = np.asarray(jax.random.categorical(sub, logits.astype(jnp.float32)))
     positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0)

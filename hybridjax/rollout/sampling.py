@@ -11,9 +11,9 @@ distribution. The returned log-prob is that of the distribution actually sampled
     computes for the same token.
 
 Sampling-mask replay: with each token `sample_tokens` also returns the support it was drawn
-from as one number, the threshold τ of the kept set in temperature-scaled logits (the k-th
-largest for top-k, the smallest kept one for top-p; ties at τ are all kept, so the support is
-exactly {v : logits_v / T ≥ τ}); −inf where nothing was truncated (no filter, greedy rows, or
+from as one number, a threshold τ in temperature-scaled logits with support exactly
+{v : logits_v / T ≥ τ}, halfway between the smallest kept logit and the largest dropped one
+(`support_threshold`); −inf where nothing was truncated (no filter, greedy rows, or
 a filter that kept every token). The trainer rebuilds the support from it
 (`hybridjax.models.logprobs`, `threshold_BxT`) and scores the truncated distribution the
 token was drawn from.
@@ -28,9 +28,16 @@ NEG_INF = -jnp.inf
 
 
 def support_threshold(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """τ_B float32: the smallest logit of each row's top-k / top-p set (k <= 0 or p >= 1: off),
-    −inf where the set is the whole vocabulary. The kept set is {v : scaled_v ≥ τ} (ties at τ
-    all kept). Cost: a full sort of each row (B × V log V)."""
+    """τ_B float32: the threshold of each row's top-k / top-p set (k <= 0 or p >= 1: off), so
+    that the kept set is exactly {v : scaled_v ≥ τ} (ties at the smallest kept logit all
+    kept); −inf where the set is the whole vocabulary.
+
+    τ sits halfway between the smallest kept logit and the largest dropped one, not on the
+    former: another computation of the same logits (the trainer's, in another order or
+    precision) that moves each by less than half that gap finds the same set, where a
+    threshold on the boundary token would drop it at its first rounding. Cost: a full sort
+    of each row (B × V log V).
+    """
     v = scaled_BxV.shape[-1]
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)
     rank = jnp.arange(v)
@@ -40,8 +47,13 @@ def support_threshold(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Ar
     mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
     keep = in_top_k & ((mass_before < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
     num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold_B = jnp.take_along_axis(sorted_BxV, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where(threshold_B > sorted_BxV[:, -1], threshold_B, NEG_INF)
+    kept_min = jnp.take_along_axis(sorted_BxV, (num_kept - 1)[:, None], axis=-1)
+    dropped_max = jnp.max(jnp.where(sorted_BxV < kept_min, sorted_BxV, NEG_INF), axis=-1)
+    kept_min = kept_min[:, 0]
+    middle = kept_min / 2 + dropped_max / 2
+    # adjacent floats: the middle rounds onto one of them; the boundary itself is then exact
+    middle = jnp.where((middle > dropped_max) & (middle <= kept_min), middle, kept_min)
+    return jnp.where(dropped_max > NEG_INF, middle, NEG_INF)
 
 
 def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:

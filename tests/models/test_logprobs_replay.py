@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.logprobs import LogProbConfig, token_log_probs
 from hybridjax.rollout.sampling import sample_tokens
+from hybridjax.sharding.mesh import TRAIN_AXES
 
 V, D, T = 24, 16, 7
 TEMPERATURE = 0.7
@@ -39,13 +41,15 @@ def _dense(model, hidden, targets, threshold):
 
 def _case():
     """Hidden states, sampled-looking targets inside each position's top-k support, and the
-    thresholds of top-k sets of sizes 1..6 (−inf on one row: the whole vocabulary)."""
+    thresholds of top-k sets of sizes 1..6 (−inf on one row: the whole vocabulary), halfway
+    to the next logit as the sampler records them."""
     graphdef, params = _head()
     hidden = jax.random.normal(jax.random.key(1), (3, T, D))
     z = nnx.merge(graphdef, params).logits(hidden) / TEMPERATURE
     k = jax.random.randint(jax.random.key(2), (3, T), 1, 7)
-    ranked = -jnp.sort(-z, axis=-1)
-    threshold = jnp.take_along_axis(ranked, (k - 1)[..., None], axis=-1)[..., 0]
+    ranked = -jnp.sort(-z, axis=-1)  # τ halfway between the k-th and (k+1)-th, as sampled
+    kth, next_ = (jnp.take_along_axis(ranked, i[..., None], -1)[..., 0] for i in (k - 1, k))
+    threshold = (kth + next_) / 2
     threshold = threshold.at[2].set(-jnp.inf)
     pick = jax.random.randint(jax.random.key(3), (3, T), 0, 100) % k  # a rank inside the set
     order = jnp.argsort(-z, axis=-1)
@@ -53,12 +57,19 @@ def _case():
     return graphdef, params, hidden, targets, threshold
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_replayed_log_probs_and_gradients_equal_the_truncated_policy(fused):
+def _vocab_parallel_mesh():
+    """data × expert × fsdp × tensor = 2 × 1 × 2 × 2: the vocabulary split 4 ways."""
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2), TRAIN_AXES)
+
+
+@pytest.mark.parametrize("head", ["fused", "unfused", "vocab_parallel"])
+def test_replayed_log_probs_and_gradients_equal_the_truncated_policy(head):
     """Values and gradients (head weights and hidden states) of Σ w·log π + Σ u·H with the
-    replayed support = autodiff of the dense truncated policy; chunks of 3 (T = 7 padded)."""
+    replayed support = autodiff of the dense truncated policy; chunks of 3 (T = 7 padded);
+    also with the fused head vocab-parallel over a mesh (masked pmax / psum)."""
     graphdef, params, hidden, targets, threshold = _case()
-    config = LogProbConfig(use_fused_kernels=fused, chunk_size=3)
+    mesh = _vocab_parallel_mesh() if head == "vocab_parallel" else None
+    config = LogProbConfig(use_fused_kernels=head != "unfused", chunk_size=3, mesh=mesh)
     weights = jnp.arange(1.0, T + 1)
 
     def loss(params, hidden, replay):

@@ -13,6 +13,7 @@ from hybridjax.rollout.sampling import (
     inverse_cdf_sample,
     sample_tokens,
     step_uniforms,
+    support_threshold,
     truncate_logits,
 )
 
@@ -41,6 +42,16 @@ def test_truncate_keeps_top_k_then_smallest_top_p_set(top_k, top_p, kept):
     # top_p 0.7: 0.5 < 0.7, 0.5 + 0.3 ≥ 0.7 → {0, 1}; top_p 0.81 → {0, 1, 2}.
     out = truncate_logits(LOGITS, jnp.array([top_k]), jnp.array([top_p], jnp.float32))
     assert np.isfinite(out[0]).tolist() == [True] * kept + [False] * (4 - kept)
+
+
+def test_support_threshold_sits_between_the_kept_and_the_dropped():
+    """top-p 0.7 keeps {0, 1}: τ halfway between ln 0.3 and ln 0.15; top-k 1 with a tie at
+    the top keeps both tied tokens: τ = (1 + 0) / 2; nothing dropped: −inf."""
+    tau = support_threshold(LOGITS, jnp.array([-1]), jnp.array([0.7], jnp.float32))
+    np.testing.assert_allclose(tau, [(np.log(0.3) + np.log(0.15)) / 2], rtol=1e-6)
+    tied = jnp.array([[1.0, 1.0, 0.0]])
+    np.testing.assert_allclose(support_threshold(tied, jnp.array([1]), jnp.ones(1)), [0.5])
+    assert np.isneginf(support_threshold(tied, jnp.array([-1]), jnp.ones(1)))[0]
 
 
 def test_log_prob_is_of_the_renormalised_distribution():

@@ -94,6 +94,8 @@ def quickstart_ratios(run_dir: pathlib.Path, sampling: dict) -> dict:
         "is_ratio_mean_replay": float(m_replay[RATIO]),
         "is_ratio_mean_full_vocab": float(m_full[RATIO]),
         "outside_0.9_1.1_replay": float(m_replay["rollout_corr/token_ratio_outside_frac"]),
+        "max_abs_log_prob_diff_replay": float(m_replay["rollout_corr/max_abs_log_prob_diff"]),
+        "max_abs_log_prob_diff_full_vocab": float(m_full["rollout_corr/max_abs_log_prob_diff"]),
         "outside_0.9_1.1_full_vocab": float(m_full["rollout_corr/token_ratio_outside_frac"]),
         "is_ratio_mean_logged_by_the_step": _logged(run_dir)[RATIO],
     }

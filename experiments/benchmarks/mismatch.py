@@ -8,10 +8,12 @@ log-probs drift apart, and what sampling-mask replay does to the rollout IS rati
   `hybridjax.algorithms.rollout_correction.mismatch_metrics`: the share of tokens whose ratio
   leaves [0.9, 1.1] and the max |Δ log p|.
 * `quickstart_ratios`: one GRPO step of the quick start (4 prompts × 8 samples) sampling with
-  `top_p` 0.8 or `top_k` 20; after `gen`, π_old is computed over the replayed support and
-  over the full vocabulary, and the mean rollout IS ratio π_old / π_rollout of each is
-  reported beside the mean kept probability mass (exp(full − replayed)) and the ratio the
-  step itself logged (`rollout_corr/token_ratio_mean`, replay on by default).
+  `top_p` 0.8 or `top_k` 20 in float32, and with `top_p` 0.8 with bfloat16 matmuls and
+  generation weights (the engine/trainer mismatch in bfloat16). After `gen`, π_old is
+  computed over the replayed support and over the full vocabulary; the mean rollout IS
+  ratio π_old / π_rollout of each is reported beside the mean kept probability mass
+  (exp(full − replayed)) and the ratio the step itself logged
+  (`rollout_corr/token_ratio_mean`, replay on by default).
 
     python -m experiments.benchmarks.mismatch [--out DIR] [--skip-ratios]
 
@@ -33,7 +35,11 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RATIO = "rollout_corr/token_ratio_mean"
-SAMPLINGS = {"top_p_0.8": {"top_p": 0.8}, "top_k_20": {"top_k": 20}}
+R = "actor_rollout_ref.rollout."
+SAMPLINGS = {"top_p_0.8": {R + "top_p": 0.8}, "top_k_20": {R + "top_k": 20}}  # float32
+# the same with bfloat16 matmuls in training and bfloat16 generation weights
+BF16 = {"actor_rollout_ref.model.dtype": "bfloat16", R + "dtype": "bfloat16"}
+RUNS = SAMPLINGS | {"top_p_0.8_bfloat16": SAMPLINGS["top_p_0.8"] | BF16}
 
 
 def _quickstart_config(run_dir, **changes):
@@ -53,14 +59,13 @@ def _quickstart_config(run_dir, **changes):
     return c
 
 
-def quickstart_ratios(run_dir: pathlib.Path, sampling: dict) -> dict:
-    """One quick-start step with `sampling` (rollout keys); see the module docstring.
-    Returns the mean ratios, the kept mass, the thresholded share of tokens and the batch."""
+def quickstart_ratios(run_dir: pathlib.Path, changes: dict) -> dict:
+    """One quick-start step with `changes` (dotted config keys); see the module docstring.
+    Returns the mean ratios, the kept mass, the share of truncated tokens and the mismatch."""
     from hybridjax.rl import step as step_module
     from hybridjax.rl.pipeline import Stage
     from hybridjax.rl.trainer import RLTrainer
 
-    changes = {f"actor_rollout_ref.rollout.{k}": v for k, v in sampling.items()}
     config = _quickstart_config(run_dir, **changes)
     seen = {}
 
@@ -180,11 +185,9 @@ def main(argv=None) -> dict:
     }
     if not args.skip_ratios:
         summary["quickstart_is_ratio"] = {}
-        for name, sampling in SAMPLINGS.items():
+        for name, changes in RUNS.items():
             with tempfile.TemporaryDirectory() as tmp:
-                summary["quickstart_is_ratio"][name] = quickstart_ratios(
-                    pathlib.Path(tmp), sampling
-                )
+                summary["quickstart_is_ratio"][name] = quickstart_ratios(pathlib.Path(tmp), changes)
     (out / "mismatch.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary

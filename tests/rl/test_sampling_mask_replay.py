@@ -16,7 +16,9 @@ from experiments.benchmarks.mismatch import SAMPLINGS, quickstart_ratios
 def test_replayed_support_makes_the_rollout_ratio_one(tmp_path, name):
     r = quickstart_ratios(tmp_path, SAMPLINGS[name])
     print(name, r)
-    assert r["auto_replays"]  # rollout.log_prob_support "auto" replays a truncating rollout
+    assert r[
+        "auto_replays"
+    ]  # float32  # rollout.log_prob_support "auto" replays a truncating rollout
     assert r["truncated_token_share"] > 0.5
     assert abs(r["is_ratio_mean_logged_by_the_step"] - 1.0) < 1e-3
     assert abs(r["is_ratio_mean_replay"] - 1.0) < 1e-3

@@ -23,6 +23,8 @@ typo fails at start-up with the list of valid names.
 | `algorithm.rollout_is_threshold_lower` | None | lower threshold (default 1/upper) |
 | `algorithm.rollout_is_level`, `_mode` | token, truncate | token/sequence/geometric; or mask |
 | `algorithm.rollout_is_veto_threshold` | None | reject a sequence with a token ratio below |
+| `algorithm.rollout_rs` | "" | a mismatch mask by name (`icepop`, `sequence_mask`, ...) |
+| `algorithm.rollout_rs_threshold`, `_lower` | None, None | its bounds (None: its defaults) |
 | `actor.policy_loss.loss_mode` | `vanilla` | name in the policy-loss registry |
 | `actor.clip_ratio`, `_low`, `_high` | 0.2, clip_ratio, clip_ratio | PPO clip range |
 | `actor.clip_ratio_c` | 3.0 | dual-clip bound (> 1) |
@@ -40,7 +42,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridjax.algorithms.loss_agg import check_loss_agg_mode
-from hybridjax.algorithms.registry import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from hybridjax.algorithms.registry import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    ROLLOUT_REJECTIONS,
+)
 
 ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_IS_MODES = ("truncate", "mask")
@@ -108,6 +115,9 @@ class AlgorithmConfig:
     rollout_is_level: str = "token"
     rollout_is_mode: str = "truncate"
     rollout_is_veto_threshold: float | None = None
+    rollout_rs: str = ""  # "" = off
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
 
     def __post_init__(self):
         ADV_ESTIMATORS.get(self.adv_estimator)
@@ -116,6 +126,33 @@ class AlgorithmConfig:
         _check_choice("rollout_is_mode", self.rollout_is_mode, ROLLOUT_IS_MODES)
         if self.rollout_is and self.rollout_is_threshold is None:
             raise ValueError("algorithm.rollout_is needs algorithm.rollout_is_threshold")
+        if self.rollout_rs:
+            ROLLOUT_REJECTIONS.get(self.rollout_rs)
+            if self.resolved_rollout_rs_thresholds[0] is None:
+                raise ValueError(
+                    f"algorithm.rollout_rs={self.rollout_rs!r} needs algorithm.rollout_rs_threshold"
+                )
+
+    @property
+    def resolved_rollout_rs_thresholds(self) -> tuple[float | None, float | None]:
+        """(upper, lower) bounds of `rollout_rs`'s entry: the configured ones, else its own
+        defaults (`hybridjax.algorithms.rollout_correction`); None: no bound."""
+        fn = ROLLOUT_REJECTIONS.get(self.rollout_rs)
+        upper = self.rollout_rs_threshold
+        lower = self.rollout_rs_threshold_lower
+        upper = fn.default_threshold if upper is None else upper
+        return upper, fn.default_threshold_lower if lower is None else lower
+
+    @property
+    def rollout_rs_stage(self) -> str:
+        """Where `rollout_rs` runs: "old_log_prob", "update", or "" (off)."""
+        return ROLLOUT_REJECTIONS.get(self.rollout_rs).stage if self.rollout_rs else ""
+
+    @property
+    def uses_rollout_is_weights(self) -> bool:
+        """Whether the policy loss reads `rollout_is_weights`: `rollout_is`, or a
+        `rollout_rs` entry of the old_log_prob stage (they reweight the tokens they keep)."""
+        return self.rollout_is or self.rollout_rs_stage == "old_log_prob"
 
     @property
     def resolved_rollout_is_threshold_lower(self) -> float | None:

@@ -1,4 +1,5 @@
-"""Strict name → function registries: advantage estimators, policy losses, KL estimators.
+"""Strict name → function registries: advantage estimators, policy losses, KL estimators,
+rollout corrections (mismatch masks).
 
 Strict means: registering a name twice raises, and looking up an unknown name raises a
 `ValueError` that lists every valid name. Config validation is the lookup.
@@ -55,3 +56,4 @@ class Registry(Generic[F]):
 ADV_ESTIMATORS: Registry = Registry("advantage estimator")  # algorithm.adv_estimator
 POLICY_LOSSES: Registry = Registry("policy loss")  # actor.policy_loss.loss_mode
 KL_ESTIMATORS: Registry = Registry("KL estimator")  # algorithm.kl_penalty, actor.kl_loss_type
+ROLLOUT_REJECTIONS: Registry = Registry("rollout correction")  # algorithm.rollout_rs

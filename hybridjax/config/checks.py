@@ -44,7 +44,7 @@ from hybridjax.rewards.manager import (
 from hybridjax.rewards.registry import load_custom_reward_function
 from hybridjax.rewards.scoring import check_signature
 from hybridjax.rl import step
-from hybridjax.rl.build import algorithm_config, off_policy_reasons
+from hybridjax.rl.build import algorithm_config, off_policy_reasons, replay_unsupported
 from hybridjax.rl.multi_turn import config_problems as multi_turn_problems
 from hybridjax.rl.packing import packing_problems
 from hybridjax.sharding import MeshConfig, parallelism_problems
@@ -209,6 +209,12 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         "engine records, and only it reads them: set both it and "
         f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True (now mode={replay!r}, "
         f"enable_rollout_routing_replay={recorded})",
+    )
+    need(
+        a.rollout.log_prob_support != "replay" or not replay_unsupported(c),
+        "actor_rollout_ref.rollout.log_prob_support='replay': "
+        + "; ".join(replay_unsupported(c))
+        + " (use 'auto' or 'full')",
     )
     if a.actor.recompute_old_log_prob == "false":
         reasons = off_policy_reasons(c)

@@ -30,6 +30,7 @@ from hybridjax.algorithms.distillation import DISTILLATION_LOSS_MODES
 from hybridjax.algorithms.kl import KL_PENALTY_TYPES as KL_TYPES
 from hybridjax.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridjax.algorithms.losses import POLICY_LOSSES
+from hybridjax.algorithms.registry import ROLLOUT_REJECTIONS
 from hybridjax.config.fields import (
     Checked,
     at_least,
@@ -56,6 +57,7 @@ RECOMPUTE_OLD_LOG_PROB = ("auto", "true", "false")  # actor.recompute_old_log_pr
 SCAN_LAYERS = ("auto", "true", "false")  # model.scan_layers
 PARTIAL_ROLLOUT_KV = ("recompute", "keep")  # trainer.partial_rollout_kv
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode
+LOG_PROB_SUPPORTS = ("auto", "replay", "full")  # rollout.log_prob_support
 
 
 def _optim(lr: float) -> dict[str, Any]:
@@ -237,6 +239,11 @@ def declared_config() -> ConfigDict:
             top_k=-1,
             top_p=within(1.0, 0, 1, low_open=True),
             do_sample=True,
+            # the distribution every trainer log-prob of the policy (old, current, the rollout
+            # correction's) scores a sampled token under: "replay" the top-k/top-p support it
+            # was drawn from (sampling-mask replay), "full" the whole vocabulary; "auto":
+            # replay when sampling truncates (single-turn rollouts; hybridjax.rl.build)
+            log_prob_support=one_of("auto", LOG_PROB_SUPPORTS),
             prompt_length=512,
             response_length=512,
             # generation-layout dtype (update_weights casts to it); auto as model.dtype
@@ -386,6 +393,11 @@ def declared_config() -> ConfigDict:
         rollout_is_mode=one_of("truncate", ROLLOUT_IS_MODES),
         # drop a response with a token ratio below; 0 = off
         rollout_is_veto_threshold=at_least(0.0, 0, "0: off"),
+        # a mismatch mask by name (hybridjax.algorithms.rollout_correction; "" = off):
+        # icepop, sequence_mask (TRL's default), off_policy_sequence_mask (DeepSeek-V3.2)
+        rollout_rs=one_of("", lambda: ("", *ROLLOUT_REJECTIONS.names())),
+        rollout_rs_threshold=at_least(0.0, 0, "0: the entry's default"),  # upper bound / δ
+        rollout_rs_threshold_lower=at_least(0.0, 0, "0: the entry's default"),
         # DAPO dynamic sampling (hybridjax.rl.dynamic_sampling): drop groups whose metric
         # has no spread, generate more until data.train_batch_size groups; 0 = no cap
         filter_groups=dict(enable=False, metric="acc", max_num_gen_batches=0),

@@ -186,6 +186,7 @@ def abstract_batch(
         attention_mask=i32(rows, prompt + response),
         position_ids=i32(rows, prompt + response),
         rollout_log_probs=f32(rows, response),
+        rollout_logit_threshold=f32(rows, response),  # single-turn rollouts record it
     )
     batch = batch.replace(**{name: f32(rows, response) for name in fields})
     if topk:

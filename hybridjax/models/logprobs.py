@@ -29,6 +29,19 @@ likes: for the FSDP-stored head (D over fsdp) it all-gathers the D × V/tp head 
 all-reduces its D × V/tp gradient (`tests/models/test_vocab_parallel.py` reads both in the
 HLO).
 
+Sampling-mask replay (`threshold_BxT` given): each position's support is the tokens whose
+scaled logit reaches the position's threshold τ (`hybridjax.rollout.sampling`: the top-k /
+top-p set the rollout drew from), the target always included (a rounding difference between
+engine and trainer never leaves it out), and log π, H and their gradients are those of the
+distribution renormalised over it:
+
+    lse_bt = log Σ_{v: z_v ≥ τ_bt} exp z_btv,   p̃_v = exp(z_v − lse) on the support, 0 off it,
+
+    ∂ log π(y)/∂z_v = 1[v = y] − p̃_v,          ∂H/∂z_v = −p̃_v · (z_v − lse + H)
+
+(the truncated policy's own gradient: tokens off the support get none). τ = −inf is the
+whole vocabulary.
+
 The unfused path (`use_fused_kernels` False) is the reference: full logits, `log_softmax`,
 and the entropy of `hybridjax.algorithms.entropy` (chunked and/or rematerialised per verl's
 `entropy_from_logits_with_chunking` / `entropy_checkpointing`, which apply only there, as in
@@ -96,6 +109,7 @@ def token_log_probs(
     temperature: float = 1.0,
     config: LogProbConfig = FUSED,
     with_entropy: bool = False,
+    threshold_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(log π(targets) B×T float32, entropy B×T float32 nats or None) from hidden states.
 
@@ -104,6 +118,9 @@ def token_log_probs(
       hidden_BxTxD: the backbone's output for the positions that predict `targets_BxT`.
       targets_BxT: int token ids in [0, V).
       temperature: logits are divided by it (a Python float > 0).
+      threshold_BxT: float32 support thresholds τ in scaled logits (sampling-mask replay,
+        see the module docstring; −inf: the whole vocabulary), or None: the whole vocabulary
+        everywhere. No gradient flows to it.
     Raises ValueError on a temperature ≤ 0 or mismatched shapes.
     """
     if temperature <= 0:
@@ -113,14 +130,23 @@ def token_log_probs(
             f"token_log_probs: hidden {hidden_BxTxD.shape} and targets {targets_BxT.shape} "
             "differ in B×T"
         )
+    masked = threshold_BxT is not None
+    if threshold_BxT is None:
+        threshold_BxT = jnp.zeros(targets_BxT.shape, jnp.float32)  # unused
+    threshold_BxT = jax.lax.stop_gradient(threshold_BxT.astype(jnp.float32))
     if config.use_fused_kernels:
         weight, layout = model.head_weight()
         w = weight.astype(hidden_BxTxD.dtype)
         split = vocab_split(config.mesh, w.shape[0 if layout == "vd" else 1], targets_BxT.shape[0])
-        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy, split)
-        log_probs, entropy = _fused(*options, hidden_BxTxD, w, targets_BxT)
+        options = (layout, 1.0 / temperature, config.chunk_size, with_entropy, split, masked)
+        log_probs, entropy = _fused(*options, hidden_BxTxD, w, targets_BxT, threshold_BxT)
         return log_probs, entropy if with_entropy else None
     logits_BxTxV = model.logits(hidden_BxTxD) / jnp.float32(temperature)
+    if masked:
+        vocab = jnp.arange(logits_BxTxV.shape[-1])
+        keep = (logits_BxTxV >= threshold_BxT[..., None]) | (vocab == targets_BxT[..., None])
+        # a finite floor: exp underflows to 0 and 0 · floor stays 0 in the entropy
+        logits_BxTxV = jnp.where(keep, logits_BxTxV, jnp.finfo(jnp.float32).min)
     log_probs = jax.nn.log_softmax(logits_BxTxV, axis=-1)
     log_probs = jnp.take_along_axis(log_probs, targets_BxT[..., None], axis=-1)[..., 0]
     if not with_entropy:
@@ -200,17 +226,27 @@ def _first_id(w, layout, axes):
     return jax.lax.axis_index(axes) * w.shape[0 if layout == "vd" else 1]
 
 
-def _chunk_forward(layout, scale, with_entropy, axes, w, h_BxCxD, y_BxC):
+def _support(z, y_BxC, thr_BxC, first_id, masked: bool):
+    """The scaled logits with the tokens off each position's support at −inf (`masked`),
+    and the one-hot of the target (this device's vocabulary slice starts at `first_id`)."""
+    onehot = (jnp.arange(z.shape[-1]) + first_id) == y_BxC[..., None]
+    if not masked:
+        return z, onehot
+    return jnp.where((z >= thr_BxC[..., None]) | onehot, z, -jnp.inf), onehot
+
+
+def _chunk_forward(layout, scale, with_entropy, masked, axes, w, h_BxCxD, y_BxC, thr_BxC):
     z = _logits(h_BxCxD, w, layout, scale)  # this device's vocabulary slice
-    m = _pmax(jnp.max(z, axis=-1), axes)
-    lse = m + jnp.log(_psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1), axes))
+    zs, _ = _support(z, y_BxC, thr_BxC, _first_id(w, layout, axes), masked)
+    m = _pmax(jnp.max(zs, axis=-1), axes)
+    lse = m + jnp.log(_psum(jnp.sum(jnp.exp(zs - m[..., None]), axis=-1), axes))
     local = y_BxC - _first_id(w, layout, axes)
     inside = (local >= 0) & (local < z.shape[-1])
     picked = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[..., None], axis=-1)
     log_prob = _psum(jnp.where(inside, picked[..., 0], 0.0), axes) - lse
     if not with_entropy:
         return log_prob, jnp.zeros_like(lse), lse
-    entropy = lse - _psum(jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1), axes)
+    entropy = lse - _psum(jnp.sum(jnp.exp(zs - lse[..., None]) * z, axis=-1), axes)
     return log_prob, entropy, lse
 
 
@@ -249,35 +285,36 @@ def _relaid(w, weight_spec, split: Split | None):
     return jax.lax.with_sharding_constraint(w, NamedSharding(split[0], weight_spec))
 
 
-def _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
+def _fused_forward(layout, scale, chunk, with_entropy, split, masked, h_BxTxD, w, y_BxT, thr_BxT):
     t = y_BxT.shape[1]
     c = min(chunk, t)
     rows, hidden, weight, _ = _specs(layout, split)
     w = _relaid(w, weight, split)
     body = _on_devices(
-        lambda axes, _, w, h, y: _chunk_forward(layout, scale, with_entropy, axes, w, h, y),
+        lambda axes, _, *xs: _chunk_forward(layout, scale, with_entropy, masked, axes, *xs),
         split,
-        (weight, hidden, rows),
+        (weight, hidden, rows, rows),
         (rows, rows, rows),
     )
-    chunks = (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c))
+    chunks = (_to_chunks(h_BxTxD, c), _to_chunks(y_BxT, c), _to_chunks(thr_BxT, c))
     outs = jax.lax.map(lambda xs: body(w, *xs), chunks)
     log_prob, entropy, lse = (_from_chunks(o, t) for o in outs)
-    return (log_prob, entropy), (h_BxTxD, w, y_BxT, lse, entropy)
+    return (log_prob, entropy), (h_BxTxD, w, y_BxT, thr_BxT, lse, entropy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _fused(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT):
-    return _fused_forward(layout, scale, chunk, with_entropy, split, h_BxTxD, w, y_BxT)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _fused(layout, scale, chunk, with_entropy, split, masked, h_BxTxD, w, y_BxT, thr_BxT):
+    options = (layout, scale, chunk, with_entropy, split, masked)
+    return _fused_forward(*options, h_BxTxD, w, y_BxT, thr_BxT)[0]
 
 
-def _chunk_backward(layout, scale, with_entropy, axes, w, g_w_1xW, *chunk_xs):
+def _chunk_backward(layout, scale, with_entropy, masked, axes, w, g_w_1xW, *chunk_xs):
     """(this device's head gradient block + the chunk's, ∂h of the chunk summed over the
     vocabulary axes)."""
-    h, y, lse, entropy, g_lp, g_h_ent = chunk_xs
+    h, y, thr, lse, entropy, g_lp, g_h_ent = chunk_xs
     z = _logits(h, w, layout, scale)
-    p = jnp.exp(z - lse[..., None])
-    onehot = (jnp.arange(z.shape[-1]) + _first_id(w, layout, axes)) == y[..., None]
+    zs, onehot = _support(z, y, thr, _first_id(w, layout, axes), masked)
+    p = jnp.exp(zs - lse[..., None])  # 0 off the support
     g_z = (onehot - p) * g_lp[..., None]
     if with_entropy:
         g_z = g_z - p * (z - (lse - entropy)[..., None]) * g_h_ent[..., None]
@@ -289,17 +326,17 @@ def _chunk_backward(layout, scale, with_entropy, axes, w, g_w_1xW, *chunk_xs):
     return g_w_1xW + g_w[None], g_h.astype(h.dtype)
 
 
-def _fused_backward(layout, scale, chunk, with_entropy, split, residuals, cotangents):
-    h_BxTxD, w, y_BxT, lse_BxT, entropy_BxT = residuals
+def _fused_backward(layout, scale, chunk, with_entropy, split, masked, residuals, cotangents):
+    h_BxTxD, w, y_BxT, thr_BxT, lse_BxT, entropy_BxT = residuals
     t = y_BxT.shape[1]
     c = min(chunk, t)
     rows, hidden, weight, stack = _specs(layout, split)
     body = _on_devices(
         lambda axes, _, w, g_w, *xs: _chunk_backward(
-            layout, scale, with_entropy, axes, w, g_w, *xs
+            layout, scale, with_entropy, masked, axes, w, g_w, *xs
         ),
         split,
-        (weight, stack, hidden, *(rows,) * 5),
+        (weight, stack, hidden, *(rows,) * 6),
         (stack, hidden),
     )
     # the head gradient, one block per device along the row axes (data parallelism), summed
@@ -308,10 +345,10 @@ def _fused_backward(layout, scale, chunk, with_entropy, split, residuals, cotang
     g_w = jnp.zeros((blocks, *w.shape), jnp.float32)
     if split is not None:
         g_w = jax.lax.with_sharding_constraint(g_w, NamedSharding(split[0], stack))
-    xs = (h_BxTxD, y_BxT, lse_BxT, entropy_BxT, *cotangents)
+    xs = (h_BxTxD, y_BxT, thr_BxT, lse_BxT, entropy_BxT, *cotangents)
     step = lambda g_w, chunk_xs: body(w, g_w, *chunk_xs)
     g_w, g_h = jax.lax.scan(step, g_w, tuple(_to_chunks(x, c) for x in xs))
-    return _from_chunks(g_h, t), g_w.sum(axis=0).astype(w.dtype), None
+    return _from_chunks(g_h, t), g_w.sum(axis=0).astype(w.dtype), None, None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

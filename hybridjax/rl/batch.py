@@ -21,6 +21,7 @@ import jax.numpy as jnp
 FILLED_BY = {
     "uid": "gen",
     "rollout_log_probs": "gen",
+    "rollout_logit_threshold": "gen (top-k/top-p sampling)",
     "rollout_is_weights": "old_log_prob (algorithm.rollout_is)",
     "reward_baselines": "reward (greedy baseline)",
     "token_level_scores": "reward",
@@ -49,6 +50,8 @@ class RLBatch:
     position_ids: jax.Array  # B×(P+R) int32
     uid: jax.Array | None = None  # B int32: the row's prompt (its group)
     rollout_log_probs: jax.Array | None = None
+    # B×R float32: each token's sampled support, logits / T ≥ it (−inf: whole vocabulary)
+    rollout_logit_threshold: jax.Array | None = None
     rollout_is_weights: jax.Array | None = None  # B×R, π_old / π_rollout bounded
     reward_baselines: jax.Array | None = None  # B, score of a greedy response to the prompt
     token_level_scores: jax.Array | None = None

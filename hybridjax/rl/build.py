@@ -21,6 +21,7 @@ from hybridjax.algorithms.config import (
     OverlongBufferConfig,
 )
 from hybridjax.algorithms.distillation import DistillationConfig
+from hybridjax.algorithms.registry import ROLLOUT_REJECTIONS
 from hybridjax.config.run import dtype_of
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
@@ -270,6 +271,8 @@ UNSET_WHEN_ZERO = (
     "rollout_is_threshold",
     "rollout_is_threshold_lower",
     "rollout_is_veto_threshold",
+    "rollout_rs_threshold",
+    "rollout_rs_threshold_lower",
 )
 
 
@@ -315,7 +318,33 @@ def off_policy_reasons(cfg: ConfigDict) -> list[str]:
             "algorithm.rollout_is_threshold is set: the rollout correction weighs by π_old "
             "before the update"
         )
+    if algo.rollout_rs in ROLLOUT_REJECTIONS and ROLLOUT_REJECTIONS.get(algo.rollout_rs).stage == (
+        "old_log_prob"
+    ):
+        reasons.append(f"algorithm.rollout_rs={algo.rollout_rs!r} masks by π_old before the update")
     return reasons
+
+
+def replay_unsupported(cfg: ConfigDict) -> list[str]:
+    """Why the rollout records no sampled supports for the trainer to replay (empty: it
+    does): multi-turn and partial rollouts keep log-probs only."""
+    reasons = []
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        reasons.append("multi-turn rollouts do not record the sampled supports")
+    if cfg.trainer.rollout_mode == "async" and cfg.trainer.partial_rollout:
+        reasons.append("partial rollouts do not record the sampled supports")
+    return reasons
+
+
+def replays_sampling_mask(cfg: ConfigDict) -> bool:
+    """Whether the trainer scores the policy over each token's sampled support
+    (`rollout.log_prob_support`): "replay" yes, "full" no, "auto" when sampling truncates
+    (`do_sample` with `top_k` > 0 or `top_p` < 1) and the rollout records the supports."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.log_prob_support != "auto":
+        return r.log_prob_support == "replay"
+    truncates = r.do_sample and r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
+    return bool(truncates) and not replay_unsupported(cfg)
 
 
 def recompute_old_log_prob(cfg: ConfigDict) -> bool:
@@ -379,6 +408,7 @@ def stage_config(
         actor_optim=OptimConfig.from_config(a.actor.optim, a.actor.grad_clip, total_steps),
         critic_optim=OptimConfig.from_config(cfg.critic.optim, cfg.critic.grad_clip, total_steps),
         recompute_old_log_prob=recompute_old_log_prob(cfg),
+        replay_sampling_mask=replays_sampling_mask(cfg),
         moe_aux_loss_coeff=float(a.actor.moe_aux_loss_coeff),
         router_replay=a.actor.router_replay.mode,
         old_log_prob_packing=packed["old_log_prob"],

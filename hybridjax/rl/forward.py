@@ -8,6 +8,11 @@ current log-probs are of the same distribution; the LM head runs fused with the 
 critic: the value of response token t is the critic's output at position P−1+t (the state
 before emitting it).
 
+Sampling-mask replay: when `fields` holds `rollout_logit_threshold` (B×R, the support each
+response token was sampled from; `hybridjax.rollout.sampling`), the log-probs and entropy are
+those of the policy truncated to that support (`hybridjax.models.logprobs`); the stages put
+it there for the policy's own passes only (old, current), never the reference's or teacher's.
+
 Packed passes (`hybridjax.models.packing`): `fields` then also holds `pack_plan` and
 `pack_buffer` (the buffer index k); the model reads buffer k and the outputs come back in the
 B×R layout, 0 for rows outside buffer k. `packed_map` runs a pass over every buffer.
@@ -81,8 +86,10 @@ def model_log_probs_and_hidden(
     the rows' layout (packed passes gather them from their slots; 0 outside the buffer), for
     head computations beyond the sampled token (`hybridjax.models.logprobs.log_probs_at`)."""
     temperature = temperature if temperature > 0 else 1.0
-    hidden, targets, to_rows = _predicting_hidden(model, fields)
-    log_probs, entropy = token_log_probs(model, hidden, targets, temperature, head, with_entropy)
+    hidden, targets, to_rows, threshold = _predicting_hidden(model, fields)
+    log_probs, entropy = token_log_probs(
+        model, hidden, targets, temperature, head, with_entropy, threshold
+    )
     return to_rows(log_probs), None if entropy is None else to_rows(entropy), to_rows(hidden)
 
 
@@ -99,14 +106,15 @@ def model_top_k(
     from the head chunk by chunk (`hybridjax.models.logprobs.top_k_log_probs`, ids below
     `vocab_limit`), on a packed buffer's own slots. Values at padding are garbage."""
     temperature = temperature if temperature > 0 else 1.0
-    hidden, targets, to_rows = _predicting_hidden(model, fields)
+    hidden, targets, to_rows, _ = _predicting_hidden(model, fields)
     log_probs, _ = token_log_probs(model, hidden, targets, temperature, head)
     top, ids = top_k_log_probs(model, hidden, k, temperature, vocab_limit, head.chunk_size)
     return to_rows(log_probs), to_rows(top), to_rows(ids)
 
 
-def _predicting_hidden(model, fields) -> tuple[jax.Array, jax.Array, Callable]:
-    """(hidden states, the tokens they predict, a map of per-token outputs to the B×R rows).
+def _predicting_hidden(model, fields) -> tuple[jax.Array, jax.Array, Callable, jax.Array | None]:
+    """(hidden states, the tokens they predict, a map of per-token outputs to the B×R rows,
+    each token's support threshold or None without `rollout_logit_threshold` in `fields`).
 
     Unpacked: the B×R response positions (the LM head runs on R positions, not P+R). Packed:
     the buffer's slots, each fed the hidden state that predicts its token (`source_index`: the
@@ -114,6 +122,7 @@ def _predicting_hidden(model, fields) -> tuple[jax.Array, jax.Array, Callable]:
     rows by `gather_response` (trailing axes kept, 0 outside the buffer)."""
     responses = fields["responses"]
     replay = fields.get("routed_experts")
+    threshold = fields.get("rollout_logit_threshold")
     if "pack_plan" in fields:
         if replay is not None:
             raise ValueError("routing replay needs unpacked passes (model.use_remove_padding)")
@@ -123,10 +132,16 @@ def _predicting_hidden(model, fields) -> tuple[jax.Array, jax.Array, Callable]:
         src = packing.source_index(pl, k)
         hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
         r = responses.shape[1]
-        return hidden, buf["input_ids"], lambda y: packing.gather_response(pl, y, k, r)
+        if threshold is not None:  # laid out as the tokens: each slot's own threshold
+            b, width = fields["input_ids"].shape
+            prompt = jnp.full((b, width - r), -jnp.inf, jnp.float32)
+            aligned = jnp.concatenate([prompt, threshold.astype(jnp.float32)], axis=1)
+            threshold = packing.buffer(pl, aligned, k)["input_ids"]
+        to_rows = lambda y: packing.gather_response(pl, y, k, r)
+        return hidden, buf["input_ids"], to_rows, threshold
     ids, mask, positions = fields["input_ids"], fields["attention_mask"], fields["position_ids"]
     hidden_BxTxD, _ = model.model(ids, positions, mask, routed_experts_BxTxLxK=replay)
-    return hidden_BxTxD[:, -responses.shape[1] - 1 : -1], responses, lambda y: y
+    return hidden_BxTxD[:, -responses.shape[1] - 1 : -1], responses, lambda y: y, threshold
 
 
 def response_values(graphdef: nnx.GraphDef, params: Any, fields: dict[str, jax.Array]) -> jax.Array:

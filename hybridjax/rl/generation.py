@@ -154,8 +154,16 @@ def assemble_batch(
     routed = None
     if out.routed_experts is not None:
         routed = routed_experts_array(out.routed_experts, prompt_mask, out.responses.shape[1])
+    threshold = getattr(out, "rollout_logit_threshold", None)  # multi-turn: not recorded
     parts = allgather(
-        (prompts["input_ids"], prompts["attention_mask"], out.rollout_log_probs, local, routed)
+        (
+            prompts["input_ids"],
+            prompts["attention_mask"],
+            out.rollout_log_probs,
+            local,
+            routed,
+            threshold,
+        )
     )
     host = HostColumns(
         *(_concat([getattr(p[3], f.name) for p in parts]) for f in dataclasses.fields(local)[:-1])
@@ -175,6 +183,9 @@ def assemble_batch(
     )
     if routed is not None:
         batch = batch.replace(routed_experts=put(np.concatenate([p[4] for p in parts])))
+    if threshold is not None:
+        thresholds = np.concatenate([p[5] for p in parts])
+        batch = batch.replace(rollout_logit_threshold=put(thresholds))
     return batch, host
 
 

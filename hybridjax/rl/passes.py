@@ -38,7 +38,9 @@ from hybridjax.algorithms.losses import compute_actor_loss, compute_value_loss
 from hybridjax.algorithms.overlong import apply_overlong_penalty
 from hybridjax.algorithms.rollout_correction import (
     compute_rollout_importance_weights,
+    mismatch_metrics,
     rollout_probs_diff_metrics,
+    rollout_rejection,
 )
 from hybridjax.models.logprobs import LogProbConfig, log_probs_at
 from hybridjax.models.lora import merged_model
@@ -89,6 +91,9 @@ class StageConfig:
     # engine recorded (`routed_experts` from the rollout) in the old_log_prob pass and the
     # update; "disabled" routes every pass afresh
     router_replay: str = "disabled"
+    # rollout.log_prob_support resolved: the policy's passes (old_log_prob, update_actor)
+    # score each token over the support it was sampled from (`rollout_logit_threshold`)
+    replay_sampling_mask: bool = False
 
 
 def group_ids(batch: RLBatch, cfg: StageConfig) -> jax.Array:
@@ -143,6 +148,12 @@ def _model(graphdef: nnx.GraphDef, params: Any) -> nnx.Module:
     return merged_model(nnx.merge(graphdef, params))
 
 
+def _policy_names(cfg: StageConfig) -> tuple[str, ...]:
+    """The batch fields every pass of the policy reads beyond the base ones: each token's
+    sampled support with sampling-mask replay (`rollout.log_prob_support`)."""
+    return ("rollout_logit_threshold",) if cfg.replay_sampling_mask else ()
+
+
 def _log_probs_and_experts(
     graphdef, params, batch: RLBatch, cfg: StageConfig
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -155,7 +166,7 @@ def _log_probs_and_experts(
         ids = None if router is None else jnp.moveaxis(router.expert_ids, 0, 2)
         return log_probs, ids
 
-    return _forward(fn, batch, cfg, None)
+    return _forward(fn, batch, cfg, None, names=_policy_names(cfg))
 
 
 def compute_old_log_prob(
@@ -170,20 +181,25 @@ def compute_old_log_prob(
     With `actor.router_replay.mode` "R2" the pass runs unpacked and also fills
     `routed_experts` with the experts every token used (a MoE actor), which the update then
     reuses; with "R3" it runs unpacked on the experts the rollout engine recorded
-    (`routed_experts`, required), so π_old routes as the rollout did."""
-    mask = batch.response_mask
+    (`routed_experts`, required), so π_old routes as the rollout did. With sampling-mask
+    replay π_old is the policy truncated to each token's sampled support. The mismatch is
+    reported every step (`rollout_corr/*`, `mismatch_metrics`), and an `algorithm.rollout_rs`
+    entry of this stage (`icepop`, `sequence_mask`) drops tokens from `response_mask` and
+    reweights the rest (`rollout_is_weights`, times the IS weights with `rollout_is`)."""
+    mask, policy = batch.response_mask, _policy_names(cfg)
     if cfg.router_replay == "R2":  # record the experts for the update to replay
         old, routed = _log_probs_and_experts(graphdef, params, batch, cfg)
         batch = batch.replace(routed_experts=routed)
     elif cfg.router_replay == "R3":  # replay the rollout's experts
-        old = _log_probs(graphdef, params, batch, cfg, None, names=("routed_experts",))
+        old = _log_probs(graphdef, params, batch, cfg, None, names=("routed_experts", *policy))
     else:
-        old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing)
+        old = _log_probs(graphdef, params, batch, cfg, cfg.old_log_prob_packing, names=policy)
     old = old * mask
     batch, metrics, algo = batch.replace(old_log_probs=old), {}, cfg.algorithm
     if batch.rollout_log_probs is None:
         return batch, metrics
     metrics |= rollout_probs_diff_metrics(old, batch.rollout_log_probs, mask)
+    metrics |= mismatch_metrics(old, batch.rollout_log_probs, mask)
     if algo.rollout_is_threshold is not None:
         weights, new_mask, m = compute_rollout_importance_weights(
             old, batch.rollout_log_probs, mask, algo
@@ -191,6 +207,13 @@ def compute_old_log_prob(
         metrics |= m
         if algo.rollout_is:
             batch = batch.replace(rollout_is_weights=weights, response_mask=new_mask)
+    if algo.rollout_rs_stage == "old_log_prob":
+        log_ratio = old - batch.rollout_log_probs
+        weights, new_mask, m = rollout_rejection(log_ratio, batch.response_mask, algo)
+        if batch.rollout_is_weights is not None:
+            weights = weights * batch.rollout_is_weights
+        batch = batch.replace(rollout_is_weights=weights, response_mask=new_mask)
+        metrics |= m
     return batch, metrics
 
 
@@ -323,7 +346,9 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         )
     if cfg.actor_loss.entropy_coeff == 0:
         entropy = jax.lax.stop_gradient(entropy)  # a metric only: no backward through it
-    rows = {}
+    rows, mask, rs_metrics = {}, micro["response_mask"], {}
+    if cfg.algorithm.rollout_rs_stage == "update":  # e.g. DeepSeek-V3.2's sequence mask
+        mask, rs_metrics = _masked_in_update(log_prob, micro, counts, cfg)
     if cfg.recompute_old_log_prob:
         old_log_prob = micro["old_log_probs"]
     else:  # on-policy: these parameters are π_old, so the ratio is exactly 1
@@ -334,7 +359,7 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         old_log_prob,
         log_prob,
         micro["advantages"],
-        micro["response_mask"],
+        mask,
         config=cfg.actor_loss,
         counts=counts,
         entropy_BxT=entropy,
@@ -345,10 +370,24 @@ def _actor_loss(graphdef, cfg: StageConfig, params, micro, counts):
         topk_log_prob_BxTxK=student_topk,
         teacher_topk_log_prob_BxTxK=micro.get("teacher_topk_log_probs"),
     )
+    metrics |= rs_metrics
     if router is not None:
         loss, router_metrics = _with_aux_loss(loss, router, micro, counts, cfg)
         metrics |= router_metrics
     return loss, (metrics, rows)
+
+
+def _masked_in_update(log_prob, micro, counts: LossCounts, cfg: StageConfig):
+    """The micro-batch's response mask after an update-stage `algorithm.rollout_rs` entry
+    (ρ = π_θ / π_rollout, detached, and the advantages), and its metrics as shares of the
+    mini-batch (the update sums micro-batch metrics); the loss keeps the mini-batch's
+    denominators (TRL's masking)."""
+    mask = micro["response_mask"]
+    log_ratio = jax.lax.stop_gradient(log_prob) - micro["rollout_log_probs"]
+    _, new_mask, m = rollout_rejection(log_ratio, mask, cfg.algorithm, micro["advantages"])
+    tokens = jnp.sum(mask) / jnp.maximum(counts.num_tokens, 1.0)
+    seqs = jnp.sum(jnp.any(mask > 0, -1)) / jnp.maximum(counts.num_seqs, 1.0)
+    return new_mask, {k: v * (seqs if "seq_" in k else tokens) for k, v in m.items()}
 
 
 def _with_aux_loss(loss, router: RouterStats, micro, counts: LossCounts, cfg: StageConfig):
@@ -418,11 +457,13 @@ def update_actor(
             f"{update.ppo_epochs}, mini-batch {update.mini_batch_size} of {batch.batch_size} rows"
         )
     with_rollout = not recompute and batch.rollout_log_probs is not None
+    in_loss = cfg.algorithm.rollout_rs_stage == "update"
     names = ("old_log_probs",) if recompute else ()
     names += ("advantages",)
     names += ("ref_log_prob",) if use_kl_loss else ()
-    names += ("rollout_is_weights",) if cfg.algorithm.rollout_is else ()
-    names += ("rollout_log_probs",) if with_rollout else ()
+    names += ("rollout_is_weights",) if cfg.algorithm.uses_rollout_is_weights else ()
+    names += ("rollout_log_probs",) if with_rollout or in_loss else ()
+    names += _policy_names(cfg)
     names += ("teacher_log_prob",) if cfg.distillation.as_loss else ()
     names += ("teacher_topk_log_probs", "teacher_topk_ids") if cfg.distillation.with_topk else ()
     # R2 with a dense model recorded nothing (None); R3 requires the rollout's record
@@ -436,9 +477,9 @@ def update_actor(
     )
     if with_rollout:
         mask = batch.response_mask
-        metrics |= rollout_probs_diff_metrics(
-            rows["old_log_probs"] * mask, batch.rollout_log_probs, mask
-        )
+        old = rows["old_log_probs"] * mask
+        metrics |= rollout_probs_diff_metrics(old, batch.rollout_log_probs, mask)
+        metrics |= mismatch_metrics(old, batch.rollout_log_probs, mask)
     if use_kl_loss or not cfg.algorithm.use_kl_in_reward:
         metrics["actor/kl_coef"] = jnp.float32(cfg.actor_loss.kl_loss_coef if use_kl_loss else 0)
     metrics.setdefault("actor/kl_loss", jnp.float32(0.0))

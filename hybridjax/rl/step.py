@@ -84,7 +84,7 @@ _update_critic = jax.jit(passes.update_critic, static_argnums=(0, 4), donate_arg
 data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
 
 ROLLOUT = ("prompts", "responses", "response_mask", "attention_mask", "position_ids", "uid")
-GENERATED = (*ROLLOUT, "rollout_log_probs", "routed_experts")  # the last: R3 only
+GENERATED = (*ROLLOUT, "rollout_log_probs", "rollout_logit_threshold", "routed_experts")
 
 
 def default_pipeline(cfg: ConfigDict) -> Pipeline:

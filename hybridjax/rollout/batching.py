@@ -38,6 +38,9 @@ class RolloutOutput:
     routed_experts: with rollout routing replay (`Engine.record_routing`), per row the experts
       each fed token used in each MoE layer (`Engine.routing_of`: (prompt + response −
       1)×L×k int32, from the prompt's first token), else None.
+    rollout_logit_threshold: (B·n)×R float32, the support each token was sampled from
+      (`hybridjax.rollout.sampling`: kept = logits / T ≥ it; −inf: the whole vocabulary, and
+      on padding), or None when the rollout did not record it.
     """
 
     responses: np.ndarray
@@ -45,6 +48,7 @@ class RolloutOutput:
     rollout_log_probs: np.ndarray
     finish_reason: tuple[str, ...]
     routed_experts: tuple[np.ndarray, ...] | None = None
+    rollout_logit_threshold: np.ndarray | None = None
 
 
 def _prompts(prompt_ids, attention_mask) -> list[tuple[int, ...]]:
@@ -87,6 +91,7 @@ def generate(
     width = max((r.params.max_tokens for r in requests), default=1)
     tokens: list[list[int]] = [[] for _ in range(first_row[-1])]
     log_probs: list[list[float]] = [[] for _ in range(first_row[-1])]
+    thresholds: list[list[float]] = [[] for _ in range(first_row[-1])]
     reasons = ["length"] * int(first_row[-1])
     routing: list[np.ndarray] = [np.zeros(0)] * int(first_row[-1])
     queue = collections.deque(requests)
@@ -107,6 +112,8 @@ def generate(
             valid = out.tokens[slot] >= 0
             tokens[row].extend(out.tokens[slot, valid].tolist())
             log_probs[row].extend(out.log_probs[slot, valid].tolist())
+            if out.thresholds is not None:
+                thresholds[row].extend(out.thresholds[slot, valid].tolist())
             if out.finished[slot]:
                 reasons[row] = "stop" if out.stopped[slot] else "length"
                 if engine.record_routing:
@@ -117,7 +124,10 @@ def generate(
     masks = [[1] * len(t) for t in tokens]
     routed = tuple(routing) if engine.record_routing else None
     padded = pad_rows(tokens, masks, log_probs, width, pad_token_id)
-    return RolloutOutput(*padded, tuple(reasons), routed)
+    threshold = np.full(padded[2].shape, -np.inf, np.float32)
+    for i, row in enumerate(thresholds):
+        threshold[i, : len(row)] = row
+    return RolloutOutput(*padded, tuple(reasons), routed, threshold)
 
 
 def make_requests(

@@ -754,7 +754,7 @@ class Engine:
             functools.partial(self._decode_fn, **static),
             self.mesh,
             (whole, pool, pool, rows_spec, whole),
-            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec),
+            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec),
         )
         return fn(state, k_pools, v_pools, batch, exit_when_done)
 
@@ -769,10 +769,10 @@ class Engine:
             routing_shape=self._routing_shape,
             **static,
         )
-        k, v, dyn, n_steps, out_tok, out_lp, out_ex = loop(
+        k, v, dyn, n_steps, *out = loop(
             self.graphdef, state, k_pools, v_pools, batch, exit_when_done
         )
-        return k, v, dyn, n_steps[None], out_tok, out_lp, out_ex
+        return k, v, dyn, n_steps[None], *out
 
     def _table_width(self, num_steps: int) -> int:
         """Page-table columns the next `num_steps` steps can touch (`slots.table_width`)."""
@@ -804,21 +804,25 @@ class Engine:
         s = self.slots
         tokens = np.full((s.active.size, num_steps), -1, np.int32)
         log_probs = np.zeros((s.active.size, num_steps), np.float32)
+        thresholds = np.full((s.active.size, num_steps), -np.inf, np.float32)
         finished = np.zeros(s.active.size, bool)
         index = self.decode_rows()
         rows = index[index >= 0]
         if not len(rows):
-            return StepOutput(tokens, log_probs, finished, finished.copy(), preempted)
+            return StepOutput(tokens, log_probs, finished, finished.copy(), preempted, thresholds)
         filtered = (s.temperature[rows] > 0) & ((s.top_k[rows] > 0) | (s.top_p[rows] < 1))
         use_filter = bool(np.any(filtered))
         size = len(index) // self.replicas  # rows per replica
         limit = np.int32(exit_when_done if exit_when_done is not None else size + 1)
         batch = s.take_rows(index, self._table_width(num_steps))
         static = dict(num_steps=num_steps, use_filter=use_filter)
-        self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp, out_ex = self._decode_jit(
-            self.state, self.k_pools, self.v_pools, self._upload(batch), limit, **static
+        upload = self._upload(batch)
+        self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp, out_thr, out_ex = (
+            self._decode_jit(self.state, self.k_pools, self.v_pools, upload, limit, **static)
         )
-        dyn, n_steps, out_tok, out_lp = jax.device_get((dyn, n_steps, out_tok, out_lp))  # sync
+        dyn, n_steps, out_tok, out_lp, out_thr = jax.device_get(
+            (dyn, n_steps, out_tok, out_lp, out_thr)
+        )  # sync
         if self.record_routing:  # a row's fed tokens: its first steps, while it was active
             ex = np.asarray(out_ex)
             for i in np.flatnonzero(index >= 0):
@@ -828,10 +832,10 @@ class Engine:
         self.num_decode_steps += int(np.max(n_steps))
         self.num_decode_rows += int(np.sum(n_steps)) * size
         keep = index >= 0
-        tokens[rows], log_probs[rows] = out_tok[keep], out_lp[keep]
+        tokens[rows], log_probs[rows], thresholds[rows] = out_tok[keep], out_lp[keep], out_thr[keep]
         for slot, new in zip(rows, out_tok[keep], strict=True):
             self.scheduler.history[slot] += new[new >= 0].tolist()
         finished[rows] = ~self.slots.active[rows]  # every row was active
         last = np.where(finished, self.slots.token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)
-        return StepOutput(tokens, log_probs, finished, stopped, preempted)
+        return StepOutput(tokens, log_probs, finished, stopped, preempted, thresholds)

@@ -9,6 +9,14 @@ distribution. The returned log-prob is that of the distribution actually sampled
     tokens, i.e. the trainer's value minus log(kept probability mass) (>= the trainer's);
   * greedy rows (T = 0): log_softmax(logits)[argmax] (temperature 1), what a trainer with T = 1
     computes for the same token.
+
+Sampling-mask replay: with each token `sample_tokens` also returns the support it was drawn
+from as one number, a threshold τ in temperature-scaled logits with support exactly
+{v : logits_v / T ≥ τ}, halfway between the smallest kept logit and the largest dropped one
+(`support_threshold`); −inf where nothing was truncated (no filter, greedy rows, or
+a filter that kept every token). The trainer rebuilds the support from it
+(`hybridjax.models.logprobs`, `threshold_BxT`) and scores the truncated distribution the
+token was drawn from.
 """
 
 from __future__ import annotations
@@ -19,10 +27,16 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
-def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """Sets logits outside each row's top-k / top-p set to -inf (k <= 0 or p >= 1: off).
+def support_threshold(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """τ_B float32: the threshold of each row's top-k / top-p set (k <= 0 or p >= 1: off), so
+    that the kept set is exactly {v : scaled_v ≥ τ} (ties at the smallest kept logit all
+    kept); −inf where the set is the whole vocabulary.
 
-    Ties at the threshold are all kept. Cost: a full sort of each row (B × V log V).
+    τ sits halfway between the smallest kept logit and the largest dropped one, not on the
+    former: another computation of the same logits (the trainer's, in another order or
+    precision) that moves each by less than half that gap finds the same set, where a
+    threshold on the boundary token would drop it at its first rounding. Cost: a full sort
+    of each row (B × V log V).
     """
     v = scaled_BxV.shape[-1]
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)
@@ -33,8 +47,19 @@ def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Arra
     mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
     keep = in_top_k & ((mass_before < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
     num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold_B = jnp.take_along_axis(sorted_BxV, (num_kept - 1)[:, None], axis=-1)
-    return jnp.where(scaled_BxV >= threshold_B, scaled_BxV, NEG_INF)
+    kept_min = jnp.take_along_axis(sorted_BxV, (num_kept - 1)[:, None], axis=-1)
+    dropped_max = jnp.max(jnp.where(sorted_BxV < kept_min, sorted_BxV, NEG_INF), axis=-1)
+    kept_min = kept_min[:, 0]
+    middle = kept_min / 2 + dropped_max / 2
+    # adjacent floats: the middle rounds onto one of them; the boundary itself is then exact
+    middle = jnp.where((middle > dropped_max) & (middle <= kept_min), middle, kept_min)
+    return jnp.where(dropped_max > NEG_INF, middle, NEG_INF)
+
+
+def truncate_logits(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k / top-p set (`support_threshold`) to -inf."""
+    threshold_B = support_threshold(scaled_BxV, top_k_B, top_p_B)
+    return jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, NEG_INF)
 
 
 def first_argmax(x_BxV: jax.Array) -> jax.Array:
@@ -94,27 +119,30 @@ def sample_tokens(
     top_k_B: jax.Array,
     top_p_B: jax.Array,
     use_filter: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob (see the module docstring).
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row, its log-prob and the support's threshold (module docstring).
 
     Args:
       logits_BxV: float32 logits. uniform_B: float32 in [0, 1), one per row (`step_uniforms`).
       temperature_B: float32, 0 for greedy. top_k_B: int32. top_p_B: float32.
       use_filter: static; False skips top-k/top-p entirely (no sort).
     Returns:
-      tokens_B int32, log_probs_B float32.
+      tokens_B int32, log_probs_B float32, threshold_B float32 (τ in logits / T; −inf: the
+      whole vocabulary).
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = temperature_B <= 0.0
     t_B = jnp.where(greedy_B, 1.0, temperature_B)
     scaled_BxV = logits_BxV / t_B[:, None]
+    threshold_B = jnp.full(greedy_B.shape, NEG_INF, jnp.float32)
     if use_filter:
         # Greedy rows keep their full distribution (their log-prob is at T = 1, untruncated).
         top_k_B = jnp.where(greedy_B, -1, top_k_B)
         top_p_B = jnp.where(greedy_B, 1.0, top_p_B)
-        scaled_BxV = truncate_logits(scaled_BxV, top_k_B, top_p_B)
+        threshold_B = support_threshold(scaled_BxV, top_k_B, top_p_B)
+        scaled_BxV = jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, NEG_INF)
     log_probs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     sampled_B = inverse_cdf_sample(uniform_B, jnp.exp(log_probs_BxV))
     tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B).astype(jnp.int32)
     log_probs_B = jnp.take_along_axis(log_probs_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, log_probs_B
+    return tokens_B, log_probs_B, threshold_B

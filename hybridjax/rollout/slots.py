@@ -74,7 +74,9 @@ class StepOutput:
     finished: B bool (slots that finished in this call), stopped: B bool (finished on a stop
     token rather than on max_tokens), preempted: B bool (slots whose sequence was preempted
     since the last call, by this one or by an `Engine.extend`, and not refilled: free now, the
-    sequence queued in `Engine.preempted`).
+    sequence queued in `Engine.preempted`), thresholds: B×K float32, the support each token
+    was sampled from (`sampling.sample_tokens`; −inf: the whole vocabulary, and where
+    inactive).
     """
 
     tokens: np.ndarray
@@ -82,6 +84,7 @@ class StepOutput:
     finished: np.ndarray
     stopped: np.ndarray
     preempted: np.ndarray
+    thresholds: np.ndarray | None = None
 
 
 # Fields the decode loop advances (returned by it); the others are fixed while a row runs.

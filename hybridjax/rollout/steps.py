@@ -128,6 +128,7 @@ def decode_loop(
     Returns:
       (k_pools, v_pools, (token, position, active, num_generated) each B, steps run (int32),
       tokens B×K int32 (-1 where a row was inactive), log_probs B×K float32 (0 there),
+      the sampled support's thresholds B×K float32 (`sampling.sample_tokens`; −inf there),
       experts B×K×L×k int32 of the token fed at each step (-1 where inactive; B×K×0×0 without
       `routing_shape`)).
     """
@@ -141,21 +142,22 @@ def decode_loop(
     record = routing_shape is not None
 
     def cond(carry):
-        i, _, _, _, active, _, _, _, _, done = carry
+        i, _, _, _, active, _, _, _, _, _, done = carry
         return (i < num_steps) & jnp.any(active) & (done < exit_when_done)
 
     def body(carry):
-        i, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, done = carry
+        i, cache, token, position, active, n_gen, out_tok, out_lp, out_thr, out_ex, done = carry
         model = nnx.merge(graphdef, state)
         (logits, cache), routed = _run(
             model, "decode", record, token[:, None], position[:, None], active[:, None], cache
         )
         out_ex = out_ex.at[:, i].set(jnp.where(active[:, None, None], routed[:, 0], -1))
-        new_tok, lp = sample_tokens(
+        new_tok, lp, thr = sample_tokens(
             logits[:, 0], uniform_BxK[:, i], batch.temperature, batch.top_k, batch.top_p, use_filter
         )
         out_tok = out_tok.at[:, i].set(jnp.where(active, new_tok, -1))
         out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
+        out_thr = out_thr.at[:, i].set(jnp.where(active, thr, -jnp.inf))
         n_gen = n_gen + active
         stop = jnp.any(new_tok[:, None] == batch.stop_ids, axis=-1)
         finish = active & (stop | (n_gen >= batch.max_tokens))
@@ -164,7 +166,8 @@ def decode_loop(
         active = active & ~finish
         cache = dataclasses.replace(cache, k=constrain_pools(cache.k), v=constrain_pools(cache.v))
         done = done + finish.sum()
-        return (i + 1, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, done)
+        out = (out_tok, out_lp, out_thr, out_ex)
+        return (i + 1, cache, token, position, active, n_gen, *out, done)
 
     cache = PagedKVCache(
         k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh
@@ -173,10 +176,11 @@ def decode_loop(
         cache = cache.gathered()  # once per call; the steps keep the copy up to date
     out_tok = jnp.full((b, num_steps), -1, jnp.int32)
     out_lp = jnp.zeros((b, num_steps), jnp.float32)
+    out_thr = jnp.full((b, num_steps), -jnp.inf, jnp.float32)
     out_ex = jnp.full((b, num_steps, *(routing_shape or (0, 0))), -1, jnp.int32)
     dynamic = (batch.token, batch.position, batch.active, batch.num_generated)
-    carry = (0, cache, *dynamic, out_tok, out_lp, out_ex, jnp.int32(0))
-    steps, cache, token, position, active, n_gen, out_tok, out_lp, out_ex, _ = jax.lax.while_loop(
-        cond, body, carry
-    )
-    return cache.k, cache.v, (token, position, active, n_gen), steps, out_tok, out_lp, out_ex
+    carry = (0, cache, *dynamic, out_tok, out_lp, out_thr, out_ex, jnp.int32(0))
+    steps, cache, token, position, active, n_gen, *out, _ = jax.lax.while_loop(cond, body, carry)
+    out_tok, out_lp, out_thr, out_ex = out
+    dynamic = (token, position, active, n_gen)
+    return cache.k, cache.v, dynamic, steps, out_tok, out_lp, out_thr, out_ex

@@ -90,7 +90,7 @@ def naive_sample(model: CausalLM, prompt, params, index: int, sample: int):
     seq, log_probs = list(prompt), []
     for k in range(params.max_tokens):
         u = jax.random.uniform(jax.random.fold_in(key, k), dtype=jnp.float32)
-        token, lp = _sample(
+        token, lp, _ = _sample(
             full_logits(model, seq)[-1:],
             u[None],
             jnp.array([params.temperature], jnp.float32),

@@ -13,6 +13,7 @@ from hybridjax.rollout.sampling import (
     inverse_cdf_sample,
     sample_tokens,
     step_uniforms,
+    support_threshold,
     truncate_logits,
 )
 
@@ -43,11 +44,21 @@ def test_truncate_keeps_top_k_then_smallest_top_p_set(top_k, top_p, kept):
     assert np.isfinite(out[0]).tolist() == [True] * kept + [False] * (4 - kept)
 
 
+def test_support_threshold_sits_between_the_kept_and_the_dropped():
+    """top-p 0.7 keeps {0, 1}: τ halfway between ln 0.3 and ln 0.15; top-k 1 with a tie at
+    the top keeps both tied tokens: τ = (1 + 0) / 2; nothing dropped: −inf."""
+    tau = support_threshold(LOGITS, jnp.array([-1]), jnp.array([0.7], jnp.float32))
+    np.testing.assert_allclose(tau, [(np.log(0.3) + np.log(0.15)) / 2], rtol=1e-6)
+    tied = jnp.array([[1.0, 1.0, 0.0]])
+    np.testing.assert_allclose(support_threshold(tied, jnp.array([1]), jnp.ones(1)), [0.5])
+    assert np.isneginf(support_threshold(tied, jnp.array([-1]), jnp.ones(1)))[0]
+
+
 def test_log_prob_is_of_the_renormalised_distribution():
     keys = uniforms(0, 64)
     logits = jnp.repeat(LOGITS, 64, axis=0)
     ones = jnp.ones(64)
-    tok, lp = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, use_filter=True)
+    tok, lp, _ = sample_tokens(logits, keys, ones, jnp.full(64, -1), 0.7 * ones, True)
     assert set(np.asarray(tok).tolist()) == {0, 1}
     expect = np.log(PROBS[np.asarray(tok)] / 0.8)  # kept mass 0.8
     np.testing.assert_allclose(lp, expect, rtol=1e-5)
@@ -57,7 +68,7 @@ def test_temperature_log_prob_and_greedy_rows():
     keys = uniforms(1, 2)
     logits = jnp.repeat(LOGITS, 2, axis=0)
     temperature = jnp.array([0.0, 2.0])
-    tok, lp = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
+    tok, lp, _ = sample_tokens(logits, keys, temperature, jnp.array([1, -1]), jnp.ones(2), True)
     assert int(tok[0]) == 0
     np.testing.assert_allclose(lp[0], np.log(0.5), rtol=1e-6)  # greedy: T = 1, not truncated
     scaled = np.sqrt(PROBS) / np.sqrt(PROBS).sum()  # p^(1/T) renormalised, T = 2
@@ -67,7 +78,7 @@ def test_temperature_log_prob_and_greedy_rows():
 def test_sampling_follows_the_distribution():
     keys = uniforms(2, 4000)
     logits = jnp.repeat(LOGITS, 4000, axis=0)
-    tok, _ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
+    tok, *_ = sample_tokens(logits, keys, jnp.ones(4000), jnp.full(4000, -1), jnp.ones(4000), False)
     freq = np.bincount(np.asarray(tok), minlength=4) / 4000
     np.testing.assert_allclose(freq, PROBS, atol=0.03)
 

@@ -18,8 +18,6 @@ heads and its kv heads (split over `tensor`) and every page of the pool.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
@@ -208,7 +206,7 @@ def paged_attention_blocked(
         o_KxBxXxD = alpha[..., None] * o_KxBxXxD + pv_KxBxXxD
         return o_KxBxXxD, m_new, alpha * l_KxBxX + p_KxBxXxL.sum(axis=-1)
 
-    start = 0
+    start: int | jax.Array = 0
     if sliding_window is not None:  # the block of the earliest window start
         start = jnp.maximum(jnp.min(positions_BxT) - sliding_window + 1, 0) // keys
     stop = jnp.minimum(jnp.max(positions_BxT) // keys + 1, blocks)
@@ -222,8 +220,7 @@ def paged_attention_blocked(
     return out.reshape(kv, b, g, t, d).transpose(1, 3, 0, 2, 4).reshape(b, t, h, d)
 
 
-def _mesh_axis(
-mesh, name: str, size: int, manual: frozenset[str]) -> str | None:
+def _mesh_axis(mesh, name: str, size: int, manual: frozenset[str]) -> str | None:
     """`name` when that mesh axis exists, is not already manual (inside an enclosing
     `shard_map`) and splits a dimension of `size` evenly, else None."""
     n = dict(mesh.shape).get(name, 1)

@@ -212,8 +212,10 @@ class PagedKVCache:
         """Device bytes `gathered` adds (k and v copies; per device inside `shard_map`)."""
         b, p = self.page_table.shape
         leaves = jax.tree.leaves(self.k)
-        return 2 * sum(math.prod(x.shape[:-3]) * b * p * math.prod(x.shape[-2:]) for x in leaves) * (
-            leaves[0].dtype.itemsize
+        return (
+            2
+            * sum(math.prod(x.shape[:-3]) * b * p * math.prod(x.shape[-2:]) for x in leaves)
+            * (leaves[0].dtype.itemsize)
         )
 
     def gathered(self) -> PagedKVCache:

@@ -29,6 +29,8 @@ from jax.experimental.pallas import triton as pltriton
 from hybridjax.models.attention import NEG_INF
 
 BLOCK_KEYS = 128  # keys per loop iteration (pages_per_block × page_size), where the table allows
+BLOCK_BYTES = 32 << 10  # at most this much of K (and of V) per block: with Triton's 2 pipeline
+# stages, 128 KB of shared memory (an A100 has 164 KB per SM; f32 blocks of 128 × 128 needed 264)
 MIN_DOT = 16  # Triton's tl.dot: each dimension of a tile is at least 16
 
 
@@ -36,18 +38,20 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def kernel_blocks(width: int, page_size: int) -> tuple[int, int]:
+def kernel_blocks(width: int, page_size: int, key_bytes: int = 256) -> tuple[int, int]:
     """(padded table width, pages per block) of the kernel for a table of `width` pages of
-    `page_size` keys.
+    `page_size` keys of `key_bytes` bytes (head dim × itemsize).
 
-    A block is a power of two of pages, BLOCK_KEYS keys where the table is that wide, never
-    fewer than MIN_DOT keys (a dot tile); the table is padded (with page 0, never attended: it
-    lies past every position) to a whole number of blocks. Raises ValueError for a width or a
-    page size below 1.
+    A block is a power of two of pages, BLOCK_KEYS keys (fewer where one key is over
+    BLOCK_BYTES / BLOCK_KEYS bytes) where the table is that wide, never fewer than MIN_DOT keys
+    (a dot tile); the table is padded (with page 0, never attended: it lies past every
+    position) to a whole number of blocks. Raises ValueError for a width or a page size
+    below 1.
     """
     if width < 1 or page_size < 1:
         raise ValueError(f"page-table width and page_size must be >= 1, got {width}, {page_size}")
-    per_block = min(max(1, BLOCK_KEYS // page_size), _power_of_two_at_least(width))
+    keys = min(BLOCK_KEYS, _power_of_two_at_least(BLOCK_BYTES // key_bytes + 1) // 2)
+    per_block = min(max(1, keys // page_size), _power_of_two_at_least(width))
     per_block = max(per_block, _power_of_two_at_least(-(-MIN_DOT // page_size)))
     return -(-width // per_block) * per_block, per_block
 
@@ -95,7 +99,7 @@ def _decode_kernel(
         return alpha[:, None] * o_GxD + pv, m_new, l_G
 
     g = q.shape[0]
-    start = 0
+    start: int | jax.Array = 0
     if sliding_window is not None:  # the block of the window's first key
         start = jnp.maximum(position - sliding_window + 1, 0) // block_keys
     stop = position // block_keys + 1  # every block visited holds an attended key
@@ -148,7 +152,7 @@ def paged_attention_kernel(
         if n & (n - 1):
             raise ValueError(f"the decode kernel needs a power-of-two {name}, got {n}")
     width = page_table_BxP.shape[1]
-    padded, per_block = kernel_blocks(width, page_size)
+    padded, per_block = kernel_blocks(width, page_size, d * jnp.dtype(k_pages.dtype).itemsize)
     table = jnp.pad(page_table_BxP.astype(jnp.int32), ((0, 0), (0, padded - width)))
     group = h // kv
     tile = max(MIN_DOT, _power_of_two_at_least(group))

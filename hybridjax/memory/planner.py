@@ -19,8 +19,8 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 `xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
-`gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits). What `fsdp_config.*_offload` names is counted only in the stages that use it
+`gen` adds the rollout's decode scratch (analytic: the logits, and the jnp path's gathered K/V
+copy where it makes one). What `fsdp_config.*_offload` names is counted only in the stages that use it
 (`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
 optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative
 reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
@@ -233,22 +233,20 @@ def _kv_pool(r, model, tp: int, capacity: int, in_use: int, stats: bool) -> tupl
 def _decode_scratch(actor, r, tp: int, impl: str) -> int:
     """Decode-loop scratch per device (an estimate; the engine is not compiled here): logits of
     the slots of its replica (`max_num_seqs` per data-parallel replica; float32, three copies
-    for sampling) and, on the jnp path, the K/V of every slot gathered out of the pool at full
-    width (`PagedKVCache.gathered`)."""
+    for sampling) and, on the jnp path while it is at most `steps.MAX_GATHERED_BYTES`, the K/V
+    of every slot gathered out of the pool at full width (`PagedKVCache.gathered`); beyond,
+    and with the Pallas kernel, attention reads one block of pages at a time (small)."""
     from hybridjax.models.config import to_dtype
+    from hybridjax.rollout.steps import MAX_GATHERED_BYTES
 
     slots = r.max_num_seqs
     logits = 3 * slots * -(-actor.vocab_size // tp) * 4
-    if impl != "jnp":
-        return logits
     kv = actor.num_key_value_heads
     local = kv // tp if tp > 1 and kv % tp == 0 else kv
     width = r.pages_per_seq * r.page_size
     itemsize = jnp.dtype(to_dtype(actor.dtype)).itemsize
-    return (
-        logits
-        + 2 * actor.num_hidden_layers * slots * width * local * actor.resolved_head_dim * itemsize
-    )
+    copy = 2 * actor.num_hidden_layers * slots * width * local * actor.resolved_head_dim * itemsize
+    return logits + (copy if impl == "jnp" and copy <= MAX_GATHERED_BYTES else 0)
 
 
 def plan_memory(

@@ -19,9 +19,9 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 `xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
-`gen` adds the rollout's decode scratch (analytic: the logits, and the jnp path's gathered K/V
-copy where it makes one). What `fsdp_config.*_offload` names is counted only in the stages that use it
-(`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
+`gen` adds the rollout's decode scratch (analytic: the logits, and the jnp path's gathered
+K/V copy where it makes one). What `fsdp_config.*_offload` names is counted only in the stages
+that use it (`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
 optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative
 reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
 its KV pool (sized after the rollout's, as the trainer builds them) is on the devices only in

@@ -1,7 +1,8 @@
-"""Decode attention: the kernel choice, Pallas blocks that Triton accepts at every page-table
-width, CUDA lowering of every kernel at every (rows bucket, width) a 512 + 1024 rollout compiles
-with 7B shapes, and the partitioned HLO of a decode call on data 4 × tensor 2 (no all-gather of
-a KV pool or of q)."""
+"""Decode attention: the kernel choice by platform, both kernels (the Pallas one in interpret
+mode) against the gather reference at every rows bucket, page-table width and GQA ratio the
+engine compiles, CUDA lowering of both at every (rows bucket, width) a 512 + 1024 rollout
+compiles with 7B shapes, the partitioned HLO of a decode call on data 4 × tensor 2 (no
+all-gather of a KV pool or of q), and the engine's decode loop by blocks of pages."""
 
 import functools
 import re
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 from jax import export
 from jax.sharding import NamedSharding
-from rollout_testing import make_model
+from rollout_testing import make_model, make_prompts, trainer_log_probs
 
-from hybridjax.rollout import Engine, RolloutConfig
+from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate, steps
+from hybridjax.rollout import decode_attention as decode_attention_module
 from hybridjax.rollout.decode_attention import (
     DECODE_KERNELS,
     decode_attention,
@@ -241,3 +243,25 @@ def test_partitioned_decode_call_gathers_no_kv_pool_and_no_q():
     assert " all-gather(" not in hlo and " all-to-all(" not in hlo
     groups = re.findall(r" all-reduce\(.*?replica_groups=(\S+)", hlo)
     assert groups and {_group_size(g) for g in groups} == {2}, groups  # over `tensor` only
+
+
+def test_engine_decodes_by_blocks_beyond_the_copy_bound(eos_model, monkeypatch):
+    """With the per-call copy's bound at 0 the decode loop reads one block of pages at a time
+    (`paged_attention_blocked` is traced): log-probs still equal the trainer's."""
+    traced = []
+    blocked = decode_attention_module.paged_attention_blocked
+    monkeypatch.setattr(steps, "MAX_GATHERED_BYTES", 0)
+    monkeypatch.setattr(
+        decode_attention_module,
+        "paged_attention_blocked",
+        lambda *args, **kw: traced.append(1) or blocked(*args, **kw),
+    )
+    config = RolloutConfig(page_size=4, max_num_seqs=4, prompt_length=16, response_length=8)
+    engine = Engine(eos_model, config)
+    prompts = make_prompts()[:4]
+    out = generate(engine, prompts, SamplingParams(temperature=0.7, max_tokens=8, seed=5))
+    assert traced
+    for row, mask in enumerate(out.response_mask):
+        resp = out.responses[row][mask.astype(bool)].tolist()
+        expect = trainer_log_probs(eos_model, prompts[row], resp, 0.7)
+        np.testing.assert_allclose(out.rollout_log_probs[row, : len(resp)], expect, atol=1e-5)

@@ -3,8 +3,9 @@ on Qwen2.5-0.5B's heads (14 query heads, 2 KV heads, head dim 64), bfloat16.
 
 * Paged decode, one query per sequence over B = 32 sequences of W pages of 16 tokens each,
   page-table widths W = 24, 48, 96 (contexts of 384 … 1536 tokens; 4 sequences of 4 and 8
-  pages in a dry run): `paged_attention_jnp` (gather, then dense attention: the path
-  everywhere) and `paged_attention_pallas` (the Pallas Triton kernel; without a GPU it runs in
+  pages in a dry run): `paged_attention_jnp` (gather, then dense attention: the reference),
+  `paged_attention_blocked` (the jnp online softmax over blocks of pages: CPU and TPU) and
+  `paged_attention_kernel` (our Pallas Triton kernel, the GPU default; without a GPU it runs in
   Pallas' interpreter, which checks that the kernel's API is there, not its speed).
   Bandwidth: the K and V bytes of every sequence's pages over the time, against step `env`'s
   copy bandwidth.

@@ -409,7 +409,10 @@ def plan_memory(
     on_device = {k: v for k, v in resident.items() if not off.get(k) and k not in judge_asleep}
     from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
 
-    impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
+    impl = select_decode_kernel(
+        r.attention_impl, actor_config.sliding_window, target, actor_config.resolved_head_dim,
+        r.page_size,
+    )  # fmt: skip
     decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
@@ -448,7 +451,9 @@ def plan_memory(
         return stage_bytes(*args, vocab_axes=vocab_axes)
 
     if judge:  # generation: its pool (awake again) and its decode loop's scratch
-        j_impl = select_decode_kernel(r.attention_impl, rm_cfg.sliding_window, target)
+        j_impl = select_decode_kernel(
+            r.attention_impl, rm_cfg.sliding_window, target, rm_cfg.resolved_head_dim, jr.page_size
+        )
         scratch = {f"reward decode scratch ({j_impl})": _decode_scratch(rm_cfg, jr, tp, j_impl)}
         pool = {"judge KV pool": resident["judge KV pool"]}
         plans.append(StagePlan("reward", idle | pool | scratch))

@@ -39,23 +39,38 @@ def platform_of(mesh: Mesh | None) -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def select_decode_kernel(impl: str, sliding_window: int | None, backend: str) -> str:
+def select_decode_kernel(
+    impl: str,
+    sliding_window: int | None,
+    backend: str,
+    head_dim: int = 128,
+    page_size: int = 16,
+) -> str:
     """The decode kernel for `rollout.attention_impl` = `impl` on `backend` ("cpu", "gpu",
-    "tpu": the platform of the generation mesh's devices, `platform_of`).
+    "tpu": the platform of the generation mesh's devices, `platform_of`), for a model of
+    `head_dim` and pages of `page_size` tokens.
 
-    "auto" → "pallas" on a GPU, "jnp" elsewhere. "pallas" (the Pallas Triton kernel) needs a
-    GPU; `sliding_window` is accepted by both kernels (kept for the planner's callers).
-    Raises ValueError for "pallas" off a GPU or an unknown `impl`.
+    "auto" → "pallas" on a GPU where the kernel takes the shapes (power-of-two head dim and
+    page size: Triton tiles), "jnp" elsewhere. "pallas" (the Pallas Triton kernel) needs a GPU
+    and those shapes; `sliding_window` is accepted by both kernels (kept for the planner's
+    callers). Raises ValueError for "pallas" off a GPU or at other shapes, or an unknown
+    `impl`.
     """
     del sliding_window  # both kernels take it
+    tiles = all(n > 0 and n & (n - 1) == 0 for n in (head_dim, page_size))
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "jnp"
+        return "pallas" if backend == "gpu" and tiles else "jnp"
     if impl not in DECODE_KERNELS:
         raise ValueError(
             f"unknown decode kernel {impl!r}; expected 'auto' or one of {DECODE_KERNELS}"
         )
     if impl == "pallas" and backend != "gpu":
         raise ValueError(f"rollout.attention_impl 'pallas' needs a GPU, the backend is {backend!r}")
+    if impl == "pallas" and not tiles:
+        raise ValueError(
+            f"rollout.attention_impl 'pallas' needs a power-of-two head_dim and page_size, got "
+            f"{head_dim} and {page_size}; use 'jnp'"
+        )
     return impl
 
 

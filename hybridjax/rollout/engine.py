@@ -120,7 +120,13 @@ class Engine:
         self._param_shardings = param_shardings
         self.state = self._placed(state)
         window = model.config.sliding_window
-        self.impl = select_decode_kernel(config.attention_impl, window, platform_of(mesh))
+        self.impl = select_decode_kernel(
+            config.attention_impl,
+            window,
+            platform_of(mesh),
+            model.config.resolved_head_dim,
+            config.page_size,
+        )
         self.kv_dtype = to_dtype(model.config.dtype)
         # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
         self.stacked = stacked_layout(model.config)

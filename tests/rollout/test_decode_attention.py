@@ -52,6 +52,11 @@ def test_auto_follows_the_mesh_platform_and_pallas_is_checked():
     with pytest.raises(ValueError, match="'flash'"):
         select_decode_kernel("flash", None, "gpu")
     assert platform_of(_mesh()) == "cpu" and platform_of(None) == jax.default_backend()
+    # the kernel's tiles: a power-of-two head dim and page size, else "auto" falls back
+    assert select_decode_kernel("auto", None, "gpu", head_dim=96) == "jnp"
+    assert select_decode_kernel("auto", None, "gpu", page_size=12) == "jnp"
+    with pytest.raises(ValueError, match="power-of-two head_dim and page_size, got 96"):
+        select_decode_kernel("pallas", None, "gpu", head_dim=96)
 
 
 def test_kernel_blocks_by_hand():

@@ -210,13 +210,10 @@ class PagedKVCache:
 
     def gathered_bytes(self) -> int:
         """Device bytes `gathered` adds (k and v copies; per device inside `shard_map`)."""
-        b, p = self.page_table.shape
-        leaves = jax.tree.leaves(self.k)
-        return (
-            2
-            * sum(math.prod(x.shape[:-3]) * b * p * math.prod(x.shape[-2:]) for x in leaves)
-            * (leaves[0].dtype.itemsize)
-        )
+        rows, width = self.page_table.shape
+        # a pool's leading dims (L×)K, then rows × width pages of S×D
+        copy = lambda x: math.prod(x.shape[:-3]) * rows * width * math.prod(x.shape[-2:])  # noqa: E731
+        return 2 * sum(copy(x) * x.dtype.itemsize for x in jax.tree.leaves(self.k))
 
     def gathered(self) -> PagedKVCache:
         """The cache with `k_seq`/`v_seq` gathered from the pools, every layer's (stacked

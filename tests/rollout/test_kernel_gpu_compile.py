@@ -20,7 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from hybridjax.rollout.decode_attention import decode_attention, decode_specs
 from hybridjax.rollout.paged_kernel import paged_attention_kernel
 
-HAS_PLUGIN = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+
+def _has_cuda_plugin() -> bool:
+    if importlib.util.find_spec("jax_plugins") is None:  # no JAX plugin at all
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+
+
+HAS_PLUGIN = _has_cuda_plugin()
 pytestmark = pytest.mark.skipif(not HAS_PLUGIN, reason="needs the CUDA PJRT plugin")
 
 LAYERS, HEADS, KV, D, PAGE, PAGES = 2, 14, 2, 128, 16, 200

@@ -13,8 +13,8 @@ mapping: parameters sharded over all 8 devices, bfloat16 compute and rollout.
 The algorithm is `configs/gsm8k_grpo.py`'s (its docstring says how it differs from textbook
 GRPO), at verl's 7B scale. Data: `python -m hybridjax.data.gsm8k --output data/gsm8k`.
 
-Planned per device against the 72 GB budget (0.9 × 80 GB): gen 56.61 GB (of it the KV pool
-26.06 GB and the jnp decode path's gathered K/V 11.51 GB), old_log_prob 16.28 GB, ref
+Planned per device against the 72 GB budget (0.9 × 80 GB): gen 45.34 GB (of it the KV pool
+26.06 GB; 56.61 GB with the jnp decode path's gathered K/V), old_log_prob 16.28 GB, ref
 18.19 GB, update_actor 30.66 GB (109.7 GB before the fused head and the engine's sleep,
 43.95 GB before the vocab-parallel head), reshard 20.94 GB (19.59 GB before the layers were
 stored stacked: the re-layout's one-leaf scratch is a stacked MLP weight); docs/memory.md has the

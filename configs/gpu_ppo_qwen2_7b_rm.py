@@ -13,7 +13,7 @@ actor's optimizer state, the whole critic and the reward model in host memory ex
 the stages that use them. The critic starts from the actor's checkpoint with a fresh value
 head (verl's PPO); GAE with γ = λ = 1.
 
-Planned per device against the 72 GB budget (0.9 × 80 GB): gen 39.41 GB, reward 9.26 GB,
+Planned per device against the 72 GB budget (0.9 × 80 GB): gen 28.14 GB, reward 9.26 GB,
 values 12.55 GB, update_critic 31.67 GB, update_actor 24.81 GB (80.9 GB before, 37.19 GB
 before offloaded states stayed in host memory outside the stages that use them), reshard
 11.97 GB; docs/memory.md has the table. The plan:

@@ -3,8 +3,9 @@ on Qwen2.5-0.5B's heads (14 query heads, 2 KV heads, head dim 64), bfloat16.
 
 * Paged decode, one query per sequence over B = 32 sequences of W pages of 16 tokens each,
   page-table widths W = 24, 48, 96 (contexts of 384 … 1536 tokens; 4 sequences of 4 and 8
-  pages in a dry run): `paged_attention_jnp` (gather, then dense attention: the path
-  everywhere) and `paged_attention_pallas` (the Pallas Triton kernel; without a GPU it runs in
+  pages in a dry run): `paged_attention_jnp` (gather, then dense attention: the reference),
+  `paged_attention_blocked` (the jnp online softmax over blocks of pages: CPU and TPU) and
+  `paged_attention_kernel` (our Pallas Triton kernel, the GPU default; without a GPU it runs in
   Pallas' interpreter, which checks that the kernel's API is there, not its speed).
   Bandwidth: the K and V bytes of every sequence's pages over the time, against step `env`'s
   copy bandwidth.
@@ -67,19 +68,21 @@ def decode_inputs(rows: int, width: int):
 
 
 def decode_rows(ctx: Context, bandwidth: float, gpu: bool) -> list[list]:
-    from hybridjax.rollout.decode_attention import paged_attention_jnp, paged_attention_pallas
+    from hybridjax.rollout.decode_attention import paged_attention_blocked, paged_attention_jnp
+    from hybridjax.rollout.paged_kernel import paged_attention_kernel
 
     widths, repeats = ((4, 8), 2) if ctx.dry_run else ((24, 48, 96), 5)
     sequences = DRY_DECODE_ROWS if ctx.dry_run else DECODE_ROWS
     # without a GPU the Pallas kernel runs in Pallas' interpreter: its API is what is checked
-    pallas = functools.partial(paged_attention_pallas, interpret=not gpu)
+    pallas = functools.partial(paged_attention_kernel, interpret=not gpu)
     rows = []
     for width in widths:
         args = decode_inputs(sequences, width)
         moved = 2 * sequences * width * PAGE * K * D * 2  # K and V pages read, bf16
         reference = np.asarray(paged_attention_jnp(*args), np.float32)
-        for name, fn in (("jnp", paged_attention_jnp), ("pallas", pallas)):
-            name += "" if gpu or name == "jnp" else " (interpreted)"
+        kernels = (("jnp", paged_attention_jnp), ("jnp blocked", paged_attention_blocked))
+        for name, fn in (*kernels, ("pallas", pallas)):
+            name += "" if gpu or name != "pallas" else " (interpreted)"
             try:
                 seconds, scratch = timed(fn, args, repeats)
                 diff = float(np.abs(np.asarray(fn(*args), np.float32) - reference).max())

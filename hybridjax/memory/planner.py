@@ -19,9 +19,9 @@ XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
 `xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
 buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
 float32 logits and of the gathered embedding, against 29.6 GB counted).
-`gen` adds the rollout's decode scratch (analytic: the jnp path's gathered K/V copy and the
-logits). What `fsdp_config.*_offload` names is counted only in the stages that use it
-(`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
+`gen` adds the rollout's decode scratch (analytic: the logits, and the jnp path's gathered
+K/V copy where it makes one). What `fsdp_config.*_offload` names is counted only in the stages
+that use it (`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
 optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative
 reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
 its KV pool (sized after the rollout's, as the trainer builds them) is on the devices only in
@@ -234,22 +234,20 @@ def _kv_pool(r, model, tp: int, capacity: int, in_use: int, stats: bool) -> tupl
 def _decode_scratch(actor, r, tp: int, impl: str) -> int:
     """Decode-loop scratch per device (an estimate; the engine is not compiled here): logits of
     the slots of its replica (`max_num_seqs` per data-parallel replica; float32, three copies
-    for sampling) and, on the jnp path, the K/V of every slot gathered out of the pool at full
-    width (`PagedKVCache.gathered`)."""
+    for sampling) and, on the jnp path while it is at most `steps.MAX_GATHERED_BYTES`, the K/V
+    of every slot gathered out of the pool at full width (`PagedKVCache.gathered`); beyond,
+    and with the Pallas kernel, attention reads one block of pages at a time (small)."""
     from hybridjax.models.config import to_dtype
+    from hybridjax.rollout.steps import MAX_GATHERED_BYTES
 
     slots = r.max_num_seqs
     logits = 3 * slots * -(-actor.vocab_size // tp) * 4
-    if impl != "jnp":
-        return logits
     kv = actor.num_key_value_heads
     local = kv // tp if tp > 1 and kv % tp == 0 else kv
     width = r.pages_per_seq * r.page_size
     itemsize = jnp.dtype(to_dtype(actor.dtype)).itemsize
-    return (
-        logits
-        + 2 * actor.num_hidden_layers * slots * width * local * actor.resolved_head_dim * itemsize
-    )
+    copy = 2 * actor.num_hidden_layers * slots * width * local * actor.resolved_head_dim * itemsize
+    return logits + (copy if impl == "jnp" and copy <= MAX_GATHERED_BYTES else 0)
 
 
 def plan_memory(
@@ -412,7 +410,10 @@ def plan_memory(
     on_device = {k: v for k, v in resident.items() if not off.get(k) and k not in judge_asleep}
     from hybridjax.rollout.decode_attention import select_decode_kernel  # noqa: PLC0415
 
-    impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
+    impl = select_decode_kernel(
+        r.attention_impl, actor_config.sliding_window, target, actor_config.resolved_head_dim,
+        r.page_size,
+    )  # fmt: skip
     decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
 
@@ -451,7 +452,9 @@ def plan_memory(
         return stage_bytes(*args, vocab_axes=vocab_axes)
 
     if judge:  # generation: its pool (awake again) and its decode loop's scratch
-        j_impl = select_decode_kernel(r.attention_impl, rm_cfg.sliding_window, target)
+        j_impl = select_decode_kernel(
+            r.attention_impl, rm_cfg.sliding_window, target, rm_cfg.resolved_head_dim, jr.page_size
+        )
         scratch = {f"reward decode scratch ({j_impl})": _decode_scratch(rm_cfg, jr, tp, j_impl)}
         pool = {"judge KV pool": resident["judge KV pool"]}
         plans.append(StagePlan("reward", idle | pool | scratch))

@@ -84,9 +84,10 @@ class RolloutConfig:
       memory statistics (CPU) to `max_num_seqs` full-length sequences (`default_num_pages`).
     max_num_seqs: decode slots (the decode batch). prompt_length / response_length: the longest
       prompt and response a slot holds; they fix the page-table width.
-    attention_impl: the decode kernel: "auto" (the partitioned jnp path on every backend until
-      a kernel is measured faster on a GPU), "jnp", or "pallas" (the Pallas Triton kernel, GPU
-      only); see `hybridjax.rollout.decode_attention.select_decode_kernel`.
+    attention_impl: the decode kernel: "auto" ("pallas" when the generation mesh's devices are
+      GPUs, "jnp" elsewhere), "jnp" (an online softmax over blocks of pages), or "pallas" (our
+      Pallas Triton kernel reading the pages in place, GPU only); see
+      `hybridjax.rollout.decode_attention.select_decode_kernel`.
     decode_steps_per_call: decode steps run inside one jitted `lax.while_loop` per host round
       trip; the loop also stops early once enough slots finished to refill from the queue.
     min_prefill_bucket: smallest padded prompt length; prompt lengths and prefill batch sizes

@@ -1,57 +1,76 @@
 """Decode attention over the paged KV pool: the kernel choice behind one function.
 
-`decode_attention` runs one query per sequence against its pages with the kernel
-`select_decode_kernel` picked: the jnp gather (`paged_attention_jnp`, the reference
-every kernel is tested against) or the Pallas Triton GPU kernel
-(`jax.experimental.pallas.ops.gpu.paged_attention`). On a generation mesh the kernel runs inside
-`jax.shard_map`: a `pallas_call` is opaque to the SPMD partitioner, which would otherwise
-all-gather q and the whole pool over `tensor` and run every row on every device. Inside, each
-device sees its rows (split over `data`), its query heads and its kv heads (split over
-`tensor`) and every page of the pool (the pool's page dimension is replicated over `data`).
+`decode_attention` runs each sequence's queries against its pages with the kernel
+`select_decode_kernel` picked for the devices it runs on:
+  * "pallas" (the GPU default): our Pallas Triton kernel (`paged_kernel.paged_attention_kernel`),
+    which reads the pages of the stacked pools in place, driven by the layer and the page
+    table, with an online softmax over blocks of pages;
+  * "jnp" (CPU and TPU): `paged_attention_blocked`, the same online softmax over blocks of
+    pages in jnp: each block's pages are gathered (B×block keys), never a row's whole context.
+Both keep their scratch independent of the context length. `paged_attention_jnp`, one gather of
+every page of every row then a plain softmax, is the reference both are tested against.
 
-Pallas Triton accepts only power-of-two blocks: `pallas_blocks` pads the page table to a whole
-number of power-of-two partitions, so the kernel lowers at every width the engine compiles
-(checked on CPU with `jax.export(..., platforms=("cuda",))`, tests/rollout/
-test_decode_attention.py). Upstream deprecated the Pallas Triton GPU kernels (JAX 0.11), and no
-GPU measurement shows it faster than the partitioned jnp path yet: "auto" picks "jnp" on every
-backend, "pallas" must be asked for.
+On a generation mesh the kernel runs inside `jax.shard_map`: a `pallas_call` is opaque to the
+SPMD partitioner, which would otherwise all-gather q and the whole pool over `tensor` and run
+every row on every device. Inside, each device sees its rows (split over `data`), its query
+heads and its kv heads (split over `tensor`) and every page of the pool.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hybridjax.models.attention import NEG_INF, attention_mask
+from hybridjax.rollout.paged_kernel import paged_attention_kernel
 
 DECODE_KERNELS = ("jnp", "pallas")
-MAX_K_SPLITS = 16  # upstream's default number of sequence partitions
-MAX_PAGES_PER_BLOCK = 8  # upstream's default pages per compute block
+JNP_BLOCK_KEYS = 256  # keys per block of `paged_attention_blocked` (whole pages, at least one)
 
 
-def select_decode_kernel(impl: str, sliding_window: int | None, backend: str) -> str:
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform ("cpu", "gpu", "tpu") of `mesh`'s devices, or of the default backend without
+    a mesh: a program compiled for a mesh of GPUs picks GPU code paths even in a process whose
+    default backend is the CPU (a deviceless compile)."""
+    if mesh is None:
+        return jax.default_backend()
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def select_decode_kernel(
+    impl: str,
+    sliding_window: int | None,
+    backend: str,
+    head_dim: int = 128,
+    page_size: int = 16,
+) -> str:
     """The decode kernel for `rollout.attention_impl` = `impl` on `backend` ("cpu", "gpu",
-    "tpu").
+    "tpu": the platform of the generation mesh's devices, `platform_of`), for a model of
+    `head_dim` and pages of `page_size` tokens.
 
-    "auto" → "jnp" everywhere: the partitioned jnp path stays the GPU default until a kernel is
-    measured faster on a GPU. "pallas" is the Pallas Triton kernel: GPU only, no sliding window.
-    Raises ValueError for "pallas" with a sliding window or off a GPU, or an unknown `impl`.
+    "auto" → "pallas" on a GPU where the kernel takes the shapes (power-of-two head dim and
+    page size: Triton tiles), "jnp" elsewhere. "pallas" (the Pallas Triton kernel) needs a GPU
+    and those shapes; `sliding_window` is accepted by both kernels (kept for the planner's
+    callers). Raises ValueError for "pallas" off a GPU or at other shapes, or an unknown
+    `impl`.
     """
+    del sliding_window  # both kernels take it
+    tiles = all(n > 0 and n & (n - 1) == 0 for n in (head_dim, page_size))
     if impl == "auto":
-        return "jnp"
+        return "pallas" if backend == "gpu" and tiles else "jnp"
     if impl not in DECODE_KERNELS:
         raise ValueError(
             f"unknown decode kernel {impl!r}; expected 'auto' or one of {DECODE_KERNELS}"
         )
-    if impl == "pallas" and sliding_window is not None:
-        raise ValueError(
-            "rollout.attention_impl 'pallas': the kernel has no sliding window; use 'jnp'"
-        )
     if impl == "pallas" and backend != "gpu":
         raise ValueError(f"rollout.attention_impl 'pallas' needs a GPU, the backend is {backend!r}")
+    if impl == "pallas" and not tiles:
+        raise ValueError(
+            f"rollout.attention_impl 'pallas' needs a power-of-two head_dim and page_size, got "
+            f"{head_dim} and {page_size}; use 'jnp'"
+        )
     return impl
 
 
@@ -149,72 +168,71 @@ def paged_attention_jnp(
     return sequence_attention(q_BxTxHxD, k_seq, v_seq, positions_BxT, sliding_window)
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def pallas_blocks(width: int) -> tuple[int, int, int]:
-    """(padded table width, k_splits, pages_per_compute_block) of the Pallas kernel for a page
-    table of `width` pages.
-
-    The kernel splits the table into `k_splits` partitions of `padded / k_splits` pages and
-    loads `pages_per_compute_block` pages at a time; Triton needs both counts to be powers of
-    two (the block-table block and the key block; with a power-of-two page size). Partitions
-    are the smallest power of two (at least a compute block) that keeps `k_splits` <=
-    MAX_K_SPLITS; the table is padded by fewer pages than one partition (widths 24, 48, 72, 96
-    need none: 3, 6, 9, 12 partitions of 8).
-    """
-    if width < 1:
-        raise ValueError(f"page-table width must be >= 1, got {width}")
-    per_block = min(MAX_PAGES_PER_BLOCK, _power_of_two_at_least(width))
-    per_split = max(per_block, _power_of_two_at_least(-(-width // MAX_K_SPLITS)))
-    k_splits = -(-width // per_split)
-    return k_splits * per_split, k_splits, per_block
-
-
-def paged_attention_pallas(
+def paged_attention_blocked(
     q_BxTxHxD: jax.Array,
     k_pages_KxNxSxD: jax.Array,
     v_pages_KxNxSxD: jax.Array,
     page_table_BxP: jax.Array,
     positions_BxT: jax.Array,
-    interpret: bool = False,
+    sliding_window: int | None = None,
+    layer: int | jax.Array | None = None,
+    block_keys: int = JNP_BLOCK_KEYS,
 ) -> jax.Array:
-    """The Pallas GPU kernel, one query per sequence (T = 1): the output B×1×H×D of
-    `paged_attention_jnp` (keys at positions <= the query's), in q's dtype.
+    """`paged_attention_jnp`'s result (B×T×H×D in q's dtype) by an online softmax over blocks of
+    pages (Milakov & Gimelshein 2018): a loop gathers one block of `block_keys // S` pages of
+    every row at a time (`gather_pages`, at `layer` of stacked pools) and folds it into a
+    running max, normaliser and output. Only the blocks up to the batch's last position (from
+    its first window start) are read.
 
-    The page table is padded with page 0 to `pallas_blocks` (padding lies past every length,
-    so it is never attended). The kernel does not scale q itself: q·D^-½ is passed in the
-    pool's dtype. Raises ValueError for T != 1 or a page size that is not a power of two, and
-    ImportError where the kernel module does not exist (the import is deferred, so CPU installs
-    of any JAX version never touch it).
+    Scratch: one block's K/V, B×K×block_keys×D each, and the f32 output, never a row's whole
+    context: independent of the table width. Unused page-table entries may point anywhere
+    (masked by position; gathered with clipping).
     """
-    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged  # noqa: PLC0415
-
     b, t, h, d = q_BxTxHxD.shape
-    if t != 1:
-        raise ValueError(f"the Pallas paged-attention kernel takes one query per sequence, got {t}")
-    page_size = k_pages_KxNxSxD.shape[2]
-    if page_size & (page_size - 1):
-        raise ValueError(
-            f"the Pallas paged-attention kernel needs a power-of-two page_size, got {page_size}"
-        )
+    kv, _, page_size, _ = k_pages_KxNxSxD.shape[-4:]
     width = page_table_BxP.shape[1]
-    padded, k_splits, per_block = pallas_blocks(width)
-    table = jnp.pad(page_table_BxP.astype(jnp.int32), ((0, 0), (0, padded - width)))
-    q = (q_BxTxHxD[:, 0] * (d**-0.5)).astype(k_pages_KxNxSxD.dtype)
-    lengths = (positions_BxT[:, 0] + 1).astype(jnp.int32)
-    out = pallas_paged.paged_attention(
-        q,
-        k_pages_KxNxSxD,
-        v_pages_KxNxSxD,
-        table,
-        lengths,
-        k_splits=k_splits,
-        pages_per_compute_block=per_block,
-        interpret=interpret,
+    per_block = max(1, min(block_keys // page_size, width))
+    blocks = -(-width // per_block)
+    table = jnp.pad(page_table_BxP, ((0, 0), (0, blocks * per_block - width)))
+    keys, g = per_block * page_size, h // kv
+    # the G·T queries of each kv head as the right operand (see `sequence_attention`)
+    q_KxBxDxX = q_BxTxHxD.reshape(b, t, kv, g, d).transpose(2, 0, 4, 3, 1).reshape(kv, b, d, -1)
+    q_KxBxDxX = q_KxBxDxX.astype(jnp.float32)
+
+    def body(i, carry):
+        o_KxBxXxD, m_KxBxX, l_KxBxX = carry
+        pages_BxC = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
+        k_KxBxLxD = gather_pages(k_pages_KxNxSxD, pages_BxC, layer)
+        v_KxBxLxD = gather_pages(v_pages_KxNxSxD, pages_BxC, layer)
+        # float32 products (exact for bf16 inputs) and sums: XLA:CPU has no bf16 × bf16 → f32
+        # dot in these forms
+        s_KxBxLxX = jnp.einsum("kbld,kbdx->kblx", k_KxBxLxD.astype(jnp.float32), q_KxBxDxX)
+        s_KxBxXxL = jnp.swapaxes(s_KxBxLxX, 2, 3) * (d**-0.5)
+        k_pos_BxL = jnp.broadcast_to(i * keys + jnp.arange(keys), (b, keys))
+        valid_BxL = jnp.ones_like(k_pos_BxL, bool)
+        mask_BxTxL = attention_mask(positions_BxT, k_pos_BxL, valid_BxL, sliding_window)
+        mask = jnp.broadcast_to(mask_BxTxL[:, None], (b, g, t, keys)).reshape(1, b, g * t, keys)
+        s_KxBxXxL = jnp.where(mask, s_KxBxXxL, NEG_INF)
+        m_new = jnp.maximum(m_KxBxX, s_KxBxXxL.max(axis=-1))
+        p_KxBxXxL = jnp.where(mask, jnp.exp(s_KxBxXxL - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m_KxBxX - m_new)
+        p_cast = p_KxBxXxL.astype(q_BxTxHxD.dtype).astype(jnp.float32)  # as the reference's
+        pv_KxBxXxD = jnp.einsum("kbxl,kbld->kbxd", p_cast, v_KxBxLxD.astype(jnp.float32))
+        o_KxBxXxD = alpha[..., None] * o_KxBxXxD + pv_KxBxXxD
+        return o_KxBxXxD, m_new, alpha * l_KxBxX + p_KxBxXxL.sum(axis=-1)
+
+    start: int | jax.Array = 0
+    if sliding_window is not None:  # the block of the earliest window start
+        start = jnp.maximum(jnp.min(positions_BxT) - sliding_window + 1, 0) // keys
+    stop = jnp.minimum(jnp.max(positions_BxT) // keys + 1, blocks)
+    init = (
+        jnp.zeros((kv, b, g * t, d), jnp.float32),
+        jnp.full((kv, b, g * t), NEG_INF, jnp.float32),
+        jnp.zeros((kv, b, g * t), jnp.float32),
     )
-    return out[:, None].astype(q_BxTxHxD.dtype)
+    o_KxBxXxD, _, l_KxBxX = jax.lax.fori_loop(start, stop, body, init)
+    out = (o_KxBxXxD / l_KxBxX[..., None]).astype(q_BxTxHxD.dtype)
+    return out.reshape(kv, b, g, t, d).transpose(1, 3, 0, 2, 4).reshape(b, t, h, d)
 
 
 def _mesh_axis(mesh, name: str, size: int, manual: frozenset[str]) -> str | None:
@@ -239,16 +257,17 @@ def decode_specs(
     return PartitionSpec(data, None, tensor), pool, PartitionSpec(data)
 
 
-def _jnp_layer(q, k, v, table, positions, layer=None, *, sliding_window: int | None):
-    """`paged_attention_jnp`, the layer (None, or of stacked pools) as sixth argument."""
-    return paged_attention_jnp(q, k, v, table, positions, sliding_window, layer)
-
-
-def _pallas_layer(q, k, v, table, positions, layer=None, *, interpret: bool):
-    """`paged_attention_pallas` on one layer: from stacked pools (`layer` given), a copy of
-    that layer's pool (on a mesh, a device's kv heads, every page) made at every call."""
-    k, v = read_layer(k, layer), read_layer(v, layer)
-    return paged_attention_pallas(q, k, v, table, positions, interpret=interpret)
+def _kernel(kernel: str, *, sliding_window: int | None, interpret: bool):
+    """The kernel `kernel` as fn(q, k, v, table, positions, layer=None)."""
+    if kernel == "jnp":
+        return lambda q, k, v, table, positions, layer=None: paged_attention_blocked(
+            q, k, v, table, positions, sliding_window, layer
+        )
+    if kernel == "pallas":
+        return lambda q, k, v, table, positions, layer=None: paged_attention_kernel(
+            q, k, v, table, positions, layer, sliding_window, interpret
+        )
+    raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
 
 
 def decode_attention(
@@ -269,25 +288,17 @@ def decode_attention(
     `select_decode_kernel`; `interpret` runs Pallas in interpret mode, for tests).
 
     The pools are one layer's K×N×S×D, or with `layer` (an int32 scalar, may be traced: a
-    scan over layers) stacked L×K×N×S×D pools read at that layer. The jnp kernel gathers the
-    layer's pages directly; the Pallas kernel needs one layer's pool as an array, so it copies
-    layer `layer` of the pool (on a mesh, each device its kv heads, all pages) at every call:
-    one layer's pool per layer and decode step, the cost of a scanned model on that path.
+    scan over layers) stacked L×K×N×S×D pools read at that layer. Neither kernel copies a
+    layer's pool: the jnp kernel gathers one block of pages at a time at (layer, page), the
+    Pallas kernel loads them in place.
 
     With `mesh` (axes "data", "tensor"), the kernel runs per device inside `jax.shard_map`
     (`decode_specs`): no collective at all, each device attends its rows with its heads.
     Inside an enclosing `shard_map` (the engine's per-replica region, manual over `data`) only
     the axes not yet manual are split.
-    Raises ValueError for an unknown kernel (and see `paged_attention_pallas`).
+    Raises ValueError for an unknown kernel (and see `paged_kernel.paged_attention_kernel`).
     """
-    if kernel == "jnp":
-        fn = functools.partial(_jnp_layer, sliding_window=sliding_window)
-    elif kernel == "pallas":
-        if sliding_window is not None:
-            raise ValueError("the Pallas paged-attention kernel has no sliding window")
-        fn = functools.partial(_pallas_layer, interpret=interpret)
-    else:
-        raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {DECODE_KERNELS}")
+    fn = _kernel(kernel, sliding_window=sliding_window, interpret=interpret)
     # both kernels take the layer (of stacked pools) as their sixth argument
     layers = () if layer is None else (jnp.asarray(layer, jnp.int32),)
     args = (q_BxTxHxD, k_pages_KxNxSxD, v_pages_KxNxSxD, page_table_BxP, positions_BxT, *layers)

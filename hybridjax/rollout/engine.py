@@ -53,7 +53,7 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.models.moe import moe_layers
 from hybridjax.rollout import steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.decode_attention import select_decode_kernel
+from hybridjax.rollout.decode_attention import platform_of, select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
 from hybridjax.rollout.pages import Prefix, Request, num_pages
 from hybridjax.rollout.preemption import Preempted, first_row
@@ -119,7 +119,13 @@ class Engine:
         self._param_shardings = param_shardings
         self.state = self._placed(state)
         window = model.config.sliding_window
-        self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
+        self.impl = select_decode_kernel(
+            config.attention_impl,
+            window,
+            platform_of(mesh),
+            model.config.resolved_head_dim,
+            config.page_size,
+        )
         self.kv_dtype = to_dtype(model.config.dtype)
         # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
         self.stacked = stacked_layout(model.config)

@@ -9,8 +9,8 @@ sharded over the `tensor` mesh axis. Position p of sequence b lives in page
   * stacked: one L×K×N×S×D array each for k and v (`stacked_layout`: a model with
     `scan_layers`), indexed by an int32 layer that may be traced (a `lax.scan` over the layers
     carrying the cache). Writes scatter into the stacked array at (layer, page, offset) and
-    the jnp reads gather at (layer, page), so no step copies a layer's pool (the Pallas kernel
-    excepted, see `decode_attention`).
+    the reads gather at (layer, page) or (the Pallas kernel) load pages in place, so no step
+    copies a layer's pool.
 `layer_of`/`with_layer` address one layer in either layout.
 
 `PagedKVCache` implements the cache protocol of `hybridjax.models.attention` (`attend`), so
@@ -18,11 +18,12 @@ sharded over the `tensor` mesh axis. Position p of sequence b lives in page
   * "prefill": queries attend to their own keys only (a prompt starts at position 0), and the
     keys/values are written to the pages;
   * "decode": the new keys/values are written first, then every query attends to its
-    sequence's pages, causally by position: on the jnp path of the decode loop, a K×B×L×D
-    copy of the sequences' pages gathered once per jitted call (`PagedKVCache.gathered`) and
-    kept up to date step by step; otherwise `decode_attention.decode_attention` with the
-    cache's kernel (the Pallas kernel, or the jnp gather at every step: the test oracle),
-    inside `shard_map` on the cache's mesh.
+    sequence's pages, causally by position: on the jnp path of the decode loop, while it is
+    small, a K×B×L×D copy of the sequences' pages gathered once per jitted call
+    (`PagedKVCache.gathered`) and kept up to date step by step; otherwise
+    `decode_attention.decode_attention` with the cache's kernel (the Pallas kernel reading the
+    pages in place, or the jnp online softmax over blocks of pages), inside `shard_map` on the
+    cache's mesh.
 """
 
 from __future__ import annotations
@@ -207,12 +208,20 @@ class PagedKVCache:
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if s is not None)
         return max(int(utilization * max(free, 0)) // page_bytes, 1)
 
+    def gathered_bytes(self) -> int:
+        """Device bytes `gathered` adds (k and v copies; per device inside `shard_map`)."""
+        rows, width = self.page_table.shape
+        # a pool's leading dims (L×)K, then rows × width pages of S×D
+        copy = lambda x: math.prod(x.shape[:-3]) * rows * width * math.prod(x.shape[-2:])  # noqa: E731
+        return 2 * sum(copy(x) * x.dtype.itemsize for x in jax.tree.leaves(self.k))
+
     def gathered(self) -> PagedKVCache:
         """The cache with `k_seq`/`v_seq` gathered from the pools, every layer's (stacked
         pools: one gather into an L×K×B×(P·S)×D array). The jnp path of the decode loop does
-        it once per jitted call: a decode step then reads B×(P·S) keys in place instead of
-        copying them out of the pool, which costs as much as the rest of a small model's step
-        on CPU."""
+        it once per jitted call while the copy is small (`steps.MAX_GATHERED_BYTES`): a decode
+        step then reads B×(P·S) keys in place instead of gathering them out of the pool, which
+        XLA:CPU does at a fraction of its copy speed (the quick start's decode call: 1.3 s with
+        the copy, 2.0 s gathering one block of pages at a time)."""
         gather = lambda pools: jax.tree.map(lambda p: gather_pages(p, self.page_table), pools)
         return dataclasses.replace(self, k_seq=gather(self.k), v_seq=gather(self.v))
 
@@ -222,10 +231,9 @@ class PagedKVCache:
         q's dtype, the updated cache).
 
         `layer` is a Python int, or with stacked pools an int32 scalar (traced inside a scan
-        over layers): the writes scatter into the stacked arrays and the jnp reads gather the
-        layer's pages directly, no layer's pool is copied. The Pallas kernel takes one
-        layer's pool: from a stacked pool it copies that layer's pool at every step (see
-        `decode_attention`). Raises TypeError for per-layer pools and a traced layer."""
+        over layers): the writes scatter into the stacked arrays and the reads gather (jnp) or
+        load (Pallas) the layer's pages directly, no layer's pool is copied. Raises TypeError
+        for per-layer pools and a traced layer."""
         (k_pool, at), (v_pool, _) = layer_of(self.k, layer), layer_of(self.v, layer)
         k_pool = write_pages(k_pool, k, self.page_table, positions, token_mask, at)
         v_pool = write_pages(v_pool, v, self.page_table, positions, token_mask, at)

@@ -23,6 +23,11 @@ from hybridjax.rollout.paged_cache import PagedKVCache, Pools
 from hybridjax.rollout.sampling import sample_tokens, step_uniforms
 from hybridjax.rollout.slots import Slots
 
+# The jnp decode loop's per-call copy of the rows' pages (`PagedKVCache.gathered`) is made only
+# up to this size per device: beyond, each step gathers one block of pages at a time
+# (`decode_attention.paged_attention_blocked`), scratch independent of the context length.
+MAX_GATHERED_BYTES = 1 << 28
+
 
 def _run(model: nnx.Module, method: str, record: bool, *args) -> tuple[Any, jax.Array]:
     """`getattr(model, method)(*args)` and, with `record`, the experts each token used in each
@@ -117,10 +122,11 @@ def decode_loop(
     nothing. The loop stops after `num_steps`, when no row is active, or once
     `exit_when_done` rows finished.
 
-    On the jnp path the rows' pages are gathered once into a K×B×L×D copy per call
-    (`PagedKVCache.gathered`); another kernel runs per device of `mesh` (the generation mesh,
-    `decode_attention.decode_attention`); `constrain_pools` keeps the pools' sharding inside
-    the loop.
+    Attention reads the pools through `impl` (`decode_attention.decode_attention`, per device
+    of `mesh`, the generation mesh): scratch of one block of pages, never a row's whole
+    context; the jnp path gathers the rows' pages once per call instead while that copy is at
+    most MAX_GATHERED_BYTES (faster on CPU, see `PagedKVCache.gathered`). `constrain_pools`
+    keeps the pools' sharding inside the loop.
 
     `routing_shape` (L MoE layers, k experts per token) records the experts of each step's
     fed token (rollout routing replay, `_run`); None records nothing.
@@ -172,7 +178,7 @@ def decode_loop(
     cache = PagedKVCache(
         k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh
     )
-    if impl == "jnp":
+    if impl == "jnp" and cache.gathered_bytes() <= MAX_GATHERED_BYTES:
         cache = cache.gathered()  # once per call; the steps keep the copy up to date
     out_tok = jnp.full((b, num_steps), -1, jnp.int32)
     out_lp = jnp.zeros((b, num_steps), jnp.float32)

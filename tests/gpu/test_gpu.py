@@ -1,7 +1,8 @@
 """GPU checks, run for real on a GPU by `experiments/gpu/check.sh` (skipped without one).
 
-What runs where: the Pallas paged-attention kernel (decode) runs on GPU only and is checked
-against the jnp gather path, the CPU path and test oracle; the blocked self-attention of
+What runs where: our Pallas paged-attention kernel (decode, the GPU default) runs on GPU only
+and is checked against the jnp gather path, the test oracle, on one layer's pool and at a layer
+of stacked pools; the blocked self-attention of
 training passes (the GPU's default, `hybridjax.models.blocked_attention`) against the dense jnp
 path on packed shared-prompt buffers (outputs and gradients, float32 and bfloat16), with its
 compiled GPU memory growing linearly in tokens; and the model in bfloat16 against float32 and
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from hybridjax.models.attention import SelfAttentionMask, attention_backend
-from hybridjax.rollout.decode_attention import paged_attention_jnp, paged_attention_pallas
+from hybridjax.rollout.decode_attention import paged_attention_jnp
+from hybridjax.rollout.paged_kernel import paged_attention_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "models"))
 
@@ -41,13 +43,15 @@ def _pages(rng, b, h, kv, d, pages, page, dtype):
 @pytest.mark.parametrize("dtype, atol", [(jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)])
 def test_pallas_paged_attention_matches_jnp_on_gpu(gpu, dtype, atol):
     with jax.default_device(gpu):
-        args = _pages(np.random.default_rng(0), 4, 8, 2, 64, 64, 16, dtype)
-        got = jax.jit(paged_attention_pallas)(*args)
-        expect = jax.jit(paged_attention_jnp)(*args)
-    assert got.devices() == {gpu}
-    np.testing.assert_allclose(
-        np.asarray(got, np.float32), np.asarray(expect, np.float32), atol=atol, rtol=0
-    )
+        q, k, v, table, positions = _pages(np.random.default_rng(0), 4, 8, 2, 64, 64, 16, dtype)
+        stacked_k, stacked_v = jnp.stack([v, k]), jnp.stack([k, v])  # layer 1 holds k, v
+        for args, layer in (((k, v), None), ((stacked_k, stacked_v), jnp.int32(1))):
+            got = jax.jit(paged_attention_kernel)(q, *args, table, positions, layer)
+            expect = jax.jit(paged_attention_jnp)(q, k, v, table, positions)
+            assert got.devices() == {gpu}
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(expect, np.float32), atol=atol, rtol=0
+            )
 
 
 @pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])

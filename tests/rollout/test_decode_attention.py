@@ -1,7 +1,8 @@
-"""Decode attention: the kernel choice, Pallas blocks that Triton accepts at every page-table
-width, CUDA lowering of every kernel at every (rows bucket, width) a 512 + 1024 rollout compiles
-with 7B shapes, and the partitioned HLO of a decode call on data 4 × tensor 2 (no all-gather of
-a KV pool or of q)."""
+"""Decode attention: the kernel choice by platform, both kernels (the Pallas one in interpret
+mode) against the gather reference at every rows bucket, page-table width and GQA ratio the
+engine compiles, CUDA lowering of both at every (rows bucket, width) a 512 + 1024 rollout
+compiles with 7B shapes, the partitioned HLO of a decode call on data 4 × tensor 2 (no
+all-gather of a KV pool or of q), and the engine's decode loop by blocks of pages."""
 
 import functools
 import re
@@ -12,18 +13,20 @@ import numpy as np
 import pytest
 from jax import export
 from jax.sharding import NamedSharding
-from rollout_testing import make_model
+from rollout_testing import make_model, make_prompts, trainer_log_probs
 
-from hybridjax.rollout import Engine, RolloutConfig
+from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate, steps
+from hybridjax.rollout import decode_attention as decode_attention_module
 from hybridjax.rollout.decode_attention import (
     DECODE_KERNELS,
     decode_attention,
     decode_specs,
+    paged_attention_blocked,
     paged_attention_jnp,
-    paged_attention_pallas,
-    pallas_blocks,
+    platform_of,
     select_decode_kernel,
 )
+from hybridjax.rollout.paged_kernel import kernel_blocks, paged_attention_kernel
 from hybridjax.rollout.slots import decode_batch_size, table_widths
 from hybridjax.sharding import MeshConfig, make_meshes
 
@@ -39,49 +42,107 @@ def _mesh():
     return make_meshes(MeshConfig(generate=(4, 2))).generate
 
 
-def test_auto_picks_the_jnp_path_and_pallas_is_checked():
-    assert select_decode_kernel("auto", None, "gpu") == "jnp"
-    assert select_decode_kernel("auto", 4, "cpu") == "jnp"
-    assert select_decode_kernel("pallas", None, "gpu") == "pallas"
-    with pytest.raises(ValueError, match="sliding window"):
-        select_decode_kernel("pallas", 4, "gpu")
+def test_auto_follows_the_mesh_platform_and_pallas_is_checked():
+    assert select_decode_kernel("auto", None, "gpu") == "pallas"
+    assert select_decode_kernel("auto", None, "cpu") == "jnp"
+    assert select_decode_kernel("auto", None, "tpu") == "jnp"
+    assert select_decode_kernel("pallas", 4, "gpu") == "pallas"  # a sliding window too
     with pytest.raises(ValueError, match="needs a GPU"):
         select_decode_kernel("pallas", None, "cpu")
     with pytest.raises(ValueError, match="'flash'"):
         select_decode_kernel("flash", None, "gpu")
+    assert platform_of(_mesh()) == "cpu" and platform_of(None) == jax.default_backend()
+    # the kernel's tiles: a power-of-two head dim and page size, else "auto" falls back
+    assert select_decode_kernel("auto", None, "gpu", head_dim=96) == "jnp"
+    assert select_decode_kernel("auto", None, "gpu", page_size=12) == "jnp"
+    with pytest.raises(ValueError, match="power-of-two head_dim and page_size, got 96"):
+        select_decode_kernel("pallas", None, "gpu", head_dim=96)
 
 
-def test_pallas_blocks_by_hand():
-    assert [pallas_blocks(w) for w in (24, 48, 72, 96)] == [
-        (24, 3, 8), (48, 6, 8), (72, 9, 8), (96, 12, 8),
-    ]  # fmt: skip
-    assert pallas_blocks(3) == (4, 1, 4)
-    assert pallas_blocks(300) == (320, 10, 8)  # partitions of 32 keep k_splits <= 16
+def test_kernel_blocks_by_hand():
+    # 7B's widths with 16-token pages: blocks of 8 pages (128 keys), no padding
+    assert [kernel_blocks(w, 16) for w in (24, 48, 72, 96)] == [(w, 8) for w in (24, 48, 72, 96)]
+    assert kernel_blocks(20, 16) == (24, 8)
+    assert kernel_blocks(3, 16) == (4, 4)  # a narrow table: a block of its width
+    assert kernel_blocks(3, 4) == (4, 4)  # at least 16 keys: a dot tile
+    assert kernel_blocks(1, 4) == (4, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        kernel_blocks(0, 16)
 
 
-def test_pallas_blocks_are_powers_of_two_at_every_width():
-    for width in range(1, 1025):
-        padded, k_splits, per_block = pallas_blocks(width)
-        per_split = padded // k_splits
-        assert padded == per_split * k_splits and 0 <= padded - width < per_split, width
-        assert per_split & (per_split - 1) == 0 and per_block & (per_block - 1) == 0, width
-        assert per_split % per_block == 0 and k_splits <= 16, width
+def _case(rng, rows, width, heads, kv, dtype, page=PAGE, d=16, layers=2, pages=None):
+    """Random q, stacked pools, a page table of scattered pages (some entries out of range:
+    clamped where unused) and positions from 0 to the table's last key."""
+    pages = pages or 2 * width + 3
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(layers, kv, pages, page, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(layers, kv, pages, page, d)), dtype)
+    table = rng.integers(0, pages, size=(rows, width))
+    positions = rng.integers(0, width * page, size=(rows, 1))
+    positions[0], positions[-1] = 0, width * page - 1
+    for r in range(rows):  # entries past a row's last page may hold anything
+        table[r, positions[r, 0] // page + 1 :] = 10**6
+    return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(positions, jnp.int32)
 
 
-def test_pallas_kernel_matches_jnp_in_interpret_mode():
-    """Width 20 is padded to 3 partitions of 8 (`pallas_blocks`); scattered pages, mixed
-    lengths."""
-    width = 20
-    rng = np.random.default_rng(0)
-    b, h, kv, d, pages, page = 3, 4, 2, 16, 80, 4
-    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(kv, pages, page, d)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(kv, pages, page, d)), jnp.float32)
-    table = jnp.asarray(rng.permutation(pages)[: b * width].reshape(b, width), jnp.int32)
-    positions = jnp.array([[0], [width * page // 2], [width * page - 1]])
-    expect = paged_attention_jnp(q, k, v, table, positions)
-    got = paged_attention_pallas(q, k, v, table, positions, interpret=True)
+# Every rows bucket per replica (1 … 64: 7B's 4 … 256 rows over data 4), page-table width (7B's
+# 24, 48, 72, 96 pages of 16) and GQA ratio of the models we ship (7: Qwen2.5, on tensor 2 or
+# not; 4: Llama 3 8B; 1, 2, 8) at least once each, in float32 (within 1e-5) and bfloat16
+# (within 2e-2, its rounding of probabilities); small head dim and pools.
+F32, BF16 = (jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)
+KERNEL_CASES = [  # (rows, width, heads, kv heads, (dtype, atol))
+    (1, 24, 14, 2, F32), (2, 48, 7, 1, BF16), (4, 72, 4, 1, F32), (8, 96, 8, 2, BF16),
+    (16, 24, 2, 2, F32), (32, 48, 4, 2, BF16), (64, 72, 8, 1, F32), (4, 96, 14, 2, BF16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rows", "width", "heads", "kv", "dtype"), KERNEL_CASES)
+def test_kernel_matches_the_gather_reference_in_interpret_mode(rows, width, heads, kv, dtype):
+    """Both kernels (Pallas in interpret mode) at a traced layer of stacked pools."""
+    (dtype, atol), rng = dtype, np.random.default_rng(rows)
+    q, k, v, table, positions = _case(rng, rows, width, heads, kv, dtype)
+    layer = jnp.int32(1)
+    expect = paged_attention_jnp(q, k, v, table, positions, layer=layer).astype(jnp.float32)
+    for kernel in DECODE_KERNELS:
+        fn = jax.jit(functools.partial(decode_attention, kernel=kernel, interpret=True))
+        got = fn(q, k, v, table, positions, layer=layer)
+        assert got.dtype == dtype and got.shape == q.shape
+        np.testing.assert_allclose(got.astype(jnp.float32), expect, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_kernel_with_a_sliding_window_and_per_layer_pools(kernel):
+    """A window of 5 keys over 4-token pages (blocks start mid-window), one layer's pool."""
+    rng = np.random.default_rng(1)
+    q, k, v, table, positions = _case(rng, 5, 6, 4, 2, jnp.float32, page=4, layers=1)
+    k, v = k[0], v[0]
+    expect = paged_attention_jnp(q, k, v, table, positions, sliding_window=5)
+    got = decode_attention(
+        q, k, v, table, positions, kernel=kernel, sliding_window=5, interpret=True
+    )
     np.testing.assert_allclose(got, expect, atol=1e-5, rtol=0)
+
+
+def test_jnp_kernel_takes_several_queries_per_row():
+    """`extend` appends T tokens per row through the jnp kernel: blocks of 8 keys."""
+    rng = np.random.default_rng(2)
+    q, k, v, table, _ = _case(rng, 3, 6, 4, 2, jnp.float32, page=4, layers=1)
+    q = jnp.concatenate([q, q[:, :, ::-1]], axis=1)  # T = 2
+    positions = jnp.array([[0, 1], [9, 10], [22, 23]], jnp.int32)
+    table = jnp.minimum(table, 14)
+    expect = paged_attention_jnp(q, k[0], v[0], table, positions)
+    got = paged_attention_blocked(q, k[0], v[0], table, positions, block_keys=8)
+    np.testing.assert_allclose(got, expect, atol=1e-5, rtol=0)
+
+
+def test_the_tests_can_fail():
+    """A kernel that attends one key too many is caught by the comparison above."""
+    rng = np.random.default_rng(3)
+    q, k, v, table, positions = _case(rng, 4, 6, 4, 2, jnp.float32, page=4, layers=1)
+    table = jnp.minimum(table, k.shape[2] - 1)
+    expect = paged_attention_jnp(q, k[0], v[0], table, positions)
+    got = paged_attention_kernel(q, k[0], v[0], table, positions + 1, interpret=True)
+    assert np.abs(np.asarray(got) - np.asarray(expect)).max() > 1e-3
 
 
 def _abstract_decode_args(mesh, rows: int, width: int, num_pages: int = 2048):
@@ -187,3 +248,25 @@ def test_partitioned_decode_call_gathers_no_kv_pool_and_no_q():
     assert " all-gather(" not in hlo and " all-to-all(" not in hlo
     groups = re.findall(r" all-reduce\(.*?replica_groups=(\S+)", hlo)
     assert groups and {_group_size(g) for g in groups} == {2}, groups  # over `tensor` only
+
+
+def test_engine_decodes_by_blocks_beyond_the_copy_bound(eos_model, monkeypatch):
+    """With the per-call copy's bound at 0 the decode loop reads one block of pages at a time
+    (`paged_attention_blocked` is traced): log-probs still equal the trainer's."""
+    traced = []
+    blocked = decode_attention_module.paged_attention_blocked
+    monkeypatch.setattr(steps, "MAX_GATHERED_BYTES", 0)
+    monkeypatch.setattr(
+        decode_attention_module,
+        "paged_attention_blocked",
+        lambda *args, **kw: traced.append(1) or blocked(*args, **kw),
+    )
+    config = RolloutConfig(page_size=4, max_num_seqs=4, prompt_length=16, response_length=8)
+    engine = Engine(eos_model, config)
+    prompts = make_prompts()[:4]
+    out = generate(engine, prompts, SamplingParams(temperature=0.7, max_tokens=8, seed=5))
+    assert traced
+    for row, mask in enumerate(out.response_mask):
+        resp = out.responses[row][mask.astype(bool)].tolist()
+        expect = trainer_log_probs(eos_model, prompts[row], resp, 0.7)
+        np.testing.assert_allclose(out.rollout_log_probs[row, : len(resp)], expect, atol=1e-5)

@@ -2,8 +2,8 @@
 traced layer inside a `lax.scan` over the layers, as a scanned decoder calls
 `PagedKVCache.attend`: the same outputs, pages and gathered copies as the per-layer tuple
 layout indexed by Python ints (prefill, decode with and without the gathered copy), on one
-device and on the generation mesh (data 4 × tensor 2); no step copies a layer's pool on the
-jnp path; the partitioned decode step all-gathers no pool; the step lowers for CUDA with
+device and on the generation mesh (data 4 × tensor 2); no step copies a layer's pool on either
+path; the partitioned decode step all-gathers no pool; the step lowers for CUDA with
 either kernel.
 
 The layers here are a toy attention block (projections, `attend`, output projection, a
@@ -200,11 +200,25 @@ def _dynamic_slices_of(jaxpr, shape) -> int:
     return count
 
 
+def _pallas_operands(jaxpr) -> list[tuple[int, ...]]:
+    """Operand shapes of every `pallas_call` in `jaxpr`, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found += [tuple(v.aval.shape) for v in eqn.invars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _pallas_operands(inner)
+    return found
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_the_jnp_path_copies_no_layer_of_a_stacked_pool(mode):
-    """Writes scatter into the stacked pool and the decode reads gather at (layer, page):
-    no dynamic slice of the pool, while the Pallas path copies the layer's pool (its
-    documented cost) and so shows one per pool."""
+def test_no_kernel_copies_a_layer_of_a_stacked_pool(mode):
+    """Writes scatter into the stacked pool, the jnp decode reads gather at (layer, page) and
+    the Pallas kernel takes the whole stacked pool with the layer: no dynamic slice of the
+    pool on either path (the check counts them: an earlier Pallas path sliced one per pool)."""
     k, v = PagedKVCache.create_pool(STACKED, PAGES, PAGE)
     (h, positions, mask), _, steps, table = _inputs()
     cache = PagedKVCache(k, v, jnp.asarray(table), mode)
@@ -214,7 +228,10 @@ def test_the_jnp_path_copies_no_layer_of_a_stacked_pool(mode):
     if mode == "decode":
         pallas = dataclasses.replace(cache, impl="pallas")  # traced only, never run
         jaxpr = jax.make_jaxpr(scanned)(_weights(), *args, pallas).jaxpr
-        assert _dynamic_slices_of(jaxpr, k.shape) == 2
+        assert _dynamic_slices_of(jaxpr, k.shape) == 0
+        assert _pallas_operands(jaxpr).count(k.shape) == 2  # k and v pools, whole
+        sliced = jax.make_jaxpr(lambda p, i: jax.lax.dynamic_index_in_dim(p, i, 0))(k, 1)
+        assert _dynamic_slices_of(sliced.jaxpr, k.shape) == 1  # what the check would see
 
 
 def _pool_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
@@ -347,5 +364,7 @@ def test_scanned_decode_step_lowers_for_cuda(impl, gathered):
     assert "stablehlo.while" in text  # the scan over layers
     calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
     assert len(calls) == (1 if impl == "pallas" else 0)
-    if impl == "pallas":  # the kernel reads one layer of its device's kv heads: 1 of 2
-        assert f"tensor<1x6x{PAGE}x{HEAD_DIM}xbf16>" in text
+    if impl == "pallas":  # the kernel reads the stacked pool of its device's kv heads, 1 of 2
+        pool = f"tensor<{LAYERS}x1x6x{PAGE}x{HEAD_DIM}xbf16>"
+        assert pool in calls[0], calls[0][:400]
+        assert f"tensor<1x6x{PAGE}x{HEAD_DIM}xbf16>" not in text  # no layer sliced

@@ -54,6 +54,7 @@ from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
 from hybridjax.models.logprobs import vocab_split
+from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh
 
 log = logging.getLogger(__name__)
@@ -389,7 +390,7 @@ def plan_memory(
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))
-    updater = lambda f: jax.jit(f, static_argnums=(0, 4), donate_argnums=1)
+    updater = lambda f: jit_keeping_state(f, static_argnums=(0, 4), state_argnum=1)  # as rl.step
 
     plans, xla_scratch = [], {}
     offload = offload_configs(cfg)

@@ -53,9 +53,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
+from hybridjax.memory.xla_gpu import memory_of, program_peak, relayout_scratch, resharded_leaves
 from hybridjax.models.logprobs import vocab_split
 from hybridjax.sharding.layout import jit_keeping_state
-from hybridjax.sharding.mesh import pass_mesh
+from hybridjax.sharding.mesh import pass_mesh, platform_of
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -89,6 +90,9 @@ class MemoryPlan:
     # stage → XLA's CPU memory analysis: scratch of the program compiled here (reference only:
     # the CPU compiler keeps buffers a GPU fusion does not; `hybridjax.memory.counts`)
     xla_cpu_scratch: dict[str, int] = dataclasses.field(default_factory=dict)
+    # stage → XLA:GPU's bytes on compile-only GPUs (`memory.xla_gpu`): arguments, outputs,
+    # aliased, scratch, the stage's peak from them, and for updates the resharded state leaves
+    xla_gpu: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def worst(self) -> StagePlan:
@@ -96,7 +100,9 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.worst.peak <= self.capacity
+        """Every stage's counted peak, and XLA:GPU's where compiled, within capacity."""
+        xla = max((x["peak"] for x in self.xla_gpu.values()), default=0)
+        return max(self.worst.peak, xla) <= self.capacity
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,15 +115,26 @@ class MemoryPlan:
             "kv_full_sequences": self.full_sequences,
             "stages": {s.name: {"peak_bytes": s.peak, **s.consumers} for s in self.stages},
             "xla_cpu_scratch_bytes": dict(self.xla_cpu_scratch),
+            "xla_gpu": {k: dict(v) for k, v in self.xla_gpu.items()},
             "advice": list(self.advice),
         }
 
     def report(self) -> str:
         """A human-readable table: per-stage peak, verdict, largest consumers, what to change."""
         lines = [f"per-device memory on {self.devices} devices of {size(self.capacity)}:"]
+        if self.xla_gpu:
+            lines.append(f"  {'stage':<14} {'XLA:GPU':>10} {'counted':>10}  ratio")
         for s in self.stages:
-            mark = "" if s.peak <= self.capacity else "  <-- does not fit"
-            lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
+            peak = self.xla_gpu.get(s.name, {}).get("peak", s.peak)
+            mark = "" if max(peak, s.peak) <= self.capacity else "  <-- does not fit"
+            if self.xla_gpu and s.name in self.xla_gpu:
+                lines.append(
+                    f"  {s.name:<14} {size(peak):>10} {size(s.peak):>10}  {peak / s.peak:.2f}{mark}"
+                )
+            elif self.xla_gpu:
+                lines.append(f"  {s.name:<14} {'-':>10} {size(s.peak):>10}{mark}")
+            else:
+                lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
         w = self.worst
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(
@@ -195,17 +212,6 @@ def abstract_batch(
     return batch
 
 
-def compiled_memory(fn, *args) -> dict[str, int]:
-    """XLA's per-device memory analysis of `fn` (a jitted function) compiled for `args`."""
-    m = fn.lower(*args).compile().memory_analysis()
-    return {
-        "arguments": m.argument_size_in_bytes,
-        "outputs": m.output_size_in_bytes,
-        "aliased": m.alias_size_in_bytes,
-        "scratch": m.temp_size_in_bytes,
-    }
-
-
 # ------------------------------------------------------------------------------ the plan
 
 
@@ -259,6 +265,7 @@ def plan_memory(
     capacity_bytes: int | None = None,
     target: str = "gpu",
     compile_stages: bool = True,
+    device_list: list[Any] | None = None,
 ) -> MemoryPlan:
     """Plans `cfg` on the first `devices` devices of this process (all by default).
 
@@ -275,13 +282,17 @@ def plan_memory(
       compile_stages: compile every device stage for XLA's outputs, donated bytes and CPU
         scratch (seconds to many minutes for large models); False: outputs from shapes (a
         forward pass returns the batch plus one B×R float32 field; an update donates its
-        state) and no `xla_cpu_scratch`.
+        state) and no `xla_cpu_scratch`. On compile-only GPUs (`device_list`) also the
+        engine's prefill/extend/decode and the re-layout, into `MemoryPlan.xla_gpu`.
+      device_list: the devices to plan on instead of `jax.devices()` (compile-only GPUs from
+        `memory.gpu_targets.compile_only_devices`).
     Returns:
       the MemoryPlan.
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
     from hybridjax.config.run import resolve, resolve_dtypes
+    from hybridjax.memory.engine_programs import engine_memory
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
@@ -301,7 +312,7 @@ def plan_memory(
     )
 
     resolve_dtypes(cfg, target)
-    available = jax.devices()
+    available = device_list or jax.devices()
     devices = devices or len(available)
     if devices > len(available):
         raise ValueError(
@@ -392,7 +403,8 @@ def plan_memory(
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))
     updater = lambda f: jit_keeping_state(f, static_argnums=(0, 4), state_argnum=1)  # as rl.step
 
-    plans, xla_scratch = [], {}
+    plans, xla_scratch, xla_gpu = [], {}, {}  # type: ignore[var-annotated]
+    on_gpu = compile_stages and platform_of(available[:devices]) == "gpu"  # compile-only GPUs
     offload = offload_configs(cfg)
     off = {
         "actor params": offload["actor"].param_offload,
@@ -415,6 +427,13 @@ def plan_memory(
     impl = select_decode_kernel(r.attention_impl, actor_config.sliding_window, target)
     decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
+    if on_gpu:  # the engine's programs; their arguments hold the rollout weights and pool
+        gen_def = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES)[0]
+        programs = engine_memory(gen_def, gen_params, actor_config, a.rollout, gen, pages)
+        rest = sum(v for k, v in on_device.items() if k not in ("rollout weights", "KV pool"))
+        worst = max(programs, key=lambda k: program_peak(programs[k]))
+        xla_gpu["gen"] = programs[worst] | {"peak": rest + program_peak(programs[worst])}
+        xla_gpu["gen"] |= {f"{k} peak": program_peak(v) for k, v in programs.items()}
 
     training = {k: v for k, v in resident.items() if k not in asleep + judge_asleep}
     # offloaded states are on the devices only in the stages that use them (`rl.offload`)
@@ -423,16 +442,22 @@ def plan_memory(
     mesh_shape = dict(train.shape)
 
     def stage(name, fn, args, batch, used, count):
+        others = {k: v for k, v in idle.items() if k not in used}
         if compile_stages:
             with pass_mesh(train):  # as the step runs it (MoE experts in shard_map)
-                m = compiled_memory(fn, *args)
-            xla_scratch[name] = m["scratch"]
+                compiled = fn.lower(*args).compile()
+            m = memory_of(compiled)
+            if on_gpu:
+                xla_gpu[name] = m | {"peak": sum(others.values()) + program_peak(m)}
+                if name.startswith("update"):
+                    xla_gpu[name]["resharded_leaves"] = len(resharded_leaves(compiled, args[1]))
+            else:
+                xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]
         else:  # see the docstring
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
-        others = {k: v for k, v in idle.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
         new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
@@ -499,9 +524,16 @@ def plan_memory(
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
     actor = {"actor params": resident["actor params"]}
     plans.append(StagePlan("reshard", idle | actor | reshard))
+    if on_gpu:  # one leaf moved at a time (`update_weights`): the worst leaf's XLA scratch
+        targets = jax.tree.map(lambda x: x.sharding, gen_params)
+        moved = relayout_scratch(actor_state.params, targets, gen_dtype)
+        peak = sum((idle | actor).values()) + resident["rollout weights"] + moved
+        xla_gpu["reshard"] = {"scratch": moved, "peak": peak}
 
     full = pages // max(r.pages_per_seq, 1)
-    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)
+    plan = MemoryPlan(
+        devices, capacity, tuple(plans), pages, page, full, (), xla_scratch, xla_gpu
+    )
     return dataclasses.replace(plan, advice=tuple(advise(plan, cfg, train, devices)))
 
 
@@ -604,7 +636,7 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
 def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
     """`trainer.check_memory`: the plan on this process's devices, as config problems (empty
     when it fits). The plan itself is logged."""
-    target = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+    target = platform_of(jax.devices()[:n_devices])
     # counted from shapes, without compiling every stage a second time (the run compiles them)
     plan = plan_memory(cfg, actor_config, n_devices, target=target, compile_stages=False)
     log.info("memory plan:\n%s", plan.report())
@@ -627,16 +659,21 @@ def main(argv: list[str]) -> None:
     from absl import flags
 
     f = flags.FLAGS
-    # Simulated CPU devices: this must happen before JAX starts its backend.
+    # Simulated CPU devices (or compile-only GPUs beside them): before JAX starts its backend.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", f.devices)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from hybridjax.allocator import ENV, memory_fraction
     from hybridjax.config.run import resolve_dtypes
+    from hybridjax.memory import gpu_targets
     from hybridjax.rl import build
     from hybridjax.sharding import check_parallelism
 
-    cfg = resolve_dtypes(_CONFIG.value, f.target)  # `auto`: the planned devices' dtype
+    gpu = f.target in gpu_targets.TARGETS
+    if gpu and (problem := gpu_targets.missing_plugin(f.target)):
+        raise SystemExit(problem)
+    backend = "gpu" if gpu else f.target
+    cfg = resolve_dtypes(_CONFIG.value, backend)  # `auto`: the planned devices' dtype
     if cfg.actor_rollout_ref.model.path:
         actor_config = build.actor_model_config(cfg, tokenizer=None)
     else:
@@ -645,16 +682,18 @@ def main(argv: list[str]) -> None:
         check_parallelism(cfg, f.devices, {"actor_rollout_ref.model": actor_config})
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if f.target == "gpu" else 1.0
+    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if backend == "gpu" else 1.0
     capacity = int(f.device_memory_gb * GB * fraction)
-    plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
+    devices = gpu_targets.compile_only_devices(f.target, f.devices) if gpu else None
+    plan = plan_memory(cfg, actor_config, f.devices, capacity, backend, f.xla, devices)
     print(
         f"budget per device: {size(capacity)} = {fraction:g} × {f.device_memory_gb:g} GB "
         f"(the allocator's fraction: trainer.device_memory_fraction or {ENV})"
     )
     print(plan.report())
     if f.json:
-        summary = {"num_params": actor_config.num_params(), **plan.to_dict()}
+        summary = {"num_params": actor_config.num_params(), "target": f.target}
+        summary |= {"jax": jax.__version__, **plan.to_dict()}
         with open(f.json, "w") as out:
             json.dump(summary, out, indent=2)
     if not plan.fits:
@@ -670,7 +709,13 @@ def cli() -> None:
     _CONFIG = config_flags.DEFINE_config_file("config", None, "trainer config file")
     flags.DEFINE_integer("devices", 8, "devices the run will use")
     flags.DEFINE_float("device_memory_gb", 80.0, "memory of one device, GB (10^9 bytes)")
-    flags.DEFINE_enum("target", "gpu", ["gpu", "cpu"], "backend the run will use")
+    flags.DEFINE_enum(
+        "target",
+        "gpu",
+        ["gpu", "cpu", "a100", "h100"],
+        "backend the run will use; a100 / h100: compile every program with XLA:GPU for "
+        "compile-only A100-SXM4-80GB / H100-SXM-80GB (needs hybridjax[gpu-aot])",
+    )
     flags.DEFINE_string("json", "", "also write the plan here as JSON")
     flags.DEFINE_bool(
         "xla",

@@ -58,6 +58,7 @@ from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, s
 from hybridjax.rollout.pages import Prefix, Request, num_pages
 from hybridjax.rollout.preemption import Preempted
 from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
+from hybridjax.sharding.mesh import platform_of
 from hybridjax.rollout.scheduler import Scheduler
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
@@ -120,7 +121,7 @@ class Engine:
         self._param_shardings = param_shardings
         self.state = self._placed(state)
         window = model.config.sliding_window
-        self.impl = select_decode_kernel(config.attention_impl, window, jax.default_backend())
+        self.impl = select_decode_kernel(config.attention_impl, window, platform_of(mesh))
         self.kv_dtype = to_dtype(model.config.dtype)
         # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
         self.stacked = stacked_layout(model.config)
@@ -146,6 +147,12 @@ class Engine:
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
         self.k_pools = self.v_pools = None
         self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
+        self._jit_programs()
+
+    def _jit_programs(self) -> None:
+        """The jitted prefill, page-copy, extend and decode calls (`memory.engine_programs`
+        lowers them for compile-only devices, from an engine without weights or pools)."""
+        mesh = self.mesh
         pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(

@@ -107,7 +107,10 @@ TARGETS = {
 
 # The CUDA runtime and cuDNN each plugin's wheels are built against (the compiler checks
 # features by them): jax-cuda12-* 0.10.x → 12.9 / cuDNN 9.28; jax-cuda13-* → 13.0.
-_PLUGINS = {"jax_cuda13_plugin": ((13, 0, 0), (9, 28, 0)), "jax_cuda12_plugin": ((12, 9, 0), (9, 28, 0))}
+_PLUGINS = {
+    "jax_cuda13_plugin": ((13, 0, 0), (9, 28, 0)),
+    "jax_cuda12_plugin": ((12, 9, 0), (9, 28, 0)),
+}
 
 
 def installed_plugin() -> str | None:

@@ -58,7 +58,6 @@ from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, s
 from hybridjax.rollout.pages import Prefix, Request, num_pages
 from hybridjax.rollout.preemption import Preempted
 from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
-from hybridjax.sharding.mesh import platform_of
 from hybridjax.rollout.scheduler import Scheduler
 from hybridjax.rollout.slots import (
     DYNAMIC_FIELDS,
@@ -70,6 +69,7 @@ from hybridjax.rollout.slots import (
     replica_rows,
     table_width,
 )
+from hybridjax.sharding.mesh import platform_of
 
 log = logging.getLogger(__name__)
 

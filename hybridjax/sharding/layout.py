@@ -34,10 +34,10 @@ class Layout:
         """The layout of `tree` (arrays or `jax.ShapeDtypeStruct`s with shardings), or None
         when a leaf has no concrete sharding (a tracer, an unsharded abstract value)."""
         leaves, treedef = jax.tree.flatten(tree)
-        shardings = tuple(getattr(x, "sharding", None) for x in leaves)
-        if any(not isinstance(s, Sharding) for s in shardings):
+        shardings = [getattr(x, "sharding", None) for x in leaves]
+        if not all(isinstance(s, Sharding) for s in shardings):
             return None
-        return cls(treedef, shardings)
+        return cls(treedef, tuple(s for s in shardings if isinstance(s, Sharding)))
 
     def constrain(self, tree: Any) -> Any:
         """`tree` constrained, leaf by leaf, to this layout (inside a jitted function).

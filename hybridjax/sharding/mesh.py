@@ -172,12 +172,14 @@ def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
 
 
 def platform_of(devices: Mesh | Sequence[Any] | None = None) -> str:
-    """"gpu", "tpu" or "cpu": the platform of `devices` (a mesh or a device list), else of the
+    """The platform ("gpu", "tpu" or "cpu") of `devices` (a mesh or a device list), else of the
     mesh a jitted pass is being traced under (`pass_mesh`), else `jax.default_backend()`.
 
-    Backend choices (attention, decode kernel, `auto` dtypes, the compilation cache) read this
-    rather than `jax.default_backend()`, so a program compiled for compile-only GPUs from a CPU
-    process (`hybridjax.memory.gpu_targets`) takes the GPU's code paths.
+    Choices made while a program is built (the attention of full-sequence passes, the engine's
+    decode kernel, the planner's target) read this rather than `jax.default_backend()`, so a
+    program compiled for compile-only GPUs from a CPU process (`hybridjax.memory.gpu_targets`)
+    takes the GPU's code paths. (`auto` dtypes and the compilation cache are resolved by the
+    trainer for its own devices, and by the planner for its `--target`.)
     """
     if devices is None:  # the abstract mesh: readable while tracing too
         device = jax.sharding.get_abstract_mesh().abstract_device

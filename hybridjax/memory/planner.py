@@ -33,9 +33,11 @@ holds the pool or the generation weights, and `reshard` writes the one new copy;
 both stay through every stage and `reshard` holds a second copy while the new one lands.
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
-(docs/memory-planner.md: its error on CPU). `trainer.check_memory=True` runs the same plan,
-without compiling (`compile_stages=False`), on the run's own devices in the up-front config
-check.
+(docs/memory-planner.md: its error on CPU); with `--target=a100|h100` it compiles for
+compile-only GPUs instead and adds XLA:GPU's bytes of every stage, the engine's programs and
+the re-layout included (`MemoryPlan.xla_gpu`; docs/gpu-planning.md).
+`trainer.check_memory=True` runs the same plan, without compiling (`compile_stages=False`), on
+the run's own devices in the up-front config check.
 """
 
 from __future__ import annotations

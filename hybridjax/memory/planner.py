@@ -55,10 +55,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
-from hybridjax.memory.xla_gpu import memory_of, program_peak, relayout_scratch, resharded_leaves
+from hybridjax.memory.xla_gpu import (
+    compile_on,
+    memory_of,
+    program_peak,
+    relayout_scratch,
+    resharded_leaves,
+)
 from hybridjax.models.logprobs import vocab_split
 from hybridjax.sharding.layout import jit_keeping_state
-from hybridjax.sharding.mesh import pass_mesh, platform_of
+from hybridjax.sharding.mesh import platform_of
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -102,7 +108,10 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        """Every stage's counted peak, and XLA:GPU's where compiled, within capacity."""
+        """Every stage's counted peak, and XLA:GPU's where compiled, within capacity (and no
+        program XLA:GPU could not compile)."""
+        if any("error" in x for x in self.xla_gpu.values()):
+            return False
         xla = max((x["peak"] for x in self.xla_gpu.values()), default=0)
         return max(self.worst.peak, xla) <= self.capacity
 
@@ -129,7 +138,9 @@ class MemoryPlan:
         for s in self.stages:
             peak = self.xla_gpu.get(s.name, {}).get("peak", s.peak)
             mark = "" if max(peak, s.peak) <= self.capacity else "  <-- does not fit"
-            if self.xla_gpu and s.name in self.xla_gpu:
+            if "error" in self.xla_gpu.get(s.name, {}):
+                lines.append(f"  {s.name:<14} {'error':>10} {size(s.peak):>10}  (see below)")
+            elif self.xla_gpu and s.name in self.xla_gpu:
                 lines.append(
                     f"  {s.name:<14} {size(peak):>10} {size(s.peak):>10}  {peak / s.peak:.2f}{mark}"
                 )
@@ -139,10 +150,16 @@ class MemoryPlan:
                 lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
         w = self.worst
         verdict = "fits" if self.fits else "does NOT fit"
+        for name, x in self.xla_gpu.items():
+            if "error" in x:
+                lines.append(f"XLA:GPU cannot compile {name}: {x['error']}")
         lines.append(
             f"{verdict}: peak {size(w.peak)} in {w.name} "
             f"({w.peak / self.capacity:.0%} of {size(self.capacity)})"
         )
+        if peaks := {k: x["peak"] for k, x in self.xla_gpu.items() if "peak" in x}:
+            worst = max(peaks, key=lambda k: peaks[k])
+            lines.append(f"XLA:GPU's peak: {size(peaks[worst])} in {worst}")
         lines.append(f"largest consumers in {w.name}:")
         for name, b in sorted(w.consumers.items(), key=lambda kv: -kv[1])[:6]:
             lines.append(f"  {name:<28} {size(b):>10}")
@@ -445,9 +462,12 @@ def plan_memory(
 
     def stage(name, fn, args, batch, used, count):
         others = {k: v for k, v in idle.items() if k not in used}
-        if compile_stages:
-            with pass_mesh(train):  # as the step runs it (MoE experts in shard_map)
-                compiled = fn.lower(*args).compile()
+        m: dict[str, int] = {}
+        if compile_stages:  # under the mesh, as the step runs it (MoE experts in shard_map)
+            compiled, failed = compile_on(train, fn, args, catch=on_gpu)
+            if failed:  # XLA:GPU could not compile it: reported, counted from shapes
+                xla_gpu[name] = {"error": failed}  # type: ignore[dict-item]
+        if compile_stages and not failed:
             m = memory_of(compiled)
             if on_gpu:
                 xla_gpu[name] = m | {"peak": sum(others.values()) + program_peak(m)}
@@ -456,7 +476,7 @@ def plan_memory(
             else:
                 xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]
-        else:  # see the docstring
+        if not m:  # see the docstring
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
@@ -572,9 +592,11 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
         )
     fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]
     expert = train_mesh.shape.get("expert", 1)  # kept: fsdp takes the devices data has
-    over = sorted((s for s in plan.stages if s.peak > plan.capacity), key=lambda s: -s.peak)
+    # a stage is over when its count or XLA:GPU's compiled peak is
+    peak = lambda s: max(s.peak, plan.xla_gpu.get(s.name, {}).get("peak", 0))
+    over = sorted((s for s in plan.stages if peak(s) > plan.capacity), key=lambda s: -peak(s))
     for s in over:
-        c, why = s.consumers, f"{size(s.peak - plan.capacity)} short in {s.name}"
+        c, why = s.consumers, f"{size(peak(s) - plan.capacity)} short in {s.name}"
         add = lambda key, text: out.setdefault(key, f"{why}: {text}")
         states = sum(v for k, v in c.items() if "params" in k or "optimizer" in k)
         if fsdp * tensor * expert < devices and states > 0.25 * s.peak:

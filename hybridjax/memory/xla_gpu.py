@@ -14,6 +14,21 @@ from typing import Any
 import jax
 
 
+def compile_on(mesh: Any, fn: Any, args: tuple, catch: bool) -> tuple[Any, str]:
+    """(`fn` lowered for `args` under `pass_mesh(mesh)` and compiled, ""); with `catch`, a
+    compiler error gives (None, its first line) instead of raising (the planner reports it:
+    a program XLA:GPU cannot compile cannot run on that GPU)."""
+    from hybridjax.sharding.mesh import pass_mesh
+
+    try:
+        with pass_mesh(mesh):
+            return fn.lower(*args).compile(), ""
+    except jax.errors.JaxRuntimeError as err:
+        if not catch:
+            raise
+        return None, str(err).strip().splitlines()[0][:400]
+
+
 def memory_of(compiled: Any) -> dict[str, int]:
     """{"arguments", "outputs", "aliased", "scratch"}: per-device bytes of a compiled program."""
     m = compiled.memory_analysis()

@@ -592,6 +592,14 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
         )
     fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]
     expert = train_mesh.shape.get("expert", 1)  # kept: fsdp takes the devices data has
+    for name, x in plan.xla_gpu.items():  # a program XLA:GPU cannot compile cannot run
+        if "error" in x and name == "reward" and cfg.reward_model.model.use_remove_padding:
+            out["compile reward"] = (
+                "XLA:GPU cannot compile the packed reward-model scoring: "
+                "reward_model.model.use_remove_padding=False scores padded rows instead"
+            )
+        elif "error" in x:
+            out[f"compile {name}"] = f"XLA:GPU cannot compile {name}: see the error above"
     # a stage is over when its count or XLA:GPU's compiled peak is
     peak = lambda s: max(s.peak, plan.xla_gpu.get(s.name, {}).get("peak", 0))
     over = sorted((s for s in plan.stages if peak(s) > plan.capacity), key=lambda s: -peak(s))

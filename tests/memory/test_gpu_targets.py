@@ -72,3 +72,19 @@ def test_compile_only_gpus_choose_gpu_paths_from_a_cpu_process():
         jax.jit(lambda: seen.append(attention_backend())).lower()
     assert seen == ["blocked"]
     assert select_decode_kernel("pallas", None, platform_of(mesh)) == "pallas"
+
+
+def test_a_stage_xla_gpu_cannot_compile_does_not_fit_and_names_the_key():
+    from configs.tiny import get_config
+    from hybridjax.memory import planner as plan
+
+    c = get_config()
+    c.reward_model.model.use_remove_padding = True
+    stages = (plan.StagePlan("reward", {"reward model params": 10}),)
+    error = {"error": "UNKNOWN: 'scf.if' op along control flow edge"}
+    p = plan.MemoryPlan(8, 100, stages, 1, 1, 10**6, (), xla_gpu={"reward": error})  # type: ignore[dict-item]
+    assert not p.fits  # 10 bytes counted, but it cannot run
+    mesh = jax.make_mesh((1, 1, 8, 1), ("data", "expert", "fsdp", "tensor"))
+    (advice,) = plan.advise(p, c, mesh, 8)
+    assert "reward_model.model.use_remove_padding=False" in advice
+    assert "XLA:GPU cannot compile reward: UNKNOWN" in p.report()

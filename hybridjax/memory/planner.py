@@ -33,9 +33,11 @@ holds the pool or the generation weights, and `reshard` writes the one new copy;
 both stay through every stage and `reshard` holds a second copy while the new one lands.
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
-(docs/memory-planner.md: its error on CPU). `trainer.check_memory=True` runs the same plan,
-without compiling (`compile_stages=False`), on the run's own devices in the up-front config
-check.
+(docs/memory-planner.md: its error on CPU); with `--target=a100|h100` it compiles for
+compile-only GPUs instead and adds XLA:GPU's bytes of every stage, the engine's programs and
+the re-layout included (`MemoryPlan.xla_gpu`; docs/gpu-planning.md).
+`trainer.check_memory=True` runs the same plan, without compiling (`compile_stages=False`), on
+the run's own devices in the up-front config check.
 """
 
 from __future__ import annotations
@@ -53,8 +55,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from hybridjax.memory.counts import LoopStep, stage_bytes
+from hybridjax.memory.xla_gpu import (
+    compile_on,
+    memory_of,
+    program_peak,
+    relayout_scratch,
+    resharded_leaves,
+)
 from hybridjax.models.logprobs import vocab_split
-from hybridjax.sharding.mesh import pass_mesh
+from hybridjax.sharding.layout import jit_keeping_state
+from hybridjax.sharding.mesh import platform_of
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -88,6 +98,9 @@ class MemoryPlan:
     # stage → XLA's CPU memory analysis: scratch of the program compiled here (reference only:
     # the CPU compiler keeps buffers a GPU fusion does not; `hybridjax.memory.counts`)
     xla_cpu_scratch: dict[str, int] = dataclasses.field(default_factory=dict)
+    # stage → XLA:GPU's bytes on compile-only GPUs (`memory.xla_gpu`): arguments, outputs,
+    # aliased, scratch, the stage's peak from them, and for updates the resharded state leaves
+    xla_gpu: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def worst(self) -> StagePlan:
@@ -95,7 +108,12 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.worst.peak <= self.capacity
+        """Every stage's counted peak, and XLA:GPU's where compiled, within capacity (and no
+        program XLA:GPU could not compile)."""
+        if any("error" in x for x in self.xla_gpu.values()):
+            return False
+        xla = max((x["peak"] for x in self.xla_gpu.values()), default=0)
+        return max(self.worst.peak, xla) <= self.capacity
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,21 +126,40 @@ class MemoryPlan:
             "kv_full_sequences": self.full_sequences,
             "stages": {s.name: {"peak_bytes": s.peak, **s.consumers} for s in self.stages},
             "xla_cpu_scratch_bytes": dict(self.xla_cpu_scratch),
+            "xla_gpu": {k: dict(v) for k, v in self.xla_gpu.items()},
             "advice": list(self.advice),
         }
 
     def report(self) -> str:
         """A human-readable table: per-stage peak, verdict, largest consumers, what to change."""
         lines = [f"per-device memory on {self.devices} devices of {size(self.capacity)}:"]
+        if self.xla_gpu:
+            lines.append(f"  {'stage':<14} {'XLA:GPU':>10} {'counted':>10}  ratio")
         for s in self.stages:
-            mark = "" if s.peak <= self.capacity else "  <-- does not fit"
-            lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
+            peak = self.xla_gpu.get(s.name, {}).get("peak", s.peak)
+            mark = "" if max(peak, s.peak) <= self.capacity else "  <-- does not fit"
+            if "error" in self.xla_gpu.get(s.name, {}):
+                lines.append(f"  {s.name:<14} {'error':>10} {size(s.peak):>10}  (see below)")
+            elif self.xla_gpu and s.name in self.xla_gpu:
+                lines.append(
+                    f"  {s.name:<14} {size(peak):>10} {size(s.peak):>10}  {peak / s.peak:.2f}{mark}"
+                )
+            elif self.xla_gpu:
+                lines.append(f"  {s.name:<14} {'-':>10} {size(s.peak):>10}{mark}")
+            else:
+                lines.append(f"  {s.name:<14} {size(s.peak):>10}{mark}")
         w = self.worst
         verdict = "fits" if self.fits else "does NOT fit"
+        for name, x in self.xla_gpu.items():
+            if "error" in x:
+                lines.append(f"XLA:GPU cannot compile {name}: {x['error']}")
         lines.append(
             f"{verdict}: peak {size(w.peak)} in {w.name} "
             f"({w.peak / self.capacity:.0%} of {size(self.capacity)})"
         )
+        if peaks := {k: x["peak"] for k, x in self.xla_gpu.items() if "peak" in x}:
+            worst = max(peaks, key=lambda k: peaks[k])
+            lines.append(f"XLA:GPU's peak: {size(peaks[worst])} in {worst}")
         lines.append(f"largest consumers in {w.name}:")
         for name, b in sorted(w.consumers.items(), key=lambda kv: -kv[1])[:6]:
             lines.append(f"  {name:<28} {size(b):>10}")
@@ -195,17 +232,6 @@ def abstract_batch(
     return batch
 
 
-def compiled_memory(fn, *args) -> dict[str, int]:
-    """XLA's per-device memory analysis of `fn` (a jitted function) compiled for `args`."""
-    m = fn.lower(*args).compile().memory_analysis()
-    return {
-        "arguments": m.argument_size_in_bytes,
-        "outputs": m.output_size_in_bytes,
-        "aliased": m.alias_size_in_bytes,
-        "scratch": m.temp_size_in_bytes,
-    }
-
-
 # ------------------------------------------------------------------------------ the plan
 
 
@@ -257,6 +283,7 @@ def plan_memory(
     capacity_bytes: int | None = None,
     target: str = "gpu",
     compile_stages: bool = True,
+    device_list: list[Any] | None = None,
 ) -> MemoryPlan:
     """Plans `cfg` on the first `devices` devices of this process (all by default).
 
@@ -273,13 +300,17 @@ def plan_memory(
       compile_stages: compile every device stage for XLA's outputs, donated bytes and CPU
         scratch (seconds to many minutes for large models); False: outputs from shapes (a
         forward pass returns the batch plus one B×R float32 field; an update donates its
-        state) and no `xla_cpu_scratch`.
+        state) and no `xla_cpu_scratch`. On compile-only GPUs (`device_list`) also the
+        engine's prefill/extend/decode and the re-layout, into `MemoryPlan.xla_gpu`.
+      device_list: the devices to plan on instead of `jax.devices()` (compile-only GPUs from
+        `memory.gpu_targets.compile_only_devices`).
     Returns:
       the MemoryPlan.
     Raises:
       ValueError: fewer devices than `devices` (use the CLI, which simulates them).
     """
     from hybridjax.config.run import resolve, resolve_dtypes
+    from hybridjax.memory.engine_programs import engine_memory
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
@@ -299,7 +330,7 @@ def plan_memory(
     )
 
     resolve_dtypes(cfg, target)
-    available = jax.devices()
+    available = device_list or jax.devices()
     devices = devices or len(available)
     if devices > len(available):
         raise ValueError(
@@ -388,9 +419,10 @@ def plan_memory(
     key_dtype = jax.eval_shape(jax.random.key, 0).dtype
     rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(train, PartitionSpec()))
     forward = lambda f: jax.jit(f, static_argnums=(0, 3))
-    updater = lambda f: jax.jit(f, static_argnums=(0, 4), donate_argnums=1)
+    updater = lambda f: jit_keeping_state(f, static_argnums=(0, 4), state_argnum=1)  # as rl.step
 
-    plans, xla_scratch = [], {}
+    plans, xla_scratch, xla_gpu = [], {}, {}  # type: ignore[var-annotated]
+    on_gpu = compile_stages and platform_of(available[:devices]) == "gpu"  # compile-only GPUs
     offload = offload_configs(cfg)
     off = {
         "actor params": offload["actor"].param_offload,
@@ -416,6 +448,13 @@ def plan_memory(
     )  # fmt: skip
     decode = _decode_scratch(actor_config, r, tp, impl)
     plans.append(StagePlan("gen", on_device | {f"decode scratch ({impl})": decode}))
+    if on_gpu:  # the engine's programs; their arguments hold the rollout weights and pool
+        gen_def = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES)[0]
+        programs = engine_memory(gen_def, gen_params, actor_config, a.rollout, gen, pages)
+        rest = sum(v for k, v in on_device.items() if k not in ("rollout weights", "KV pool"))
+        worst = max(programs, key=lambda k: program_peak(programs[k]))
+        xla_gpu["gen"] = programs[worst] | {"peak": rest + program_peak(programs[worst])}
+        xla_gpu["gen"] |= {f"{k} peak": program_peak(v) for k, v in programs.items()}
 
     training = {k: v for k, v in resident.items() if k not in asleep + judge_asleep}
     # offloaded states are on the devices only in the stages that use them (`rl.offload`)
@@ -424,16 +463,25 @@ def plan_memory(
     mesh_shape = dict(train.shape)
 
     def stage(name, fn, args, batch, used, count):
-        if compile_stages:
-            with pass_mesh(train):  # as the step runs it (MoE experts in shard_map)
-                m = compiled_memory(fn, *args)
-            xla_scratch[name] = m["scratch"]
+        others = {k: v for k, v in idle.items() if k not in used}
+        m: dict[str, int] = {}
+        if compile_stages:  # under the mesh, as the step runs it (MoE experts in shard_map)
+            compiled, failed = compile_on(train, fn, args, catch=on_gpu)
+            if failed:  # XLA:GPU could not compile it: reported, counted from shapes
+                xla_gpu[name] = {"error": failed}  # type: ignore[dict-item]
+        if compile_stages and not failed:
+            m = memory_of(compiled)
+            if on_gpu:
+                xla_gpu[name] = m | {"peak": sum(others.values()) + program_peak(m)}
+                if name.startswith("update"):
+                    xla_gpu[name]["resharded_leaves"] = len(resharded_leaves(compiled, args[1]))
+            else:
+                xla_scratch[name] = m["scratch"]
             outputs = m["outputs"] - m["aliased"]
-        else:  # see the docstring
+        if not m:  # see the docstring
             updates = name.startswith("update")
             outputs = 0 if updates else device_bytes(batch) + rows * response * 4 // dp
             m = {"outputs": outputs}
-        others = {k: v for k, v in idle.items() if k not in used}
         mine = {k: resident[k] for k in used} | {"batch": device_bytes(batch)}
         new = {f"{name} outputs": outputs}
         new |= {f"{name} {k}": v for k, v in count.items()}
@@ -502,9 +550,14 @@ def plan_memory(
     reshard = {"new rollout weights": resident["rollout weights"], "one leaf scratch": largest_leaf}
     actor = {"actor params": resident["actor params"]}
     plans.append(StagePlan("reshard", idle | actor | reshard))
+    if on_gpu:  # one leaf moved at a time (`update_weights`): the worst leaf's XLA scratch
+        targets = jax.tree.map(lambda x: x.sharding, gen_params)
+        moved = relayout_scratch(actor_state.params, targets, gen_dtype)
+        peak = sum((idle | actor).values()) + resident["rollout weights"] + moved
+        xla_gpu["reshard"] = {"scratch": moved, "peak": peak}
 
     full = pages // max(r.pages_per_seq, 1)
-    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch)
+    plan = MemoryPlan(devices, capacity, tuple(plans), pages, page, full, (), xla_scratch, xla_gpu)
     return dataclasses.replace(plan, advice=tuple(advise(plan, cfg, train, devices)))
 
 
@@ -543,9 +596,19 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
         )
     fsdp, tensor = train_mesh.shape["fsdp"], train_mesh.shape["tensor"]
     expert = train_mesh.shape.get("expert", 1)  # kept: fsdp takes the devices data has
-    over = sorted((s for s in plan.stages if s.peak > plan.capacity), key=lambda s: -s.peak)
+    for name, x in plan.xla_gpu.items():  # a program XLA:GPU cannot compile cannot run
+        if "error" in x and name == "reward" and cfg.reward_model.model.use_remove_padding:
+            out["compile reward"] = (
+                "XLA:GPU cannot compile the packed reward-model scoring: "
+                "reward_model.model.use_remove_padding=False scores padded rows instead"
+            )
+        elif "error" in x:
+            out[f"compile {name}"] = f"XLA:GPU cannot compile {name}: see the error above"
+    # a stage is over when its count or XLA:GPU's compiled peak is
+    peak = lambda s: max(s.peak, plan.xla_gpu.get(s.name, {}).get("peak", 0))
+    over = sorted((s for s in plan.stages if peak(s) > plan.capacity), key=lambda s: -peak(s))
     for s in over:
-        c, why = s.consumers, f"{size(s.peak - plan.capacity)} short in {s.name}"
+        c, why = s.consumers, f"{size(peak(s) - plan.capacity)} short in {s.name}"
         add = lambda key, text: out.setdefault(key, f"{why}: {text}")
         states = sum(v for k, v in c.items() if "params" in k or "optimizer" in k)
         if fsdp * tensor * expert < devices and states > 0.25 * s.peak:
@@ -607,7 +670,7 @@ def advise(plan: MemoryPlan, cfg: ConfigDict, train_mesh, devices: int) -> list[
 def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
     """`trainer.check_memory`: the plan on this process's devices, as config problems (empty
     when it fits). The plan itself is logged."""
-    target = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+    target = platform_of(jax.devices()[:n_devices])
     # counted from shapes, without compiling every stage a second time (the run compiles them)
     plan = plan_memory(cfg, actor_config, n_devices, target=target, compile_stages=False)
     log.info("memory plan:\n%s", plan.report())
@@ -618,68 +681,3 @@ def memory_problems(cfg: ConfigDict, n_devices: int, actor_config) -> list[str]:
         f"trainer.check_memory: {w.name} needs {size(w.peak)} per device of "
         f"{size(plan.capacity)}; " + "; ".join(plan.advice or ("see the plan above",))
     ]
-
-
-# ------------------------------------------------------------------------------ CLI
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    import json
-
-    from absl import flags
-
-    f = flags.FLAGS
-    # Simulated CPU devices: this must happen before JAX starts its backend.
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", f.devices)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from hybridjax.allocator import ENV, memory_fraction
-    from hybridjax.config.run import resolve_dtypes
-    from hybridjax.rl import build
-    from hybridjax.sharding import check_parallelism
-
-    cfg = resolve_dtypes(_CONFIG.value, f.target)  # `auto`: the planned devices' dtype
-    if cfg.actor_rollout_ref.model.path:
-        actor_config = build.actor_model_config(cfg, tokenizer=None)
-    else:
-        actor_config = build.actor_model_config(cfg, build.load_tokenizer(cfg))
-    try:  # mesh, batch and head-count checks (data files need not exist to plan)
-        check_parallelism(cfg, f.devices, {"actor_rollout_ref.model": actor_config})
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
-    fraction = memory_fraction(cfg.trainer.device_memory_fraction) if f.target == "gpu" else 1.0
-    capacity = int(f.device_memory_gb * GB * fraction)
-    plan = plan_memory(cfg, actor_config, f.devices, capacity, f.target, f.xla)
-    print(
-        f"budget per device: {size(capacity)} = {fraction:g} × {f.device_memory_gb:g} GB "
-        f"(the allocator's fraction: trainer.device_memory_fraction or {ENV})"
-    )
-    print(plan.report())
-    if f.json:
-        summary = {"num_params": actor_config.num_params(), **plan.to_dict()}
-        with open(f.json, "w") as out:
-            json.dump(summary, out, indent=2)
-    if not plan.fits:
-        raise SystemExit(1)
-
-
-def cli() -> None:
-    """`python -m hybridjax.plan`: defines the command-line flags, then runs `main`."""
-    global _CONFIG
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "trainer config file")
-    flags.DEFINE_integer("devices", 8, "devices the run will use")
-    flags.DEFINE_float("device_memory_gb", 80.0, "memory of one device, GB (10^9 bytes)")
-    flags.DEFINE_enum("target", "gpu", ["gpu", "cpu"], "backend the run will use")
-    flags.DEFINE_string("json", "", "also write the plan here as JSON")
-    flags.DEFINE_bool(
-        "xla",
-        True,
-        "compile each stage (XLA's outputs, donated bytes, CPU scratch as a reference); "
-        "--noxla counts from shapes only, in seconds",
-    )
-    flags.mark_flag_as_required("config")
-    app.run(main)

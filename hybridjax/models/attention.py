@@ -74,7 +74,9 @@ def packed_attention_mask(
 
 
 def attention_backend() -> str:
-    """The self-attention implementation of full-sequence passes on this backend.
+    """The self-attention implementation of full-sequence passes on the platform of the mesh
+    being traced under (`sharding.mesh.platform_of`: compile-only GPUs included), else of
+    `jax.default_backend()`.
 
     * "jnp" on CPU: `grouped_attention` under one dense B×T×T bias built once per forward
       (fastest there; also the reference every other path is tested against);
@@ -88,7 +90,9 @@ def attention_backend() -> str:
     needs the gradient of its log-sum-exp, which splash does not provide (its vjp raises
     "Higher-order AD not supported" with `save_residuals`). See docs/packing.md.
     """
-    return "jnp" if jax.default_backend() == "cpu" else "blocked"
+    from hybridjax.sharding.mesh import platform_of  # noqa: PLC0415 (sharding imports models)
+
+    return "jnp" if platform_of() == "cpu" else "blocked"
 
 
 @jax.tree_util.register_dataclass

@@ -45,6 +45,7 @@ from hybridjax.rl.build import checkpointed, init_train_state, restored
 from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
 from hybridjax.rl.update import TrainState
 from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh, train_tuple
 from hybridjax.sharding.validate import expert_problems
 
@@ -88,8 +89,9 @@ def _train_step(
 
 
 # One AdamW step of `loss_fn` (gradients of the trainable part only); `names` = the metric
-# names of (loss, learning rate, gradient norm). The state is donated.
-train_step = jax.jit(_train_step, static_argnums=(0, 1, 2, 3), donate_argnums=4)
+# names of (loss, learning rate, gradient norm). The state is donated and comes back in its
+# input's layout (`hybridjax.sharding.layout`).
+train_step = jit_keeping_state(_train_step, static_argnums=(0, 1, 2, 3), state_argnum=4)
 
 
 def on_mesh(mesh: Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:

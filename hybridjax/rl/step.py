@@ -71,6 +71,7 @@ from hybridjax.rl.pipeline import (
 from hybridjax.rl.residency import free_cache_engine, sleep_engine
 from hybridjax.rl.reward import RewardStage
 from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
+from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh
 from hybridjax.sharding.pools import move_rows
 
@@ -79,8 +80,9 @@ _ref_log_prob = jax.jit(passes.compute_ref_log_prob, static_argnums=(0, 3))
 _teacher_log_prob = jax.jit(passes.compute_teacher_log_prob, static_argnums=(0, 3))
 _values = jax.jit(passes.compute_values, static_argnums=(0, 3))
 _advantage = jax.jit(passes.compute_advantage, static_argnums=2)
-_update_actor = jax.jit(passes.update_actor, static_argnums=(0, 4), donate_argnums=1)
-_update_critic = jax.jit(passes.update_critic, static_argnums=(0, 4), donate_argnums=1)
+# the updates donate their state and return it in its input's layout (`sharding.layout`)
+_update_actor = jit_keeping_state(passes.update_actor, static_argnums=(0, 4), state_argnum=1)
+_update_critic = jit_keeping_state(passes.update_critic, static_argnums=(0, 4), state_argnum=1)
 data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
 
 ROLLOUT = ("prompts", "responses", "response_mask", "attention_mask", "position_ids", "uid")

@@ -29,16 +29,6 @@ DECODE_KERNELS = ("jnp", "pallas")
 JNP_BLOCK_KEYS = 256  # keys per block of `paged_attention_blocked` (whole pages, at least one)
 
 
-def platform_of(mesh: Mesh | None) -> str:
-    """The platform ("cpu", "gpu", "tpu") of `mesh`'s devices, or of the default backend without
-    a mesh: a program compiled for a mesh of GPUs picks GPU code paths even in a process whose
-    default backend is the CPU (a deviceless compile)."""
-    if mesh is None:
-        return jax.default_backend()
-    platform = mesh.devices.flat[0].platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
 def select_decode_kernel(
     impl: str,
     sliding_window: int | None,
@@ -47,8 +37,8 @@ def select_decode_kernel(
     page_size: int = 16,
 ) -> str:
     """The decode kernel for `rollout.attention_impl` = `impl` on `backend` ("cpu", "gpu",
-    "tpu": the platform of the generation mesh's devices, `platform_of`), for a model of
-    `head_dim` and pages of `page_size` tokens.
+    "tpu": the platform of the generation mesh's devices, `sharding.mesh.platform_of`), for a
+    model of `head_dim` and pages of `page_size` tokens.
 
     "auto" → "pallas" on a GPU where the kernel takes the shapes (power-of-two head dim and
     page size: Triton tiles), "jnp" elsewhere. "pallas" (the Pallas Triton kernel) needs a GPU

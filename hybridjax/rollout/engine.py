@@ -53,7 +53,7 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.models.moe import moe_layers
 from hybridjax.rollout import steps
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
-from hybridjax.rollout.decode_attention import platform_of, select_decode_kernel
+from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
 from hybridjax.rollout.pages import Prefix, Request, num_pages
 from hybridjax.rollout.preemption import Preempted, first_row
@@ -68,6 +68,7 @@ from hybridjax.rollout.slots import (
     replica_rows,
     table_width,
 )
+from hybridjax.sharding.mesh import platform_of
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,12 @@ class Engine:
         # jitted once: every `wake_up` after a `sleep` runs the same program (no recompile)
         self._create_pools = self._pool_creator()
         self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
+        self._jit_programs()
+
+    def _jit_programs(self) -> None:
+        """The jitted prefill, page-copy, extend and decode calls (`memory.engine_programs`
+        lowers them for compile-only devices, from an engine without weights or pools)."""
+        mesh = self.mesh
         pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
         self._prefill_jit = jax.jit(
             per_replica(

@@ -23,12 +23,12 @@ from hybridjax.rollout.decode_attention import (
     decode_specs,
     paged_attention_blocked,
     paged_attention_jnp,
-    platform_of,
     select_decode_kernel,
 )
 from hybridjax.rollout.paged_kernel import kernel_blocks, paged_attention_kernel
 from hybridjax.rollout.slots import decode_batch_size, table_widths
 from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.sharding.mesh import platform_of
 
 # Qwen2.5-7B attention: 28 query heads, 4 kv heads of 128, bfloat16; 16-token pages.
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 28, 4, 128, 16

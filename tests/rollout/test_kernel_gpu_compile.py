@@ -5,7 +5,7 @@ rows and pools, bfloat16 and float32, on one device and on the engine's mesh (da
 tensor 2, inside `shard_map`). Its scratch is the padded q and the output only: no pool copy.
 
 Skipped without the CUDA PJRT plugin (`jax-cuda12-plugin`, `jax-cuda12-pjrt` and
-`nvidia-cuda-nvcc-cu12` for ptxas; see `gpu_targets`)."""
+`nvidia-cuda-nvcc-cu12` for ptxas: `hybridjax.memory.gpu_targets`)."""
 
 import functools
 import importlib.util
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_targets import compile_only_devices
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from hybridjax.memory.gpu_targets import compile_only_devices
 from hybridjax.rollout.decode_attention import decode_attention, decode_specs
 from hybridjax.rollout.paged_kernel import paged_attention_kernel
 

@@ -8,7 +8,7 @@ readme_block = sed -n '/<!-- $(1) -->/,/<!-- \/$(1) -->/p' README.md | sed -n '/
 readme_phase = cmd=$$(.ci/run --phases | sed -n 's/^$(1)\t//p' | sed 's|\.venv/bin/python|$(PYTHON)|g'); \
 	echo "+ $$cmd"; bash -c "$$cmd"
 
-.PHONY: help test slow lint format typecheck docs gpu-check standin bench-peers
+.PHONY: help test slow gpu-aot lint format typecheck docs gpu-check standin bench-peers
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -18,6 +18,9 @@ test: ## the fast tests (everything not marked slow): the README test command's 
 
 slow: ## the slow, end-to-end tests: the README test command's `slow` line
 	@$(call readme_phase,slow)
+
+gpu-aot: ## the deviceless XLA:GPU compile tests (.venv-aot): the README test command's last line
+	BASE_VENV=$(dir $(PYTHON)).. experiments/gpu/aot_tests.sh
 
 lint: ## ruff format --check and ruff check, as CI runs them
 	$(PYTHON) -m ruff format --check . && $(PYTHON) -m ruff check .

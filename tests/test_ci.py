@@ -112,10 +112,11 @@ def test_ci_runs_the_readmes_command_phase_by_phase():
         [REPO / ".ci" / "run", "--phases"], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     names = [line.split("\t")[0] for line in phases]
-    assert names == ["install", "fast", "slow"], phases
-    fast, slow = (line.split("\t")[1] for line in phases[1:])
+    assert names == ["install", "fast", "slow", "gpu-aot"], phases
+    fast, slow, gpu_aot = (line.split("\t")[1] for line in phases[1:])
     assert '-m "not slow"' in fast and "--durations=25" in fast, fast
     assert "-m slow" in slow and "--recycle-workers-after=" in slow, slow
+    assert gpu_aot == "experiments/gpu/aot_tests.sh", gpu_aot
     # the docs show the same command, and it is one shell command a user can paste
     readme = _test_command(REPO / "README.md")
     assert readme == _test_command(REPO / "docs" / "getting-started.md")

@@ -65,6 +65,7 @@ class StateJit:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
         self._state_argnum = state_argnum
+        self._layouts: dict[Any, Layout] = {}
 
         def pinned(layout: Layout | None, *args: Any) -> Any:
             state, *rest = fn(*args)
@@ -74,11 +75,28 @@ class StateJit:
         self._jit = jax.jit(pinned, static_argnums=statics, donate_argnums=state_argnum + 1)
 
     def __call__(self, *args: Any) -> Any:
-        return self._jit(Layout.of(args[self._state_argnum]), *args)
+        return self._jit(self._layout(args[self._state_argnum]), *args)
 
     def lower(self, *args: Any) -> Any:
         """`jax.jit(...).lower` of the call with `args` (arrays or ShapeDtypeStructs)."""
-        return self._jit.lower(Layout.of(args[self._state_argnum]), *args)
+        return self._jit.lower(self._layout(args[self._state_argnum]), *args)
+
+    def _layout(self, state: Any) -> Layout | None:
+        """The layout of `state`; the one seen before for its tree when every leaf's sharding
+        is equivalent to it (a returned state's shardings may be other objects naming the same
+        placement, and a new static argument would compile the pass again)."""
+        layout = Layout.of(state)
+        if layout is None:
+            return None
+        known = self._layouts.get(layout.treedef)
+        leaves = jax.tree.leaves(state)
+        if known is not None and all(
+            a == b or a.is_equivalent_to(b, len(x.shape))
+            for a, b, x in zip(known.shardings, layout.shardings, leaves, strict=True)
+        ):
+            return known
+        self._layouts[layout.treedef] = layout
+        return layout
 
 
 def jit_keeping_state(

@@ -14,7 +14,7 @@ xdist's own `loadfile` would run the crashed test a second time; here it is not 
 
 Uses two private parts of pytest-xdist 3.x (`DSession._clone_node`, which xdist itself calls to
 replace a crashed worker, and execnet's process handle, only to name the signal); the
-subprocess test in `tests/test_worker_recycling.py` fails if either changes.
+subprocess test in `tests/test_ci.py` fails if either changes.
 """
 
 from __future__ import annotations

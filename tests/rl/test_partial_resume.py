@@ -1,8 +1,8 @@
 """Partial rollouts resumed from a checkpoint (`trainer.partial_rollout`): the prompts in flight
 are saved with each checkpoint, so a run resumed at any step finishes, and every batch it
 trains equals the uninterrupted run's (staleness 1: every round swaps the weights and
-recomputes the carried sequences, so the recompute is exact). A resume at the last step says
-there is nothing left and trains nothing."""
+recomputes the carried sequences, so the recompute is exact), a resumed run's checkpoint resumes
+again the same way, and a resume at the last step says there is nothing left and trains nothing."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def test_a_partial_rollout_run_resumed_at_every_step_trains_the_same_batches(tmp
             np.testing.assert_array_equal(index, whole[n][0], err_msg=f"from {step}, step {n}")
             np.testing.assert_array_equal(responses, whole[n][1], err_msg=f"{step}, {n}")
             np.testing.assert_array_equal(versions, whole[n][2], err_msg=f"{step}, {n}")
+        if step == 1:  # a resumed run's own checkpoint resumes too, and trains the same batch
+            twice = {"trainer.resume_mode": str(run / "global_step_2")}
+            again = _fit(_config(data, tmp_path / "again", **twice))
+            assert sorted(again) == [3]
+            for a, b in zip(again[3], whole[3], strict=True):
+                np.testing.assert_array_equal(a, b, err_msg="resumed twice, step 3")
         if step == STEPS:
             assert "no steps left: the run is at step 3 and trains 3 steps" in caplog.text
             assert not any(n.startswith("global_step") for n in os.listdir(run))

@@ -20,8 +20,8 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "")
 # Compiling is most of the suite's time (hundreds of tiny programs, about a second each), and most
 # of a compile is LLVM optimising machine code that then runs for milliseconds: the tests ask
-# XLA:CPU for less of it (about half the compile time). It changes how fast the code runs, never
-# which operations run: XLA's graph passes and IEEE arithmetic are the same. The deviceless
+# XLA:CPU for less of it (about half the compile time). XLA's graph passes, fusions and buffers
+# are a user's run's; only LLVM's optimisation of the loops is lighter. The deviceless
 # XLA:GPU tests (experiments/gpu/aot_tests.sh) compile as a user's run does:
 # HYBRIDJAX_TEST_FULL_OPTIMIZATION=1.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"

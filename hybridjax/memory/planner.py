@@ -237,8 +237,8 @@ def abstract_batch(
 
 def _kv_pool(r, model, tp: int, capacity: int, in_use: int, stats: bool) -> tuple[int, int]:
     """(pages, bytes per page per device) of an engine with RolloutConfig `r` serving `model`
-    (a ModelConfig) at tensor-parallel `tp`, as `Engine._pool_size` would choose them with
-    `in_use` bytes already on the device."""
+    (a ModelConfig) at tensor-parallel `tp`, as `rollout.programs.pool_pages` would choose
+    them with `in_use` bytes already on the device."""
     from hybridjax.models.config import to_dtype
 
     kv = model.num_key_value_heads

@@ -1,9 +1,9 @@
 """The rollout engine's device programs, compiled from abstract inputs for the planner.
 
 An `Engine` places its weights and allocates its KV pool when built, which compile-only
-devices (`hybridjax.memory.gpu_targets`) cannot do. `abstract_engine` makes an engine without
-either: the attributes its jitted calls read, set as `Engine.__init__` sets them, and the same
-jitted prefill, extend and decode calls (`Engine._jit_programs`). `engine_memory` lowers them
+devices (`hybridjax.memory.gpu_targets`) cannot do. Its jitted prefill, extend and decode calls
+are a `hybridjax.rollout.programs.Programs`, which holds neither: `abstract_programs` builds
+one as `Engine.__init__` does, and `engine_memory` lowers them
 at the largest shapes a rollout compiles and returns XLA's memory analysis of each:
 
 * prefill: `prefill_bucket(rows)` rows per replica of `prefill_bucket(prompt_length)` tokens,
@@ -20,7 +20,6 @@ The decode kernel is the one the engine selects for the mesh's platform
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
@@ -29,34 +28,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridjax.models.config import to_dtype
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
-from hybridjax.rollout.engine import Engine
-from hybridjax.rollout.paged_cache import PagedKVCache, stacked_layout
+from hybridjax.rollout.paged_cache import PagedKVCache
 from hybridjax.rollout.pages import num_pages
+from hybridjax.rollout.programs import Programs
 from hybridjax.rollout.replicas import ROWS_SPEC
 from hybridjax.rollout.slots import Slots, prefill_bucket
 from hybridjax.sharding.mesh import pass_mesh, platform_of
 
 
-def abstract_engine(graphdef: Any, model_config: Any, config: RolloutConfig, mesh: Mesh) -> Engine:
-    """An `Engine` for `mesh` with no weights, pool or scheduler: only its jitted programs
-    (`_prefill_jit`, `_extend_jit`, `_decode_jit`), to lower from abstract inputs."""
-    engine = object.__new__(Engine)
-    engine.config = config
-    engine.model_config = model_config
-    engine.mesh = mesh
-    engine.graphdef = graphdef
+def abstract_programs(
+    graphdef: Any, model_config: Any, config: RolloutConfig, mesh: Mesh
+) -> Programs:
+    """The engine's jitted programs for `mesh` (`prefill_jit`, `extend_jit`, `decode_jit`),
+    without routing replay, to lower from abstract inputs."""
     window = model_config.sliding_window
-    engine.impl = select_decode_kernel(config.attention_impl, window, platform_of(mesh))
-    engine.kv_dtype = to_dtype(model_config.dtype)
-    engine.stacked = stacked_layout(model_config)
-    engine.record_routing, engine._routing_shape = False, None
-    engine.replicas = mesh.shape["data"]
-    engine.compile_counts = collections.Counter()
-    engine._jit_programs()
-    return engine
+    impl = select_decode_kernel(config.attention_impl, window, platform_of(mesh))
+    return Programs(graphdef, model_config, config, mesh, impl, None)
 
 
 def _memory(lowered: Any) -> dict[str, int]:
@@ -91,12 +80,12 @@ def engine_memory(
       (bytes per device).
     """
     config = RolloutConfig.from_config(rollout)
-    engine = abstract_engine(graphdef, model_config, config, mesh)
-    replicas = engine.replicas
-    pool_sharding = NamedSharding(mesh, engine._pool_spec())
+    programs = abstract_programs(graphdef, model_config, config, mesh)
+    replicas = programs.replicas
+    pool_sharding = NamedSharding(mesh, programs.pool_spec())
     shapes = jax.eval_shape(
         lambda: PagedKVCache.create_pool(
-            model_config, replicas * pages, config.page_size, engine.kv_dtype
+            model_config, replicas * pages, config.page_size, programs.kv_dtype
         )
     )
     k, v = jax.tree.map(
@@ -111,10 +100,10 @@ def engine_memory(
     out = {}
     with pass_mesh(mesh):
         table = spec((n, num_pages(t, config.page_size)), jnp.int32)
-        out["prefill"] = _memory(engine._prefill_jit.lower(params, k, v, ids, mask, table))
+        out["prefill"] = _memory(programs.prefill_jit.lower(params, k, v, ids, mask, table))
         table = spec((n, config.pages_per_seq), jnp.int32)
         start = spec((n,), jnp.int32)
-        out["extend"] = _memory(engine._extend_jit.lower(params, k, v, ids, start, mask, table))
+        out["extend"] = _memory(programs.extend_jit.lower(params, k, v, ids, start, mask, table))
         host = Slots.empty(replicas * config.max_num_seqs, config.pages_per_seq)
         fields = {
             f.name: spec(np.shape(x), np.asarray(x).dtype)
@@ -125,7 +114,7 @@ def engine_memory(
         limit = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
         use_filter = SamplingParams.from_config(rollout).uses_filter
         steps = config.decode_steps_per_call
-        lowered = engine._decode_jit.lower(
+        lowered = programs.decode_jit.lower(
             params, k, v, batch, limit, num_steps=steps, use_filter=use_filter
         )
         out["decode"] = _memory(lowered)

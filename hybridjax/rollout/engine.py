@@ -23,8 +23,10 @@ Life of a prompt of length L with n samples:
 
 Which sequences run and wait, admission (with its watermark), the engine step's token budget,
 page growth and preemption are decided on the host by `hybridjax.rollout.scheduler` (the
-engine's `scheduler`, which also holds every slot's host state); the engine runs the jitted
-calls it plans.
+engine's `scheduler`, which also holds every slot's host state; `hybridjax.rollout.host_state`
+is the engine's view of it); the engine runs the jitted calls it plans
+(`hybridjax.rollout.programs`, the engine's `programs`), and keeps routing replay's records
+(`hybridjax.rollout.routing`).
 
 Multi-turn (`hybridjax.rollout.agent_loop`): a slot that stopped keeps its pages; `extend` appends
 tokens (a tool's response) on top of its cached keys/values, computing only the new tokens, and
@@ -37,49 +39,31 @@ KB.
 
 from __future__ import annotations
 
-import collections
-import functools
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from hybridjax.models.config import to_dtype
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.moe import moe_layers
-from hybridjax.rollout import steps
-from hybridjax.rollout.config import RolloutConfig, SamplingParams
+from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.decode_attention import select_decode_kernel
-from hybridjax.rollout.paged_cache import PagedKVCache, copy_pages, pool_spec, stacked_layout
-from hybridjax.rollout.pages import Prefix, Request, num_pages
-from hybridjax.rollout.preemption import Preempted, first_row
-from hybridjax.rollout.replicas import ROWS_SPEC, ReplicaBooks, per_replica
+from hybridjax.rollout.host_state import HostState
+from hybridjax.rollout.pages import Prefix, Request
+from hybridjax.rollout.preemption import Preempted, recompute_rows
+from hybridjax.rollout.programs import Programs, pool_pages
+from hybridjax.rollout.routing import Routing, sequence_experts
 from hybridjax.rollout.scheduler import Scheduler
-from hybridjax.rollout.slots import (
-    DYNAMIC_FIELDS,
-    Slots,
-    StepOutput,
-    power_of_two_bucket,
-    prefill_bucket,
-    replica_rows,
-    table_width,
-)
+from hybridjax.rollout.slots import StepOutput
 from hybridjax.sharding.mesh import platform_of
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Prefix", "Request", "StepOutput"]  # re-exported
 
-# One call's share of a sequence's recorded experts (rollout routing replay): (N×T×L×k int32
-# experts of the call's rows, on device or host; the row; its first `count` tokens).
-Routing = tuple[Any, int, int]
 
-
-class Engine:
+class Engine(HostState):
     """Paged-attention decoder for one `CausalLM` on one (generation) mesh.
 
     Args:
@@ -99,7 +83,8 @@ class Engine:
     Compiles: one per prefill bucket (batch, length), one per decode variant (rows per replica:
     a power of two up to `max_num_seqs`; decode steps; top-k/p on/off; page-table width: up to
     4 widths), one per page-copy bucket; `compile_counts` counts them by shape (each is also
-    logged).
+    logged). The jitted calls are `programs` (`hybridjax.rollout.programs`); the host state of
+    every slot and sequence, and the policy over it, is `scheduler`.
     """
 
     def __init__(
@@ -119,17 +104,13 @@ class Engine:
             param_shardings = state_shardings(state, mesh, ACTOR_GENERATE_RULES)
         self._param_shardings = param_shardings
         self.state = self._placed(state)
-        window = model.config.sliding_window
-        self.impl = select_decode_kernel(
+        impl = select_decode_kernel(
             config.attention_impl,
-            window,
+            model.config.sliding_window,
             platform_of(mesh),
             model.config.resolved_head_dim,
             config.page_size,
         )
-        self.kv_dtype = to_dtype(model.config.dtype)
-        # one L×K×N×S×D array per pool for a model that scans its layers, else one per layer
-        self.stacked = stacked_layout(model.config)
         layers = len(moe_layers(model))
         self.record_routing = config.enable_rollout_routing_replay
         if self.record_routing and not layers:
@@ -137,47 +118,25 @@ class Engine:
                 "rollout.enable_rollout_routing_replay records the experts of a MoE model; "
                 "this model is dense"
             )
-        self._routing_shape = (
-            (layers, model.config.num_experts_per_tok) if self.record_routing else None
-        )
-        self.replicas = self._axis("data")
-        self.num_pages = self._pool_size()  # per replica
+        routing_shape = (layers, model.config.num_experts_per_tok) if self.record_routing else None
+        # the jitted prefill, page-copy, extend and decode calls (`memory.engine_programs`
+        # builds the same for compile-only devices, without weights or pools)
+        self.programs = Programs(self.graphdef, model.config, config, mesh, impl, routing_shape)
+        programs = self.programs  # `stacked`: one array per pool for a scanned model
+        self.impl, self.kv_dtype, self.stacked = impl, programs.kv_dtype, programs.stacked
+        self.compile_counts, self.replicas = programs.compile_counts, programs.replicas
+        self.num_pages = pool_pages(config, model.config, mesh, self.state)  # per replica
         # the host state of every slot and sequence, and the policy over it
         self.scheduler = Scheduler(config, self.replicas, self.num_pages)
         eos = model.config.eos_token_id
         self.eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        self.compile_counts: collections.Counter[str] = collections.Counter()
         self.num_decode_steps = 0  # decode-loop iterations run so far (all rows in one step)
         self.num_decode_rows = 0  # rows those iterations ran on (padding rows included)
         self.num_prefill_tokens = 0  # tokens run by prefill and extend (padding excluded)
         self.k_pools = self.v_pools = None
         # jitted once: every `wake_up` after a `sleep` runs the same program (no recompile)
-        self._create_pools = self._pool_creator()
+        self._create_pools = self.programs.pool_creator(self.num_pages)
         self.wake_up()  # the KV pool (`_allocate_pools`); `sleep` releases it
-        self._jit_programs()
-
-    def _jit_programs(self) -> None:
-        """The jitted prefill, page-copy, extend and decode calls (`memory.engine_programs`
-        lowers them for compile-only devices, from an engine without weights or pools)."""
-        mesh = self.mesh
-        pool, rows, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
-        self._prefill_jit = jax.jit(
-            per_replica(
-                self._prefill_fn, mesh, (whole, pool, pool, rows, rows, rows), (pool, pool, rows)
-            ),
-            donate_argnums=(1, 2),
-        )
-        self._copy_jit = jax.jit(
-            per_replica(self._copy_fn, mesh, (pool, pool, rows, rows), pool), donate_argnums=(0, 1)
-        )
-        extend_specs = (whole, pool, pool, rows, rows, rows, rows)
-        self._extend_jit = jax.jit(
-            per_replica(self._extend_fn, mesh, extend_specs, (pool, pool, rows)),
-            donate_argnums=(1, 2),
-        )
-        self._decode_jit = jax.jit(
-            self._decode_call, donate_argnums=(1, 2), static_argnames=("num_steps", "use_filter")
-        )
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -202,7 +161,7 @@ class Engine:
         memory back. Level 2 is for weights that are the engine's own copy (the trainer's
         generation layout); `update_weights` brings them back. Returns the bytes released
         per device summed over devices. Raises RuntimeError while sequences are running."""
-        if self.num_active or any(self._slot_history):
+        if self.num_active or any(self.scheduler.history):
             raise RuntimeError("Engine.sleep: sequences still hold slots; free them first")
         if level not in (1, 2):
             raise ValueError(f"Engine.sleep: level must be 1 or 2, got {level}")
@@ -235,198 +194,33 @@ class Engine:
         """True between `sleep` and the next `wake_up` (no KV page pool on the devices)."""
         return self.k_pools is None
 
-    def _pool_size(self) -> int:
-        """Pages per layer and replica: explicit, else from what is free after the weights on
-        the engine's devices (`PagedKVCache.pages_from_memory`: the tightest of this process's
-        devices of the mesh), else the CPU default."""
-        if self.config.num_pages:
-            return self.config.num_pages
-        devices = [jax.local_devices()[0]]
-        if self.mesh is not None:
-            here = jax.process_index()
-            devices = [d for d in self.mesh.devices.flat if d.process_index == here]
-        jax.block_until_ready(self.state)  # the weights are placed before memory is read
-        per_page = PagedKVCache.page_bytes(
-            self.model_config, self.config.page_size, self.kv_dtype, self._axis("tensor")
-        )
-        frac = self.config.gpu_memory_utilization
-        pages = PagedKVCache.pages_from_memory([d.memory_stats() for d in devices], frac, per_page)
-        if pages is None:
-            log.info("no device memory statistics; %d pages", self.config.default_num_pages)
-            return self.config.default_num_pages
-        log.info("%d pages of %d bytes from %.2f of the free bytes", pages, per_page, frac)
-        return pages
-
-    def _axis(self, name: str) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[name]
-
-    def _kv_heads_axis(self) -> str | None:
-        kv, tp = self.model_config.num_key_value_heads, self._axis("tensor")
-        return "tensor" if kv % tp == 0 and tp > 1 else None
-
-    def _pool_spec(self) -> PartitionSpec:
-        """A pool's sharding: kv heads over `tensor`, pages by replica over `data` (a stacked
-        pool's layer axis whole)."""
-        return pool_spec(self.stacked, self._kv_heads_axis(), "data")
-
-    def _replica_spec(self) -> PartitionSpec:
-        """A pool's spec in `per_replica` (which names only `data`): pages by replica."""
-        return pool_spec(self.stacked, None, "data")
-
-    def _pool_creator(self):
-        """The jitted zeros of the KV pools (k, v): one K×(R·N)×S×D array per layer, or one
-        stacked L×K×(R·N)×S×D array each for a scanned model (`paged_cache.stacked_layout`).
-        Each device holds only its replica's N pages (created in place through
-        `out_shardings`, never whole on one device). Built once per engine, so waking after
-        `sleep` reuses its compiled program."""
-        create = functools.partial(
-            PagedKVCache.create_pool,
-            self.model_config,
-            self.replicas * self.num_pages,
-            self.config.page_size,
-            self.kv_dtype,
-        )
-        if self.mesh is None:
-            return jax.jit(create)
-        return jax.jit(create, out_shardings=NamedSharding(self.mesh, self._pool_spec()))
-
     def _allocate_pools(self):
-        """The zeroed KV pools (k, v) (`_pool_creator`); the one place the engine allocates
-        them."""
+        """The zeroed KV pools (k, v) (`Programs.pool_creator`); the one place the engine
+        allocates them."""
         return self._create_pools()
-
-    def _constrain_pools(self, pools):
-        """Inside a replica's step: its pool keeps its kv heads split over `tensor`."""
-        if self.mesh is None:
-            return pools
-        spec = pool_spec(self.stacked, self._kv_heads_axis())
-        return jax.lax.with_sharding_constraint(pools, spec)
-
-    def _upload(self, batch):
-        """A row batch (R blocks, `replicas.ROWS_SPEC`) on the devices, block r on replica r."""
-        if self.mesh is None:
-            return jax.device_put(batch)
-        return jax.device_put(batch, NamedSharding(self.mesh, ROWS_SPEC))
-
-    def replica_of(self, slot: int) -> int:
-        """The replica that owns `slot` (slots r·max_num_seqs .. (r+1)·max_num_seqs - 1)."""
-        return self.scheduler.replica_of(slot)
-
-    def _traced(self, name: str) -> None:
-        """Called while tracing: counts (and logs) a compile."""
-        self.compile_counts[name] += 1
-        log.info("compiling %s (%d compiles so far)", name, self.num_compiles)
 
     @property
     def num_compiles(self) -> int:
-        return sum(self.compile_counts.values())
+        return self.programs.num_compiles
 
-    # ----------------------------------------------------------------------------- host state
+    # ----------------------------------------------------------------------------- config
 
     @property
     def config(self) -> RolloutConfig:
-        """The engine's `RolloutConfig`. Setting it also sets the scheduler's (a step's token
-        budget and chunking follow it); the sizes of the pools, slots and page books
-        (page_size, num_pages, max_num_seqs, page_allocation, watermark) are read once, at
-        construction."""
+        """The engine's `RolloutConfig`. Setting it also sets the scheduler's and the
+        programs' (a step's token budget, chunking and prefill buckets follow it); the sizes
+        of the pools, slots and page books (page_size, num_pages, max_num_seqs,
+        page_allocation, watermark) are read once, at construction."""
         return self._config
 
     @config.setter
     def config(self, value: RolloutConfig) -> None:
         self._config = value
-        if (scheduler := getattr(self, "scheduler", None)) is not None:  # built after it
-            scheduler.config = value
-
-    @property
-    def slots(self) -> Slots:
-        """Every slot's decode state (`Scheduler.slots`; host numpy)."""
-        return self.scheduler.slots
-
-    @slots.setter
-    def slots(self, value: Slots) -> None:
-        self.scheduler.slots = value
-
-    @property
-    def pages(self) -> ReplicaBooks:
-        """Each replica's page book and load (`Scheduler.pages`)."""
-        return self.scheduler.pages
-
-    @property
-    def preempted(self) -> list[Preempted]:
-        """Preempted sequences waiting to be recomputed, oldest first."""
-        return self.scheduler.preempted
-
-    @property
-    def num_preemptions(self) -> int:
-        """Sequences preempted so far (rollout/num_preemptions)."""
-        return self.scheduler.num_preemptions
-
-    @property
-    def _slot_history(self) -> list[list[int]]:
-        """Each slot's prompt + tokens after it; empty: the slot is free."""
-        return self.scheduler.history
-
-    @property
-    def allocators(self):
-        """Each replica's `PageAllocator` (free list and reference counts)."""
-        return [book.allocator for book in self.pages.books]
-
-    @property
-    def num_free_pages(self) -> int:
-        """Free pages over every replica's pool."""
-        return self.pages.num_free
-
-    def pages_for(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
-        """(pages of the prefilled prompt, pages each sample adds); see `PageBook.pages_for`."""
-        return self.pages.books[0].pages_for(prompt_len, params)
-
-    def group_pages(self, prompt_len: int, params: SamplingParams) -> int:
-        """Pages a prompt's whole group holds at most; see `PageBook.group_pages`."""
-        return self.pages.books[0].group_pages(prompt_len, params)
-
-    def check_request(self, request: Request) -> None:
-        """Raises ValueError, with the sizes, for a request that can never be served
-        (`Scheduler.check_request`)."""
-        self.scheduler.check_request(request, len(self.eos_ids))
-
-    def place(self, request: Request) -> int | None:
-        """The replica that would take the request's group now (`Scheduler.place`: a slot
-        not promised to a waiting sample, pages for the group above the watermark, no
-        preempted sequence of its waiting, the least expected tokens), or None."""
-        return self.scheduler.place(request)
-
-    def can_prefill(self, request: Request) -> bool:
-        """Whether some replica takes the request's group now (`place`)."""
-        return self.place(request) is not None
-
-    @property
-    def free_slots(self) -> list[int]:
-        return [i for i, history in enumerate(self._slot_history) if not history]
-
-    def free_slots_of(self, replica: int) -> list[int]:
-        """The free slots of one replica."""
-        return self.scheduler.free_slots_of(replica)
-
-    @property
-    def num_active(self) -> int:
-        return int(self.slots.active.sum())
+        for part in ("programs", "scheduler"):  # built after it
+            if (built := getattr(self, part, None)) is not None:
+                built.config = value
 
     # ----------------------------------------------------------------------------- prefill
-
-    def _prefill_fn(self, state, k_pools, v_pools, ids_NxT, mask_NxT, page_table_NxP):
-        self._traced(f"prefill{ids_NxT.shape}")
-        k, v, routed = steps.prefill(
-            self.graphdef,
-            state,
-            k_pools,
-            v_pools,
-            ids_NxT,
-            mask_NxT,
-            page_table_NxP,
-            self.model_config.sliding_window,
-            self.record_routing,
-        )
-        return self._constrain_pools(k), self._constrain_pools(v), routed
 
     def admit(self, request: Request) -> Prefix:
         """Places the request's group on a replica (`place`) and books its pages (host only;
@@ -450,11 +244,6 @@ class Engine:
             prefixes.append(self.admit(r))
         self.run_prefill(prefixes)
         return prefixes
-
-    def prefill_budgets(self) -> list[int]:
-        """Each replica's prompt tokens for this engine step (`Scheduler.prefill_budgets`:
-        `max_num_batched_tokens` less its running sequences' tokens of the next decode call)."""
-        return self.scheduler.prefill_budgets()
 
     def run_prefill(self, prefixes: list[Prefix], budget: int | Sequence[int] | None = None) -> int:
         """Computes admitted prompts' keys/values into their pages, every replica's in one
@@ -495,64 +284,41 @@ class Engine:
         self, rows: list[tuple[int, Sequence[int], list[int]]]
     ) -> list[Routing | None]:
         """Writes the keys/values of (replica, token ids at positions 0.., pages) rows in one
-        prefill call, padded to a (batch, length) bucket. Returns, per row, its experts with
-        routing replay (`Routing`), else None (and None for a row without tokens).
-        Host sync: none."""
-        todo = [row for row in rows if len(row[1])]
-        if not todo:
-            return [None] * len(rows)
-        groups = [[x for x in todo if x[0] == r] for r in range(self.replicas)]
-        n = prefill_bucket(max(len(g) for g in groups))
-        t = prefill_bucket(max(len(x[1]) for x in todo), self.config.min_prefill_bucket)
-        ids = np.zeros((self.replicas, n, t), np.int32)
-        mask = np.zeros((self.replicas, n, t), bool)
-        table = np.zeros((self.replicas, n, num_pages(t, self.config.page_size)), np.int32)
-        for r, group in enumerate(groups):
-            for row, (_, tokens, pages) in enumerate(group):
-                ids[r, row, : len(tokens)] = tokens
-                mask[r, row, : len(tokens)] = True
-                table[r, row, : len(pages)] = pages
-        self.num_prefill_tokens += int(mask.sum())
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        self.k_pools, self.v_pools, routed = self._prefill_jit(
-            self.state,
-            self.k_pools,
-            self.v_pools,
-            *self._upload((flat(ids), flat(mask), flat(table))),
+        prefill call (`Programs.prefill_rows`). Returns, per row, its experts with routing
+        replay (`Routing`), else None. Host sync: none."""
+        pools, routed, tokens = self.programs.prefill_rows(
+            self.state, (self.k_pools, self.v_pools), rows
         )
-        return self._row_routing(routed, groups, n, rows, lambda row: len(row[1]))
+        self.k_pools, self.v_pools = pools
+        self.num_prefill_tokens += tokens
+        return routed
 
-    def _row_routing(self, routed, groups, n: int, rows, length) -> list[Routing | None]:
-        """Each of `rows`' share (`Routing`) of a call's experts `routed` (rows of replica r's
-        `groups[r]` at r·n + their index), None without routing replay or tokens."""
-        if not self.record_routing:
-            return [None] * len(rows)
-        where = {id(x): r * n + i for r, g in enumerate(groups) for i, x in enumerate(g)}
-        return [(routed, where[id(x)], length(x)) if length(x) else None for x in rows]
+    def _extend_rows(
+        self, rows: list[tuple[int, int, Sequence[int], list[int]]]
+    ) -> list[Routing | None]:
+        """Writes the keys/values of (replica, start, token ids at positions start.., pages)
+        rows on top of their cached positions 0 .. start-1, in one call
+        (`Programs.extend_rows`). Returns their experts as `_prefill_rows` does.
+        Host sync: none."""
+        pools, routed, tokens = self.programs.extend_rows(
+            self.state, (self.k_pools, self.v_pools), rows
+        )
+        self.k_pools, self.v_pools = pools
+        self.num_prefill_tokens += tokens
+        return routed
+
+    def _flush_copies(self) -> None:
+        """Runs the queued copies of partial prompt pages (`Programs.copy`)."""
+        copies = self.pages.pop_copies()  # per replica, local page numbers
+        pools = self.programs.copy((self.k_pools, self.v_pools), copies, self.num_pages)
+        self.k_pools, self.v_pools = pools
 
     # ----------------------------------------------------------------------------- insert
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Puts the prefix's next sample into a free `slot` (host only; the page copy is
-        batched into the next `generate` call)."""
-        if self._slot_history[slot]:
-            raise ValueError(f"slot {slot} is busy")
-        if self.replica_of(slot) != prefix.replica:
-            raise ValueError(
-                f"slot {slot} is on replica {self.replica_of(slot)}, the prefix's pages on "
-                f"replica {prefix.replica}"
-            )
-        if prefix.to_prefill:
-            raise ValueError(f"request {prefix.request.index}: prompt not fully prefilled yet")
-        r, sample = prefix.request, prefix.next_sample
-        pages = self.pages.sample_pages(prefix)  # counts the sample in
-        row = first_row(r, sample, self.eos_ids, pages)
-        self.scheduler.assign(slot, row, len(r.prompt) + r.params.max_tokens, r.prompt)
-        self.scheduler.routing[slot] = list(prefix.routing)
-
-    def free_resource(self, slot: int) -> None:
-        """Returns a finished (or abandoned) slot's pages and frees the slot."""
-        self.scheduler.release(slot)
+        batched into the next `generate` call; `Scheduler.insert`)."""
+        self.scheduler.insert(prefix, slot, self.eos_ids)
 
     def routing_of(self, slot: int) -> np.ndarray:
         """The experts each fed position of the slot's sequence used in each MoE layer, when
@@ -562,9 +328,7 @@ class Engine:
         Host sync: waits for the calls that computed them."""
         if not self.record_routing:
             raise ValueError("this engine does not record routing (enable_rollout_routing_replay)")
-        chunks = [np.asarray(a)[row, :count] for a, row, count in self.scheduler.routing[slot]]
-        shape = (0, *(self._routing_shape or ()))
-        return np.concatenate(chunks) if chunks else np.zeros(shape, np.int32)
+        return sequence_experts(self.scheduler.routing[slot], self.programs.routing_shape or ())
 
     # ----------------------------------------------------------------------------- preemption
 
@@ -585,10 +349,6 @@ class Engine:
         (queued page copies run first)."""
         self._flush_pending_copies()
         return self.scheduler.set_aside()
-
-    def put_back(self, sequences: list[Preempted]) -> None:
-        """Queues sequences of `set_aside` for `resume` again, oldest first."""
-        self.scheduler.put_back(sequences)
 
     def abort(self, request_indexes: set[int]) -> list[int]:
         """Drops the samples of the given requests: their running slots are freed, their
@@ -618,44 +378,14 @@ class Engine:
         self._require_weights("resume")
         self.wake_up()
         done = self.scheduler.readmit(share=not self.record_routing)
-        ps, pages = self.config.page_size, self.scheduler.slot_pages
-        whole = [(slot, seq) for slot, seq, start in done if start == 0]
-        rows = [
-            (
-                self.replica_of(slot),
-                seq.tokens[:-1],
-                pages[slot][: num_pages(len(seq.tokens) - 1, ps)],
-            )
-            for slot, seq in whole
-        ]
-        for (slot, _), chunk in zip(whole, self._prefill_rows(rows), strict=True):
+        m, ps = self.config.max_num_seqs, self.config.page_size
+        whole, first, rest = recompute_rows(done, self.scheduler.slot_pages, m, ps)
+        for slot, chunk in zip(whole, self._prefill_rows(first), strict=True):
             self.scheduler.routing[slot] = [] if chunk is None else [chunk]
-        self._extend_rows(
-            [
-                (self.replica_of(slot), start, seq.tokens[start:-1], pages[slot])
-                for slot, seq, start in done
-                if 0 < start < len(seq.tokens) - 1
-            ]
-        )
+        self._extend_rows(rest)
         return [(slot, seq) for slot, seq, _ in done]
 
     # ----------------------------------------------------------------------------- extend
-
-    def _extend_fn(self, state, k_pools, v_pools, ids_NxT, start_N, mask_NxT, page_table_NxP):
-        self._traced(f"extend{ids_NxT.shape}")
-        k, v, routed = steps.extend(
-            self.graphdef,
-            state,
-            k_pools,
-            v_pools,
-            ids_NxT,
-            start_N,
-            mask_NxT,
-            page_table_NxP,
-            self.model_config.sliding_window,
-            self.record_routing,
-        )
-        return self._constrain_pools(k), self._constrain_pools(v), routed
 
     def extend(self, appends: dict[int, tuple[list[int], int]]) -> None:
         """Continues stopped sequences after appended tokens, in one call for every slot.
@@ -673,139 +403,22 @@ class Engine:
         is free for the appended tokens and no running sequence can be preempted.
         Host sync: none (the call is queued).
         """
-        s, ps = self.slots, self.config.page_size
-        for slot, (tokens, max_new) in appends.items():
-            if s.active[slot] or not self._slot_history[slot]:
-                raise ValueError(f"slot {slot} is not a stopped sequence")
-            end = int(s.position[slot]) + len(tokens) + max_new - 1  # last position fed
-            limit = num_pages(self.scheduler.slot_tokens[slot] - 1, ps)  # prompt + max_tokens
-            if not tokens or max_new < 1 or end >= limit * ps:
-                raise ValueError(
-                    f"slot {slot}: {len(tokens)} appended tokens + {max_new} new ones from "
-                    f"position {int(s.position[slot])} outgrow its {limit} pages of {ps}"
-                )
+        self.scheduler.check_extend(appends)
         if not appends:
             return
         self._flush_copies()
-        for slot, (tokens, _) in appends.items():  # pages for the fed tokens ("on_demand")
-            last = int(s.position[slot]) + len(tokens) - 1
-            held = len(self.scheduler.slot_pages[slot])
-            if not self.scheduler.ensure_pages(slot, last // ps + 1 - held):
-                raise RuntimeError(f"slot {slot}: no KV page free for its appended tokens")
-        s = self.slots
-        rows = []
-        for slot, (tokens, max_new) in appends.items():
-            fed = [int(s.token[slot])] + list(tokens[:-1])
-            pages = self.scheduler.slot_pages[slot]
-            rows.append((self.replica_of(slot), int(s.position[slot]), fed, pages))
-            s.token[slot] = tokens[-1]
-            s.position[slot] += len(tokens)
-            self.scheduler.history[slot] += tokens
-            s.max_tokens[slot] = s.num_generated[slot] + max_new
-            s.active[slot] = True
+        rows = self.scheduler.extend(appends)
         for slot, chunk in zip(appends, self._extend_rows(rows), strict=True):
             if chunk is not None:
                 self.scheduler.routing[slot].append(chunk)
 
-    def _extend_rows(
-        self, rows: list[tuple[int, int, Sequence[int], list[int]]]
-    ) -> list[Routing | None]:
-        """Writes the keys/values of (replica, start, token ids at positions start.., pages)
-        rows on top of their cached positions 0 .. start-1, in one call padded to a (batch,
-        length) bucket (`steps.extend`). Returns their experts as `_prefill_rows` does.
-        Host sync: none."""
-        if not rows:
-            return []
-        groups = [[x for x in rows if x[0] == r] for r in range(self.replicas)]
-        n = prefill_bucket(max(len(g) for g in groups))
-        t = prefill_bucket(max(len(x[2]) for x in rows), self.config.min_prefill_bucket)
-        shape = (self.replicas, n)
-        ids, mask = np.zeros((*shape, t), np.int32), np.zeros((*shape, t), bool)
-        start = np.zeros(shape, np.int32)
-        table = np.zeros((*shape, self.config.pages_per_seq), np.int32)
-        for r, group in enumerate(groups):
-            for row, (_, first, tokens, pages) in enumerate(group):
-                ids[r, row, : len(tokens)], mask[r, row, : len(tokens)] = tokens, True
-                start[r, row] = first
-                table[r, row, : len(pages)] = pages
-        self.num_prefill_tokens += int(mask.sum())
-        flat = [x.reshape(-1, *x.shape[2:]) for x in (ids, start, mask, table)]
-        self.k_pools, self.v_pools, routed = self._extend_jit(
-            self.state, self.k_pools, self.v_pools, *self._upload(flat)
-        )
-        return self._row_routing(routed, groups, n, rows, lambda row: len(row[2]))
-
-    def _copy_fn(self, k_pools, v_pools, src_C, dst_C):
-        self._traced(f"copy_pages{src_C.shape}")
-        k, v = copy_pages(k_pools, v_pools, src_C, dst_C)
-        return self._constrain_pools(k), self._constrain_pools(v)
-
-    def _flush_copies(self) -> None:
-        copies = self.pages.pop_copies()  # per replica, local page numbers
-        if not any(copies):
-            return
-        c = power_of_two_bucket(max(map(len, copies)), 8)
-        src = np.zeros((self.replicas, c), np.int32)
-        dst = np.full((self.replicas, c), self.num_pages, np.int32)  # padding: dropped
-        for r, pairs in enumerate(copies):
-            if pairs:
-                src[r, : len(pairs)], dst[r, : len(pairs)] = zip(*pairs, strict=True)
-        self.k_pools, self.v_pools = self._copy_jit(
-            self.k_pools, self.v_pools, *self._upload((src.reshape(-1), dst.reshape(-1)))
-        )
-
     # ----------------------------------------------------------------------------- decode
-
-    def _decode_call(self, state, k_pools, v_pools, batch: Slots, exit_when_done, **static):
-        rows, width = batch.page_table.shape
-        self._traced(
-            f"decode(rows={rows}, steps={static['num_steps']}, filter={static['use_filter']}, "
-            f"pages={width})"
-        )
-        pool, rows_spec, whole = self._replica_spec(), ROWS_SPEC, PartitionSpec()
-        fn = per_replica(
-            functools.partial(self._decode_fn, **static),
-            self.mesh,
-            (whole, pool, pool, rows_spec, whole),
-            (pool, pool, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec, rows_spec),
-        )
-        return fn(state, k_pools, v_pools, batch, exit_when_done)
-
-    def _decode_fn(self, state, k_pools, v_pools, batch: Slots, exit_when_done, **static):
-        """One replica's decode loop (`steps.decode_loop`); its step count as a 1-vector."""
-        loop = functools.partial(
-            steps.decode_loop,
-            impl=self.impl,
-            sliding_window=self.model_config.sliding_window,
-            mesh=self.mesh,
-            constrain_pools=self._constrain_pools,
-            routing_shape=self._routing_shape,
-            **static,
-        )
-        k, v, dyn, n_steps, *out = loop(
-            self.graphdef, state, k_pools, v_pools, batch, exit_when_done
-        )
-        return k, v, dyn, n_steps[None], *out
-
-    def _table_width(self, num_steps: int) -> int:
-        """Page-table columns the next `num_steps` steps can touch (`slots.table_width`)."""
-        s = self.slots
-        last = int(np.max(np.where(s.active, s.position + num_steps - 1, 0)))
-        return table_width(last // self.config.page_size + 1, self.config.pages_per_seq)
-
-    def decode_rows(self) -> np.ndarray:
-        """The slot of each row of the next decode batch (`slots.replica_rows`: R equal
-        blocks, replica r's active slots in slot order, -1 on padding rows)."""
-        m = self.config.max_num_seqs
-        active = self.slots.active.reshape(self.replicas, m)
-        groups = [np.flatnonzero(a) + r * m for r, a in enumerate(active)]
-        return replica_rows(groups, m)
 
     def generate(self, num_steps: int = 1, exit_when_done: int | None = None) -> StepOutput:
         """Runs up to `num_steps` decode steps for every active slot in one jitted loop.
 
-        The active slots are gathered into a decode batch (`decode_rows`); free and finished
-        slots cost nothing. The loop stops early when no slot is active, or once
+        The active slots are gathered into a decode batch (`Slots.decode_rows`); free and
+        finished slots cost nothing. The loop stops early when no slot is active, or once
         `exit_when_done` slots finished (default: never early), so the caller can refill them.
         Host sync: waits for the tokens. Slots that finished stay allocated until
         `free_resource`. First each active slot takes the pages the call may write into;
@@ -819,7 +432,7 @@ class Engine:
         log_probs = np.zeros((s.active.size, num_steps), np.float32)
         thresholds = np.full((s.active.size, num_steps), -np.inf, np.float32)
         finished = np.zeros(s.active.size, bool)
-        index = self.decode_rows()
+        index = s.decode_rows(self.replicas)
         rows = index[index >= 0]
         if not len(rows):
             return StepOutput(tokens, log_probs, finished, finished.copy(), preempted, thresholds)
@@ -827,27 +440,24 @@ class Engine:
         use_filter = bool(np.any(filtered))
         size = len(index) // self.replicas  # rows per replica
         limit = np.int32(exit_when_done if exit_when_done is not None else size + 1)
-        batch = s.take_rows(index, self._table_width(num_steps))
+        width = s.table_width(num_steps, self.config.page_size, self.config.pages_per_seq)
+        batch = s.take_rows(index, width)
         static = dict(num_steps=num_steps, use_filter=use_filter)
-        upload = self._upload(batch)
+        upload = self.programs.upload(batch)
         self.k_pools, self.v_pools, dyn, n_steps, out_tok, out_lp, out_thr, out_ex = (
-            self._decode_jit(self.state, self.k_pools, self.v_pools, upload, limit, **static)
+            self.programs.decode_jit(
+                self.state, self.k_pools, self.v_pools, upload, limit, **static
+            )
         )
         dyn, n_steps, out_tok, out_lp, out_thr = jax.device_get(
             (dyn, n_steps, out_tok, out_lp, out_thr)
         )  # sync
-        if self.record_routing:  # a row's fed tokens: its first steps, while it was active
-            ex = np.asarray(out_ex)
-            for i in np.flatnonzero(index >= 0):
-                count = int(np.sum(out_tok[i] >= 0))
-                self.scheduler.routing[int(index[i])].append((ex, int(i), count))
-        self.slots = s.put(index, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True)))
+        experts = np.asarray(out_ex) if self.record_routing else None
+        self.scheduler.record_decode(index, dyn, out_tok, experts)
         self.num_decode_steps += int(np.max(n_steps))
         self.num_decode_rows += int(np.sum(n_steps)) * size
         keep = index >= 0
         tokens[rows], log_probs[rows], thresholds[rows] = out_tok[keep], out_lp[keep], out_thr[keep]
-        for slot, new in zip(rows, out_tok[keep], strict=True):
-            self.scheduler.history[slot] += new[new >= 0].tolist()
         finished[rows] = ~self.slots.active[rows]  # every row was active
         last = np.where(finished, self.slots.token, -1)
         stopped = finished & np.any(last[:, None] == s.stop_ids, axis=-1) & (last >= 0)

@@ -20,10 +20,11 @@ automatic prefix caching).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
-from hybridjax.rollout.pages import Request
+from hybridjax.rollout.pages import Request, num_pages
 from hybridjax.rollout.prefix_cache import page_digests
 from hybridjax.rollout.slots import Row, Slots
 
@@ -131,3 +132,35 @@ def pages_to_grow(slots: Slots, slot: int, num_steps: int, held: int, page_size:
     steps = min(num_steps, int(slots.max_tokens[slot] - slots.num_generated[slot]))
     last = int(slots.position[slot]) + max(steps, 1) - 1
     return max(0, last // page_size + 1 - held)
+
+
+PrefillRow = tuple[int, Sequence[int], list[int]]  # (replica, tokens from position 0, pages)
+ExtendRow = tuple[int, int, Sequence[int], list[int]]  # (replica, start, tokens from it, pages)
+
+
+def recompute_rows(
+    done: list[tuple[int, Preempted, int]],
+    slot_pages: list[list[int]],
+    max_num_seqs: int,
+    page_size: int,
+) -> tuple[list[int], list[PrefillRow], list[ExtendRow]]:
+    """The rows that recompute readmitted sequences (`Scheduler.readmit`: (slot, sequence,
+    start) each; slot s on replica s // max_num_seqs, holding `slot_pages[s]`): (the slots of
+    those recomputed from position 0, their (replica, tokens, pages) prefill rows, the
+    (replica, start, tokens, pages) extend rows of the others that have a position to
+    recompute). Every token but the last is recomputed; the last is the next input."""
+    whole = [(slot, seq) for slot, seq, start in done if start == 0]
+    first: list[PrefillRow] = [
+        (
+            slot // max_num_seqs,
+            seq.tokens[:-1],
+            slot_pages[slot][: num_pages(len(seq.tokens) - 1, page_size)],
+        )
+        for slot, seq in whole
+    ]
+    rest: list[ExtendRow] = [
+        (slot // max_num_seqs, start, seq.tokens[start:-1], slot_pages[slot])
+        for slot, seq, start in done
+        if 0 < start < len(seq.tokens) - 1
+    ]
+    return [slot for slot, _ in whole], first, rest

@@ -33,10 +33,16 @@ import numpy as np
 from hybridjax.rollout import preemption
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
-from hybridjax.rollout.preemption import Preempted
+from hybridjax.rollout.preemption import Preempted, first_row
 from hybridjax.rollout.prefix_cache import page_digests
 from hybridjax.rollout.replicas import ReplicaBooks
-from hybridjax.rollout.slots import MAX_STOP_IDS, Row, Slots, decode_tokens
+from hybridjax.rollout.slots import (
+    DYNAMIC_FIELDS,
+    MAX_STOP_IDS,
+    Row,
+    Slots,
+    decode_tokens,
+)
 
 
 class Scheduler:
@@ -82,6 +88,11 @@ class Scheduler:
         m = self.config.max_num_seqs
         return [i for i in range(replica * m, (replica + 1) * m) if not self.history[i]]
 
+    @property
+    def free_slots(self) -> list[int]:
+        """Every free slot, in order."""
+        return [i for i, history in enumerate(self.history) if not history]
+
     def _free_counts(self) -> list[int]:
         return [len(self.free_slots_of(r)) for r in range(self.replicas)]
 
@@ -103,6 +114,25 @@ class Scheduler:
         self.history[slot] = []
         self.routing[slot] = []
         self.slots.active[slot] = False
+
+    def insert(self, prefix: Prefix, slot: int, eos_ids: tuple[int, ...]) -> None:
+        """Runs the prefix's next sample in the free `slot` of the prefix's replica, with its
+        prompt's routing chunks (`Engine.insert`). Raises ValueError for a busy slot, one of
+        another replica, or a prompt not fully prefilled yet."""
+        if self.history[slot]:
+            raise ValueError(f"slot {slot} is busy")
+        if self.replica_of(slot) != prefix.replica:
+            raise ValueError(
+                f"slot {slot} is on replica {self.replica_of(slot)}, the prefix's pages on "
+                f"replica {prefix.replica}"
+            )
+        if prefix.to_prefill:
+            raise ValueError(f"request {prefix.request.index}: prompt not fully prefilled yet")
+        r, sample = prefix.request, prefix.next_sample
+        pages = self.pages.sample_pages(prefix)  # counts the sample in
+        row = first_row(r, sample, eos_ids, pages)
+        self.assign(slot, row, len(r.prompt) + r.params.max_tokens, r.prompt)
+        self.routing[slot] = list(prefix.routing)
 
     def abort(self, request_indexes: set[int]) -> list[int]:
         """Frees the running slots of the given requests and forgets their preempted
@@ -340,3 +370,68 @@ class Scheduler:
     def put_back(self, sequences: list[Preempted]) -> None:
         """Queues sequences of `set_aside` for `readmit` again, oldest first."""
         self.preempted = sorted(self.preempted + sequences, key=lambda x: x.priority)
+
+    # ----------------------------------------------------------------------------- decode, extend
+
+    def record_decode(
+        self, index: np.ndarray, dyn: Sequence[Any], tokens: np.ndarray, experts: Any
+    ) -> None:
+        """After a decode call on the batch whose row i is slot `index[i]` (-1: padding):
+        the slots' advanced fields `dyn` (`DYNAMIC_FIELDS`, host arrays), the sampled
+        `tokens` (rows × steps, -1 after a row stopped) into their histories, and with routing
+        replay (`experts`, the call's N×T×L×k host array, else None) each row's share: its
+        first steps, while it was active."""
+        rows = np.flatnonzero(index >= 0)
+        if experts is not None:
+            for i in rows:
+                count = int(np.sum(tokens[i] >= 0))
+                self.routing[int(index[i])].append((experts, int(i), count))
+        self.slots = self.slots.put(
+            index, dict(zip(DYNAMIC_FIELDS, map(np.asarray, dyn), strict=True))
+        )
+        for slot, new in zip(index[rows], tokens[rows], strict=True):
+            self.history[slot] += new[new >= 0].tolist()
+
+    def check_extend(self, appends: dict[int, tuple[list[int], int]]) -> None:
+        """Raises ValueError, naming the slot, for an `Engine.extend` of an active or free
+        slot, no tokens, or a sequence that would outgrow the pages of its prompt + max_tokens
+        of `insert`."""
+        s, ps = self.slots, self.config.page_size
+        for slot, (tokens, max_new) in appends.items():
+            if s.active[slot] or not self.history[slot]:
+                raise ValueError(f"slot {slot} is not a stopped sequence")
+            end = int(s.position[slot]) + len(tokens) + max_new - 1  # last position fed
+            limit = num_pages(self.slot_tokens[slot] - 1, ps)  # prompt + max_tokens
+            if not tokens or max_new < 1 or end >= limit * ps:
+                raise ValueError(
+                    f"slot {slot}: {len(tokens)} appended tokens + {max_new} new ones from "
+                    f"position {int(s.position[slot])} outgrow its {limit} pages of {ps}"
+                )
+
+    def extend(
+        self, appends: dict[int, tuple[list[int], int]]
+    ) -> list[tuple[int, int, list[int], list[int]]]:
+        """Re-activates stopped slots after appended tokens (`check_extend` first): each takes
+        the pages its fed tokens need ("on_demand"), its last appended token becomes its next
+        input and it may sample `max_new` more. Returns the (replica, start, fed tokens,
+        pages) rows to compute: its last sampled token and the appended ones but the last.
+        Raises RuntimeError when no page is free for a slot's appended tokens and no running
+        sequence can be preempted."""
+        ps = self.config.page_size
+        for slot, (tokens, _) in appends.items():  # pages for the fed tokens ("on_demand")
+            last = int(self.slots.position[slot]) + len(tokens) - 1
+            held = len(self.slot_pages[slot])
+            if not self.ensure_pages(slot, last // ps + 1 - held):
+                raise RuntimeError(f"slot {slot}: no KV page free for its appended tokens")
+        s = self.slots
+        rows = []
+        for slot, (tokens, max_new) in appends.items():
+            fed = [int(s.token[slot])] + list(tokens[:-1])
+            pages = self.slot_pages[slot]
+            rows.append((self.replica_of(slot), int(s.position[slot]), fed, pages))
+            s.token[slot] = tokens[-1]
+            s.position[slot] += len(tokens)
+            self.history[slot] += tokens
+            s.max_tokens[slot] = s.num_generated[slot] + max_new
+            s.active[slot] = True
+        return rows

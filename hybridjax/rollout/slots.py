@@ -196,6 +196,20 @@ class Slots:
         fields["page_table"] = fields["page_table"][:, :width]
         return Slots(**{k: _take(v, index, _EMPTY.get(k, 0)) for k, v in fields.items()})
 
+    def decode_rows(self, replicas: int) -> np.ndarray:
+        """The slot of each row of the next decode batch (`replica_rows`: R = `replicas`
+        equal blocks, replica r's active slots in slot order, -1 on padding rows); replica r
+        owns slots r·m .. (r+1)·m - 1, m = B / R."""
+        m = self.active.size // replicas
+        active = self.active.reshape(replicas, m)
+        groups = [np.flatnonzero(a) + r * m for r, a in enumerate(active)]
+        return replica_rows(groups, m)
+
+    def table_width(self, num_steps: int, page_size: int, pages_per_seq: int) -> int:
+        """Page-table columns the next `num_steps` steps can touch (`table_width`)."""
+        last = int(np.max(np.where(self.active, self.position + num_steps - 1, 0)))
+        return table_width(last // page_size + 1, pages_per_seq)
+
     def put(self, index: np.ndarray, batch: dict[str, np.ndarray]) -> Slots:
         """These slots updated from a decode batch's advanced fields (`DYNAMIC_FIELDS`): slot
         `index[i]` from row i (rows where it is -1, and rows past len(index), are skipped)."""

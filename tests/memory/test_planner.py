@@ -13,6 +13,7 @@ from configs.tiny import get_config
 from hybridjax.config.checks import ConfigError, validate
 from hybridjax.config.run import resolve_dtypes
 from hybridjax.memory import planner as plan
+from hybridjax.memory.resident import kv_pool
 from hybridjax.rl import build
 from hybridjax.sharding import MeshConfig, make_meshes
 
@@ -337,7 +338,7 @@ def test_kv_page_bytes_are_what_the_engine_allocates(scan_layers, tp):
         num_attention_heads=4, num_key_value_heads=2, scan_layers=scan_layers,
     )  # fmt: skip
     r = RolloutConfig(page_size=4, num_pages=10, max_num_seqs=2, prompt_length=8, response_length=8)
-    pages, page = plan._kv_pool(r, model, tp, 10**9, 0, stats=False)
+    pages, page = kv_pool(r, model, tp, 10**9, 0, stats=False)
     pools = jax.eval_shape(
         lambda: PagedKVCache.create_pool(model, pages, r.page_size, to_dtype(model.dtype))
     )

@@ -239,8 +239,8 @@ def test_partitioned_decode_call_gathers_no_kv_pool_and_no_q():
     )  # fmt: skip
     engine = Engine(make_model(), config, mesh=_mesh())
     batch = engine.slots.take(np.arange(8), 8, config.pages_per_seq)
-    lowered = engine._decode_jit.lower(
-        engine.state, engine.k_pools, engine.v_pools, engine._upload(batch), np.int32(9),
+    lowered = engine.programs.decode_jit.lower(
+        engine.state, engine.k_pools, engine.v_pools, engine.programs.upload(batch), np.int32(9),
         num_steps=4, use_filter=False,
     )  # fmt: skip
     hlo = lowered.compile().as_text()

@@ -68,7 +68,7 @@ def test_prompt_pages_are_shared_across_samples(engine):
     shared). Shared: 2 + 3 × 2 = 8 pages. Unshared (3 separate prompts): 3 × 4 = 12."""
     prompt = tuple(make_prompts((10,), seed=7)[0])
     sp = SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert engine.group_pages(10, sp) == 8
+    assert engine.pages.books[0].group_pages(10, sp) == 8
 
     def run(requests):
         prefixes = engine.prefill(requests)

@@ -161,8 +161,8 @@ def test_partitioned_scanned_decode_call_gathers_no_pool(scanned_sharded):
     no all-gather or all-to-all (each replica its pages, each device its kv heads)."""
     engine = scanned_sharded
     batch = engine.slots.take(np.arange(8), 8, engine.config.pages_per_seq)
-    lowered = engine._decode_jit.lower(
-        engine.state, engine.k_pools, engine.v_pools, engine._upload(batch), np.int32(9),
+    lowered = engine.programs.decode_jit.lower(
+        engine.state, engine.k_pools, engine.v_pools, engine.programs.upload(batch), np.int32(9),
         num_steps=4, use_filter=False,
     )  # fmt: skip
     hlo = lowered.compile().as_text()

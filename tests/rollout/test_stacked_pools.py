@@ -321,7 +321,7 @@ def _replica_step(impl: str, gathered: bool, mesh):
 
 def _abstract_step_args(mesh, rows: int = 8, width: int = 3, dtype=jnp.float32):
     """Abstract arguments of `_replica_step`: 6 pages per replica, pools sharded as the
-    engine's (`Engine._pool_spec`)."""
+    engine's (`Programs.pool_spec`)."""
 
     def sds(shape, spec, dt=dtype):
         return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))

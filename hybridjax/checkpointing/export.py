@@ -63,12 +63,13 @@ def _scan(directory: str) -> tuple[list[str], list[str], bool]:
     """(every file under `directory`, relative; the checkpoint directories among its
     subdirectories; whether the scan stopped at `_MAX_SCANNED` entries)."""
     files, checkpoints, seen = [], [], 0
-    for root, dirs, names in os.walk(directory):
-        rel = os.path.relpath(root, directory)
+    for root, dirs, names in os.walk(directory):  # does not follow links to directories,
+        rel = os.path.relpath(root, directory)  # so each is listed as a file of its own
         for name in dirs:
             if _CHECKPOINT.fullmatch(name):
                 checkpoints.append(os.path.normpath(os.path.join(rel, name)))
-        files += [os.path.normpath(os.path.join(rel, n)) for n in names]
+        links = [n for n in dirs if os.path.islink(os.path.join(root, n))]
+        files += [os.path.normpath(os.path.join(rel, n)) for n in names + links]
         seen += len(dirs) + len(names)
         if seen > _MAX_SCANNED:
             return files, checkpoints, True
@@ -185,8 +186,8 @@ def write_hf_export(
       ExportError: the target is refused (`check_export_target`).
       OSError: writing failed (the target is unchanged; the temporary directory is removed).
     """
-    directory = os.path.abspath(directory.rstrip("/"))
     check_export_target(directory, overwrite, protected)
+    directory = os.path.realpath(os.path.abspath(directory.rstrip("/")))  # a link: its target
     if jax.process_index() != 0:  # gathering is collective; only process 0 writes
         save_pretrained(merged_model(model), directory)
         return

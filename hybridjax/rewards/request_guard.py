@@ -4,7 +4,9 @@ request is authenticated and its size allowed, and a body must arrive within a d
 For every request but `GET /health`, in this order, each refusal a JSON `{"detail"}` answer
 sent with `Connection: close` (the connection is dropped, the rest of the body never read):
   1. 401 when the server has a token and the `Authorization` header is not `Bearer <token>`;
-  2. 411 without a numeric `Content-Length` on a POST, 413 when it exceeds `max_bytes`;
+  2. 411 without a numeric `Content-Length` on a POST or with a `Transfer-Encoding` (the body
+     would be framed by chunks, not by the length checked), 413 when it exceeds `max_bytes`
+     (or the body read grows past it);
   3. 408 when the whole body has not arrived `body_timeout_s` seconds after the headers (a
      stalled or trickling client).
 An accepted body is read here and handed on to the app, so the app's own parsing never waits
@@ -50,30 +52,36 @@ class RequestGuard:
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         length = headers.get(b"content-length", b"")
-        if not length.isdigit():
-            return await _refuse(411, "a Content-Length header is required", scope, receive, send)
+        if not length.isdigit() or b"transfer-encoding" in headers:
+            reason = "a Content-Length header is required, without Transfer-Encoding"
+            return await _refuse(411, reason, scope, receive, send)
         if int(length) > self.max_bytes:
             reason = f"body of {int(length)} bytes > {self.max_bytes}"
             return await _refuse(413, reason, scope, receive, send)
         try:
-            body = await asyncio.wait_for(_read_body(receive), self.body_timeout_s)
+            body = await asyncio.wait_for(_read_body(receive, self.max_bytes), self.body_timeout_s)
         except TimeoutError:
             reason = f"the body did not arrive within {self.body_timeout_s} s"
             return await _refuse(408, reason, scope, receive, send)
         if body is None:
             return None  # the client went away
+        if len(body) > self.max_bytes:
+            reason = f"body of more than {self.max_bytes} bytes"
+            return await _refuse(413, reason, scope, receive, send)
         return await self.app(scope, _replay(body, receive), send)
 
 
-async def _read_body(receive) -> bytes | None:
-    """The request body (None when the client disconnects first)."""
-    chunks = []
+async def _read_body(receive, max_bytes: int) -> bytes | None:
+    """The request body (None when the client disconnects first); reading stops as soon as
+    it holds more than `max_bytes`, and what it holds then is returned."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
         chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
+        size += len(chunks[-1])
+        if size > max_bytes or not message.get("more_body", False):
             return b"".join(chunks)
 
 

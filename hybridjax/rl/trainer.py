@@ -414,6 +414,12 @@ class RLTrainer:
         if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
             with self.rollout_ahead.engine_lock:
                 self.partial.load_state(meta["partial_rollout"])
+        elif in_flight := len(meta.get("partial_rollout", {}).get("groups", [])):
+            log.warning(
+                "the checkpoint of step %d holds %d prompts in flight of a partial-rollout run; "
+                "with trainer.partial_rollout off they are not trained (the data order goes on "
+                "after them)", step, in_flight,
+            )  # fmt: skip
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (
             meta["nan_consecutive"],

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridjax.errors import ConfigError
 from hybridjax.rollout import preemption
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.pages import Prefix, Request, chunk_sizes, num_pages
@@ -149,8 +150,8 @@ class Scheduler:
     def check_request(self, request: Request, num_eos: int) -> None:
         """Raises ValueError, with the sizes, for a request that can never be served: an empty
         prompt, one longer than `max_seq_len` with its max_tokens, a group that cannot fit an
-        empty pool with the watermark left free, or more stop ids (+ `num_eos`) than a slot
-        holds."""
+        empty pool with the watermark left free (a `ConfigError`: the pool's sizes), or more
+        stop ids (+ `num_eos`) than a slot holds."""
         n_prompt, p, config = len(request.prompt), request.params, self.config
         if n_prompt < 1:
             raise ValueError(f"request {request.index}: empty prompt")
@@ -163,12 +164,13 @@ class Scheduler:
             )
         book = self.pages.books[0]
         need, total = book.group_pages(n_prompt, p), book.total
-        if need + book.watermark > total:
-            raise ValueError(
+        if need + book.watermark > total:  # the pool's sizes: a config error, in one line
+            raise ConfigError(
                 f"request {request.index}: needs {need} KV pages (prompt {n_prompt} tokens, "
                 f"n={p.n} samples × up to {p.max_tokens} tokens, page_size "
                 f"{config.page_size}) + a watermark of {book.watermark} but a replica's pool "
-                f"has {total}; raise rollout.num_pages / gpu_memory_utilization or lower n / "
+                f"has {total}; raise rollout.num_pages / gpu_memory_utilization (or "
+                "max_num_seqs, where no memory statistics size the pool) or lower n / "
                 "response_length"
             )
         if len(p.stop_token_ids) + num_eos > MAX_STOP_IDS:

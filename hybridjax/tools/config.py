@@ -9,7 +9,7 @@ tools:
 
 A `package.module.Class` is looked up before anything is imported (`tool_class`): only a module
 installed or in a PYTHONPATH directory, never one in the current directory that PYTHONPATH does
-not name, and only when its source defines or imports `Class`.
+not name, and only when its source defines `Class` or imports it (`from ... import Class`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def _refusal(module: str, attr: str) -> str:
     except (OSError, SyntaxError, ValueError) as e:
         return f"{origin} cannot be read: {e}"
     bound = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-    bound |= {a.asname or a.name for a in ast.walk(tree) if isinstance(a, ast.alias)}
+    for node in ast.walk(tree):  # `from m import Class`; `import m` binds a module, no class
+        if isinstance(node, ast.ImportFrom):
+            bound |= {a.asname or a.name for a in node.names}
     return "" if attr in bound else f"{module!r} defines no {attr!r}"
 
 

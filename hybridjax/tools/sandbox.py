@@ -54,6 +54,7 @@ _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 _WORKDIR = "/work"
 _PRIVATE_DIRS = (_WORKDIR, "/tmp", "/dev/shm")  # the only writable places, each a sized tmpfs
 _NOBODY = "65534"
+_DRAIN_S = 1.0  # how long the output is read after the code's process ended
 
 
 class SandboxUnavailable(UserError, ValueError):
@@ -226,9 +227,13 @@ def _run(
         if supervisor is not None:
             supervisor.stop()
         _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
-        out.join()
-        err.join()
+        if cgroup is not None:
+            cgroup.kill()  # and those that left the group (`none`: a new session)
+        out.join(_DRAIN_S)  # a process that left both (`none`, no cgroup) may hold the
+        err.join(_DRAIN_S)  # pipes open for ever: what it writes later is not waited for
     said = f"sandbox: stopped: {supervisor.reason}" if supervisor and supervisor.reason else ""
+    if out.is_alive() or err.is_alive():
+        said = "sandbox: a process that left the sandbox holds its output; not waited for"
     if cgroup is not None and cgroup.out_of_memory():
         said = "sandbox: a process was killed: the processes together reached "
         said += f"memory_mb={limits.memory_mb}"

@@ -137,6 +137,14 @@ class RunCgroup:
                         return True
         return False
 
+    def kill(self) -> None:
+        """Sends SIGKILL to every process now in the run's cgroups."""
+        for d in self.dirs:
+            with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+
     def close(self) -> None:
         """Kills every process left in the run's cgroups and removes them."""
         for d in self.dirs:
@@ -144,10 +152,7 @@ class RunCgroup:
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
                     break
-                with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
-                    for pid in f.read().split():
-                        with contextlib.suppress(OSError):
-                            os.kill(int(pid), signal.SIGKILL)
+                self.kill()
                 time.sleep(0.01)
 
 

@@ -120,6 +120,28 @@ def test_overwrite_refuses_files_it_did_not_write_and_leaves_them(tmp_path, mode
     _refused(tmp_path / "hf2", "did not write (adapter/x.bin)")
 
 
+def test_overwrite_through_a_link_replaces_the_export_it_names(tmp_path, model_and_tokenizer):
+    """A target that is a symbolic link to an earlier export: that export is replaced, the
+    link kept, and nothing is left beside them."""
+    write_hf_export(*model_and_tokenizer, str(tmp_path / "hf"))
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "latest").symlink_to(tmp_path / "hf")
+    write_hf_export(*model_and_tokenizer, str(tmp_path / "latest"), overwrite=True)
+    assert (tmp_path / "latest").is_symlink()
+    assert sorted(os.listdir(tmp_path / "hf")) == EXPORT
+    assert (tmp_path / "hf" / "config.json").read_text() != "{}"
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".lock")) == ["hf", "latest"]
+
+
+def test_overwrite_refuses_a_link_to_a_directory_it_did_not_write(tmp_path, model_and_tokenizer):
+    write_hf_export(*model_and_tokenizer, str(tmp_path / "hf"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("mine")
+    (tmp_path / "hf" / "data").symlink_to(tmp_path / "mine")
+    _refused(tmp_path / "hf", "did not write (data)")
+    assert (tmp_path / "hf" / "data" / "a.txt").read_text() == "mine"
+
+
 def test_overwrite_refuses_runs_checkpoints_and_their_parents(tmp_path):
     run = tmp_path / "runs" / "run"
     step = run / "global_step_2"

@@ -114,6 +114,29 @@ def test_no_process_outlives_the_timeout(detach):
     assert _leftovers() == []
 
 
+def test_a_detached_process_holding_the_output_does_not_block_the_call():
+    """`isolation: none` (no PID namespace): a double-forked daemon in a new session keeps the
+    output pipes open after the code ends; the call returns at once, the daemon killed (with a
+    cgroup) or left, said on stderr (without)."""
+    code = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    os.fork() or os.execvp('sleep', ['sleep', '{MARK}'])\n"
+        "    os._exit(0)\n"
+        "print('done')"
+    )
+    start = time.monotonic()
+    try:
+        rc, out, err = run_python(code, timeout_s=5, isolation="none")
+        assert time.monotonic() - start < 4
+        assert (rc, out) == (0, "done\n"), err
+        assert ("left the sandbox" in err) == bool(_leftovers()), err
+    finally:
+        for pid in _leftovers():  # not a cgroup's: `none` does not bound what escapes it
+            os.kill(pid, 9)
+
+
 @needs_bwrap
 def test_output_flood_is_cut_without_filling_memory():
     start = time.monotonic()

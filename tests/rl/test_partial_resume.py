@@ -35,7 +35,7 @@ CHANGES = {
 
 def _config(data, run, **changes):
     """The tiny config, rollout on devices 0-3 and training on 4-7 (async needs a pool)."""
-    c = tiny_config(data, run, **CHANGES, **changes)
+    c = tiny_config(data, run, **(CHANGES | changes))
     c.resource_pool = dict(rollout_pool=dict(n_devices=4), global_pool=dict(n_devices=4))
     c.placement.rollout = "rollout_pool"
     return c
@@ -83,6 +83,14 @@ def test_a_partial_rollout_run_resumed_at_every_step_trains_the_same_batches(tmp
             assert sorted(again) == [3]
             for a, b in zip(again[3], whole[3], strict=True):
                 np.testing.assert_array_equal(a, b, err_msg="resumed twice, step 3")
+            caplog.clear()  # and without partial rollouts, saying what it drops
+            off = {"trainer.resume_mode": at, "trainer.partial_rollout": False}
+            trainer = RLTrainer(_config(data, tmp_path / "off", **off))
+            with caplog.at_level(logging.INFO):
+                trainer.fit()
+            trainer.close()
+            assert "prompts in flight of a partial-rollout run" in caplog.text
+            assert os.path.isdir(tmp_path / "off" / f"global_step_{STEPS}")
         if step == STEPS:
             assert "no steps left: the run is at step 3 and trains 3 steps" in caplog.text
             assert not any(n.startswith("global_step") for n in os.listdir(run))

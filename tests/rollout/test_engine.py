@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from rollout_testing import make_prompts, naive_greedy, trainer_log_probs
 
+from hybridjax.errors import ConfigError
 from hybridjax.rollout import Request, SamplingParams, generate
 from hybridjax.rollout.sampling import truncate_logits
 
@@ -175,7 +176,7 @@ def test_requests_that_can_never_fit_are_rejected_with_sizes(engine):
     with pytest.raises(ValueError, match=r"prompt of 20 tokens \+ max_tokens 8 exceeds .* 24"):
         generate(engine, [[1] * 20], SamplingParams(max_tokens=8))
     # 12-token prompt, 8 new tokens, n = 8: 3 prefill pages + 8 × 3 - 1 = 26 > 24 in the pool.
-    with pytest.raises(ValueError, match="needs 26 KV pages .* pool has 24"):
+    with pytest.raises(ConfigError, match="needs 26 KV pages .* pool has 24"):  # one line
         generate(engine, [[1] * 12], SamplingParams(n=8, max_tokens=8))
     _assert_idle(engine)
 

@@ -91,6 +91,7 @@ def test_a_module_shadowed_from_the_current_directory_is_refused(
     "class_name, reason",
     [
         ("antigravity.Browser", "'antigravity' defines no 'Browser'"),  # would open a browser
+        ("antigravity.webbrowser", "'antigravity' defines no 'webbrowser'"),  # a module it imports
         ("json.JSONDecoder", "JSONDecoder is not a subclass of hybridjax.tools.Tool"),
         ("web_search", "not a dotted path"),
         ("no_such_package.Tool", "no module 'no_such_package' found"),

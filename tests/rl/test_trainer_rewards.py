@@ -46,7 +46,7 @@ def data(tmp_path_factory):
 
 def test_sigterm_during_a_hanging_reward_saves_the_step(data, tmp_path):
     """Step 2's reward function hangs on one row; SIGTERM arrives meanwhile. The row times out
-    (counted, scored 0), so the reward stage waits no longer than the timeout; step 2
+    (counted, scored 0), so the reward stage waits about the timeout, not the hang; step 2
     completes and is checkpointed, and the run returns (the rest of the step and the save
     take a few seconds more on the tiny config, more on a loaded machine)."""
     arm, hung = str(tmp_path / "arm"), str(tmp_path / "hung")
@@ -87,7 +87,9 @@ def test_sigterm_during_a_hanging_reward_saves_the_step(data, tmp_path):
     assert trainer.global_step == 2
     assert trainer.checkpointer.steps() == [2]
     metrics = read_metrics(tmp_path / "run")
-    assert metrics[2]["timing_s/reward"] < TIMEOUT_S + 2, metrics[2]["timing_s/reward"]
+    # the hang is an hour; the timeout cut it (the other rows and the worker's replacement take
+    # seconds more on a loaded 2-core machine: 6.1 s seen)
+    assert metrics[2]["timing_s/reward"] < TIMEOUT_S + 15, metrics[2]["timing_s/reward"]
     assert elapsed < TIMEOUT_S + 30, elapsed
     assert metrics[2]["reward/num_timeouts"] == 1.0 and metrics[1]["reward/num_timeouts"] == 0
 

@@ -78,6 +78,7 @@ class HostState:
 
     @property
     def num_active(self) -> int:
+        """Slots decoding a sequence now, over every replica."""
         return int(self.slots.active.sum())
 
     def prefill_budgets(self) -> list[int]:

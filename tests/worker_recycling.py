@@ -20,6 +20,7 @@ subprocess test in `tests/test_ci.py` fails if either changes.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Any
 
@@ -108,9 +109,18 @@ def pytest_testnodedown(node: Any, error: object | None) -> None:
     if error is not None or _recycle_after(config) is None:
         return  # a crashed worker: xdist replaces it itself, within --max-worker-restart
     node.ensure_teardown()  # closes its channel: the process exits
+    _reap(node)
     dsession = config.pluginmanager.getplugin("dsession")
     if dsession.sched.workqueue and not dsession.shuttingdown:
         dsession._clone_node(node)
+
+
+def _reap(node: Any) -> None:
+    """Waits for a retired worker's process in a daemon thread, so that it does not stay a
+    zombie until the run ends (a slow-suite run retires a dozen or more)."""
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    if popen is not None:
+        threading.Thread(target=popen.wait, daemon=True).start()
 
 
 def _exit_signal(node: Any) -> str:

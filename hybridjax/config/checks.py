@@ -381,7 +381,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     so a missing input fails now, not after a rollout."""
     n = c.actor_rollout_ref.rollout.n
     rewards = jax.ShapeDtypeStruct((2 * n, 4), jnp.float32)
-    baselines = jax.ShapeDtypeStruct((2 * n,), jnp.float32)
+    baseline = jax.ShapeDtypeStruct((2 * n,), jnp.float32)
     algorithm = algorithm_config(c)
 
     def estimate(rewards_BxT, mask_BxT, values_BxT, baselines_B):
@@ -395,7 +395,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
         )
 
     values = rewards if c.critic.enable else None
-    baselines = baselines if needs_reward_baseline(c.algorithm.adv_estimator) else None
+    baselines = baseline if needs_reward_baseline(c.algorithm.adv_estimator) else None
     try:
         jax.eval_shape(estimate, rewards, rewards, values, baselines)
     except ValueError as err:

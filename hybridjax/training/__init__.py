@@ -3,5 +3,6 @@
 train states built on their meshes (`build`), the optimizer (`optim`), the update loop over
 micro-batches (`update`), the response log-probs (`forward`), the jitted device passes of an RL
 step (`passes`) and its batch (`batch`), sequence packing (`packing`), and what stays on the
-devices between stages (`offload`, `residency`). It imports nothing above `hybridjax.sharding`,
-`rollout`, `rewards`, `data` and `checkpointing`."""
+devices between stages (`offload`, `residency`). It imports only the layers below it (rewards,
+rollout, data, checkpointing, metrics, tools, sharding, models, algorithms), never `config`,
+`rl` or `offline` (docs/architecture.md, "The layers")."""

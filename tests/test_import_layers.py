@@ -4,10 +4,17 @@ functions and under `if TYPE_CHECKING:` too (`experiments/import_graph.py` reads
 source)."""
 
 import pathlib
+import tomllib
 
 import pytest
 
-from experiments.import_graph import contract_layers, cycles, import_graph, layer_violations
+from experiments.import_graph import (
+    ROOT,
+    contract_layers,
+    cycles,
+    import_graph,
+    layer_violations,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +37,15 @@ def test_the_offline_trainers_and_the_config_stay_below_the_rl_trainer(graph):
     for module, imported in graph.items():
         if module.startswith(("hybridjax.offline", "hybridjax.config", "hybridjax.training")):
             assert not {m for m in imported if m.startswith("hybridjax.rl")}, module
+
+
+def test_the_architecture_page_draws_the_contracts_layers():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The layers", 1)[1].split("```")[1]
+    drawn = [line.split("  ")[0].strip() for line in block.strip().splitlines()]
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in contracts["contracts"] if c["type"] == "layers"]
+    assert drawn == layers
 
 
 def _package(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:

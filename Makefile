@@ -22,8 +22,9 @@ slow: ## the slow, end-to-end tests: the README test command's `slow` line
 gpu-aot: ## the deviceless XLA:GPU compile tests (.venv-aot): the README test command's last line
 	BASE_VENV=$(dir $(PYTHON)).. experiments/gpu/aot_tests.sh
 
-lint: ## ruff format --check and ruff check, as CI runs them
-	$(PYTHON) -m ruff format --check . && $(PYTHON) -m ruff check .
+lint: ## ruff format --check, ruff check and the import layers (lint-imports), as CI runs them
+	$(PYTHON) -m ruff format --check . && $(PYTHON) -m ruff check . && \
+	  $(PYTHON) -c 'import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())'
 
 format: ## ruff format and ruff check --fix
 	$(PYTHON) -m ruff format . && $(PYTHON) -m ruff check --fix .

@@ -29,8 +29,8 @@ def main(argv: list[str]) -> None:
     from hybridjax.allocator import ENV, memory_fraction
     from hybridjax.config.run import resolve_dtypes
     from hybridjax.memory import gpu_targets
-    from hybridjax.rl import build
     from hybridjax.sharding import check_parallelism
+    from hybridjax.training import build
 
     gpu = f.target in gpu_targets.TARGETS
     if gpu and (problem := gpu_targets.missing_plugin(f.target)):

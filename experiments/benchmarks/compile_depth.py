@@ -6,7 +6,7 @@ For each depth and `scan_layers` off / on (on: the layers' parameters stored sta
 as one scan, `hybridjax.models.decoder`), a random Qwen2-shaped actor of a fixed small width
 (hidden 64, MLP 128, 4/2 heads, vocab 256, float32, layers checkpointed with the "full" policy)
 on one CPU device:
-  * `update_actor`: `hybridjax.rl.passes.update_actor` jitted as `hybridjax.rl.step` does
+  * `update_actor`: `hybridjax.training.passes.update_actor` jitted as `hybridjax.rl.step` does
     (graphdef and stage config static, the train state donated), lowered and compiled for a
     batch of 4 rows × (8 prompt + 8 response) tokens, 2 micro-batches: seconds of
     `.lower(...)` + `.compile()`;
@@ -41,10 +41,10 @@ from hybridjax.config.schema import base_config
 from hybridjax.models.attention import DenseKVCache
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl import build, passes
-from hybridjax.rl.batch import make_batch
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.rollout.pages import Request
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH = dict(

@@ -55,9 +55,9 @@ def checkpoint_times(model: str, repeats: int, work: pathlib.Path) -> dict:
     from hybridjax.checkpointing import Checkpointer
     from hybridjax.models.config import ModelConfig
     from hybridjax.models.decoder import CausalLM
-    from hybridjax.rl import build
-    from hybridjax.rl.optim import OptimConfig
     from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
+    from hybridjax.training import build
+    from hybridjax.training.optim import OptimConfig
 
     config = ModelConfig(**MODELS[model], attention_bias=True, tie_word_embeddings=True)
     mesh = make_meshes(MeshConfig()).train

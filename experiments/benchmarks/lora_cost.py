@@ -4,7 +4,7 @@
 
 Bytes (no memory touched): the actor of workload `b` of the peer comparison (the ~100M Qwen2
 shape: hidden 768, 16 layers, 12/4 heads, MLP 2048, vocab 1024, float32) is built abstractly
-(`nnx.eval_shape`); `hybridjax.rl.build.init_train_state` is evaluated with
+(`nnx.eval_shape`); `hybridjax.training.build.init_train_state` is evaluated with
 `jax.eval_shape` for the full model and for the model with LoRA adapters (rank `--rank`, alpha
 2·rank, all-linear); gradients are the shape of what is trained. Also reported: XLA's compiled
 memory analysis of one SFT step (`hybridjax.offline.loop.train_step`, 4 rows × 192 tokens):
@@ -40,8 +40,8 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.models.lora import LoRAConfig, LoRAModel, split_trainable
 from hybridjax.offline.loop import train_step
 from hybridjax.offline.sft import sft_objective
-from hybridjax.rl.build import init_train_state
-from hybridjax.rl.optim import OptimConfig
+from hybridjax.training.build import init_train_state
+from hybridjax.training.optim import OptimConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

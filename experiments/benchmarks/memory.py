@@ -102,8 +102,8 @@ def measure_point(hidden: int, layers: int, cfg: dict) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from hybridjax.memory import planner as plan
-    from hybridjax.rl import build, passes
     from hybridjax.sharding import BATCH_AXES, MeshConfig, make_meshes
+    from hybridjax.training import build, passes
 
     c = point_config(hidden, layers, cfg)
     actor_config = build.actor_model_config(c, build.load_tokenizer(c))

@@ -3,7 +3,7 @@ log-probs drift apart, and what sampling-mask replay does to the rollout IS rati
 
 * `batch_invariance`: the quick start's model scores the same 8 sequences (prompts of the
   quick start's data, responses drawn from the model) once as one batch of 8 and once row by
-  row (batch 1), the trainer's pass (`hybridjax.rl.forward.model_log_probs`, fused head), in
+  row (batch 1), the trainer's pass (`hybridjax.training.forward.model_log_probs`, fused head), in
   float32 and in bfloat16 (parameters and matmuls): verl #6280's measurement. Reported with
   `hybridjax.algorithms.rollout_correction.mismatch_metrics`: the share of tokens whose ratio
   leaves [0.9, 1.1] and the max |Δ log p|.
@@ -152,7 +152,7 @@ def batch_invariance(dtype: str, rows: int = 8) -> dict:
     1 in `dtype` (parameters and matmuls): `mismatch_metrics` of the two, float32 figures."""
     from hybridjax.algorithms.rollout_correction import mismatch_metrics
     from hybridjax.models.hf_io import load_pretrained
-    from hybridjax.rl.forward import model_log_probs
+    from hybridjax.training.forward import model_log_probs
 
     path = ROOT / "hybridjax" / "assets" / "quickstart" / "sft_model"
     model = load_pretrained(path, config_overrides={"dtype": dtype, "param_dtype": dtype})

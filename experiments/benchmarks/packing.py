@@ -70,7 +70,7 @@ def make_batch(spec: dict, vocab: int, seed: int = 0):
     """An `RLBatch` of prompts × n rows (contiguous groups) with GRPO-like advantages."""
     import jax.numpy as jnp
 
-    from hybridjax.rl.batch import make_batch as assemble
+    from hybridjax.training.batch import make_batch as assemble
 
     rng = np.random.default_rng(seed)
     if spec["prompt"] == "gsm8k":
@@ -116,7 +116,7 @@ def _model(name: str):
 
 def _stage_config(spec: dict, variant: str, model_config):
     from hybridjax.config.schema import base_config
-    from hybridjax.rl import build
+    from hybridjax.training import build
 
     c = base_config()
     rows = spec["prompts"] * spec["n"]
@@ -134,7 +134,7 @@ def _stage_config(spec: dict, variant: str, model_config):
 def measure_update(name: str, repeats: int) -> dict:
     import jax
 
-    from hybridjax.rl import build, passes
+    from hybridjax.training import build, passes
 
     spec = WORKLOADS[name]
     graphdef, params, model_config = _model(spec["model"])

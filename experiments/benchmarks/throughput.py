@@ -132,7 +132,7 @@ def measure(trainer, warmup: int, steps: int, out_dir: pathlib.Path | None = Non
 def summarize(metrics: list[dict], warmup: int, trainer, peak_flops: float) -> dict:
     """Medians over the timed steps: step time, steps/hour, tokens/s, stage times, MFU."""
     from experiments.benchmarks.recording import stability
-    from hybridjax.rl.build import critic_model_config
+    from hybridjax.training.build import critic_model_config
 
     timed = metrics[warmup:]
     med = lambda key: statistics.median(m[key] for m in timed)

@@ -4,7 +4,7 @@ Both systems run the same exported checkpoint (`hybridjax.models.hf_io.save_pret
 seeded random Qwen2-shaped model) on the same token ids, masks and positions, one thread each,
 and differentiate the same loss: the token-mean over response tokens of −log π(response_t),
 with the LM head on the response positions only on the torch side (`logits_to_keep`, as TRL
-calls it) and whatever `hybridjax.rl.forward.response_log_probs` does on ours. Each system
+calls it) and whatever `hybridjax.training.forward.response_log_probs` does on ours. Each system
 runs in its own process (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`,
 `torch.set_num_threads(1)`); a process times `warmup` calls,
 then `repeats` calls, and reports the medians of CPU seconds (`time.process_time`, all threads)
@@ -148,7 +148,7 @@ def run_hybridjax(model_dir: str, inputs: dict, warmup: int, repeats: int, entro
     from flax import nnx
 
     from hybridjax.models.hf_io import load_pretrained
-    from hybridjax.rl.forward import response_log_probs
+    from hybridjax.training.forward import response_log_probs
 
     graphdef, params = nnx.split(load_pretrained(model_dir))
     fields = {k: jnp.asarray(v) for k, v in inputs.items()}

@@ -378,7 +378,7 @@ def clip_ratio_followed(ctx: Context) -> tuple[str, str]:
     return _in_process(
         ctx,
         "from tests.rl.tiny_run import load_config_file\n"
-        "from hybridjax.rl import build\n"
+        "from hybridjax.training import build\n"
         "c = load_config_file('tiny'); c.actor_rollout_ref.actor.clip_ratio = 0.1\n"
         "a = build.stage_config(c, 10, 1).actor_loss\n"
         "print('OK' if (a.clip_ratio_low, a.clip_ratio_high) == (0.1, 0.1) else 'IGNORED')\n",
@@ -390,7 +390,7 @@ def ref_micro_batch_read(ctx: Context) -> tuple[str, str]:
     return _in_process(
         ctx,
         "from tests.rl.tiny_run import load_config_file\n"
-        "from hybridjax.rl import build\n"
+        "from hybridjax.training import build\n"
         "c = load_config_file('tiny')\n"
         "c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 1\n"
         "s = build.stage_config(c, 10, 1)\n"

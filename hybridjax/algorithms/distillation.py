@@ -102,7 +102,7 @@ class DistillationConfig:
         `actor_rollout_ref.distillation.distillation_loss_coef`,
         `actor_rollout_ref.distillation.use_policy_loss`,
         `actor_rollout_ref.distillation.topk` (the teacher's model keys are
-        `hybridjax.rl.build.build_teacher`'s)."""
+        `hybridjax.training.build.build_teacher`'s)."""
         return cls(
             enabled=bool(section["enabled"]),
             loss_mode=str(section["loss_mode"]),

@@ -1,2 +1,3 @@
-"""The run config: every key with its default (`schema`), the start-up check (`checks`), the
-facts derived from it in one place (`roles`) and the resolved run (`run.resolve -> RunConfig`)."""
+"""The run config: every key with its default (`schema`), the start-up check of the config
+(`checks`; the RL run's adds its own, `hybridjax.rl.checks`) and the resolved run
+(`run.resolve -> RunConfig`, with the facts of `hybridjax.sharding.roles`)."""

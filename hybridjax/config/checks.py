@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,11 +29,9 @@ from hybridjax.algorithms.advantages import (
 from hybridjax.checkpointing.manager import STEP_PREFIX, split_checkpoint_path
 from hybridjax.config import fields
 from hybridjax.config.rollout_checks import eos_warnings, rollout_problems, rollout_warnings
-from hybridjax.config.run import dtype_of
 from hybridjax.config.schema import base_config, declared_checks
 from hybridjax.data.dataset import as_file_list
 from hybridjax.errors import CheckpointError, ConfigError
-from hybridjax.memory.planner import memory_problems
 from hybridjax.metrics.tracking import missing_logger_packages
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.lora import LoRAConfig
@@ -43,16 +41,23 @@ from hybridjax.rewards.manager import (
 )
 from hybridjax.rewards.registry import load_custom_reward_function
 from hybridjax.rewards.scoring import check_signature
-from hybridjax.rl import step
-from hybridjax.rl.build import algorithm_config, off_policy_reasons, replay_unsupported
-from hybridjax.rl.multi_turn import config_problems as multi_turn_problems
-from hybridjax.rl.packing import packing_problems
 from hybridjax.sharding import MeshConfig, parallelism_problems
 from hybridjax.sharding.mesh import batch_shards
 from hybridjax.sharding.pools import placement_problems, pool_config, pool_sizes, role_pools
 from hybridjax.sharding.validate import head_count_problems
+from hybridjax.training.build import (
+    algorithm_config,
+    dtype_of,
+    off_policy_reasons,
+    replay_unsupported,
+)
+from hybridjax.training.packing import packing_problems
 
 log = logging.getLogger(__name__)
+# the checks of the layers above this one, which they pass in (`hybridjax.rl.checks`): problems
+# of the config alone, and problems of the config with its models' shapes
+ConfigCheck = Callable[[ConfigDict], list[str]]
+ModelCheck = Callable[[ConfigDict, int, Mapping[str, ModelConfig]], list[str]]
 REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
 RESUME_MODES = ("auto", "disable")  # or a .../global_step_<N> path
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -376,7 +381,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
     so a missing input fails now, not after a rollout."""
     n = c.actor_rollout_ref.rollout.n
     rewards = jax.ShapeDtypeStruct((2 * n, 4), jnp.float32)
-    baselines = jax.ShapeDtypeStruct((2 * n,), jnp.float32)
+    baseline = jax.ShapeDtypeStruct((2 * n,), jnp.float32)
     algorithm = algorithm_config(c)
 
     def estimate(rewards_BxT, mask_BxT, values_BxT, baselines_B):
@@ -390,7 +395,7 @@ def _estimator_problems(c: ConfigDict) -> list[str]:
         )
 
     values = rewards if c.critic.enable else None
-    baselines = baselines if needs_reward_baseline(c.algorithm.adv_estimator) else None
+    baselines = baseline if needs_reward_baseline(c.algorithm.adv_estimator) else None
     try:
         jax.eval_shape(estimate, rewards, rewards, values, baselines)
     except ValueError as err:
@@ -447,11 +452,18 @@ def _pool_problems(
 
 
 def validate(
-    cfg: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig] | None = None
+    cfg: ConfigDict,
+    n_devices: int,
+    model_configs: Mapping[str, ModelConfig] | None = None,
+    *,
+    checks: Sequence[ConfigCheck] = (),
+    model_checks: Sequence[ModelCheck] = (),
 ) -> None:
     """Checks `cfg` against the schema and the rules above for a run on `n_devices` devices,
     with the mesh, batch and head-count checks of `hybridjax.sharding` (`model_configs`: config
-    key of each model → its ModelConfig, for the head counts).
+    key of each model → its ModelConfig, for the head counts). `checks` and `model_checks` are
+    the checks of the layers above this one (the RL run's: `hybridjax.rl.checks.validate`), run
+    beside the structure checks and after the model checks.
 
     Warns (one line each, `rollout_checks.rollout_warnings`) of sampling that leaves nothing to
     learn from.
@@ -462,9 +474,10 @@ def validate(
     problems = _schema_problems(cfg)
     if not problems:  # ranges and structure assume well-typed values
         problems += fields.problems(declared_checks(), lambda key: _get(cfg, key))
-        problems += _structure_problems(cfg, n_devices) + step.config_problems(cfg)
+        problems += _structure_problems(cfg, n_devices)
+        for check in checks:
+            problems += check(cfg)
         problems += packing_problems(cfg)
-        problems += multi_turn_problems(cfg)
         problems += _pool_problems(cfg, n_devices, None)
         problems += _lora_problems(cfg)
         problems += rollout_problems(cfg)
@@ -472,23 +485,26 @@ def validate(
         if not problems:  # the estimator config is only built from a valid algorithm section
             problems += _estimator_problems(cfg)
         if not problems and model_configs:
-            problems += model_problems(cfg, n_devices, model_configs)
+            problems += model_problems(cfg, n_devices, model_configs, model_checks)
     _raise(problems)
     for warning in rollout_warnings(cfg):
         log.warning(warning)
 
 
 def validate_models(
-    cfg: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig]
+    cfg: ConfigDict,
+    n_devices: int,
+    model_configs: Mapping[str, ModelConfig],
+    model_checks: Sequence[ModelCheck] = (),
 ) -> None:
     """The checks that need the models' shapes, on a config `validate` accepted: attention
-    heads against each pool's tensor axes, and with `trainer.check_memory` the memory plan.
+    heads against each pool's tensor axes, then `model_checks` (the RL run's memory plan).
     Warns (one line) when the actor's eos_token_id is outside its vocabulary.
 
     Raises:
       ConfigError: listing every problem, one per line, each naming its key and value.
     """
-    _raise(model_problems(cfg, n_devices, model_configs))
+    _raise(model_problems(cfg, n_devices, model_configs, model_checks))
     for warning in eos_warnings(cfg, model_configs):
         log.warning(warning)
 
@@ -502,10 +518,14 @@ def _raise(problems: list[str]) -> None:
 
 
 def model_problems(
-    c: ConfigDict, n_devices: int, model_configs: Mapping[str, ModelConfig]
+    c: ConfigDict,
+    n_devices: int,
+    model_configs: Mapping[str, ModelConfig],
+    model_checks: Sequence[ModelCheck] = (),
 ) -> list[str]:
     """Problems of `validate_models` (see there), each naming the pool when there are several;
-    also `router_replay.mode` "R3" with a dense actor."""
+    also `router_replay.mode` "R3" with a dense actor. `model_checks` run only when the rest
+    found nothing (the memory plan compiles each stage)."""
     sizes, _ = pool_sizes(c, n_devices)
     if len(sizes) == 1:
         pools = {"": (c, n_devices)}
@@ -528,6 +548,8 @@ def model_problems(
             "mixture-of-experts actor, but actor_rollout_ref.model is dense (num_experts = 0): "
             "use router_replay.mode='disabled'"
         )
-    if not problems and c.trainer.check_memory:  # compiles each stage
-        problems += memory_problems(c, n_devices, model_configs["actor_rollout_ref.model"])
+    for check in model_checks:
+        if problems:
+            break
+        problems += check(c, n_devices, model_configs)
     return problems

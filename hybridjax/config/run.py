@@ -19,10 +19,11 @@ from typing import Any
 from jax.sharding import Mesh, NamedSharding
 from ml_collections import ConfigDict
 
-from hybridjax.config.roles import Roles, batch_sharding, data_parallel_size
-from hybridjax.models.config import AUTO_DTYPE, ModelConfig, auto_dtype
+from hybridjax.models.config import ModelConfig
 from hybridjax.sharding.mesh import HybridMeshes
 from hybridjax.sharding.pools import make_placement
+from hybridjax.sharding.roles import Roles, batch_sharding, data_parallel_size
+from hybridjax.training.build import dtype_of, off_policy_reasons, stage_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +76,6 @@ DTYPE_KEYS = (
 )
 
 
-def dtype_of(name: str, backend: str | None = None) -> str:
-    """`name`, or for `auto` the compute dtype of `backend` (default `jax.default_backend()`):
-    bfloat16 on GPU and TPU, float32 on CPU (`hybridjax.models.config.auto_dtype`)."""
-    if name != AUTO_DTYPE:
-        return name
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
-    return auto_dtype(backend)
-
-
 def resolve_dtypes(cfg: ConfigDict, backend: str | None = None) -> ConfigDict:
     """Replaces, in place, every `auto` among `DTYPE_KEYS` by `dtype_of(auto, backend)`, so
     the checks, the models, the engine and the planner all read the dtype the run uses; returns
@@ -123,9 +112,6 @@ def resolve(
       steps_per_epoch: batches of the training loader (`len(loader)`).
       devices: the devices the pools split (the memory planner plans on the first N).
     """
-    # imported here: `hybridjax.rl` (its trainer) imports this module
-    from hybridjax.rl.build import off_policy_reasons, stage_config
-
     placement = make_placement(cfg, devices)
     meshes = placement.meshes()
     steps = total_steps(cfg, steps_per_epoch)

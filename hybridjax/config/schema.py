@@ -242,14 +242,15 @@ def declared_config() -> ConfigDict:
             # the distribution every trainer log-prob of the policy (old, current, the rollout
             # correction's) scores a sampled token under: "replay" the top-k/top-p support it
             # was drawn from (sampling-mask replay), "full" the whole vocabulary; "auto":
-            # replay when sampling truncates (single-turn rollouts; hybridjax.rl.build)
+            # replay when sampling truncates (single-turn rollouts; hybridjax.training.build)
             log_prob_support=one_of("auto", LOG_PROB_SUPPORTS),
             prompt_length=512,
             response_length=512,
             # generation-layout dtype (update_weights casts to it); auto as model.dtype
             dtype=one_of("auto", DTYPE_CHOICES),
             gpu_memory_utilization=within(0.5, 0, 1, low_open=True),
-            # release the KV pool and the generation weights after gen (hybridjax.rl.residency)
+            # release the KV pool and the generation weights after gen
+            # (hybridjax.training.residency)
             free_cache_engine=True,
             num_pages=-1,  # -1: sized from gpu_memory_utilization
             page_size=positive(16),

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybridjax.platforms import platform_of
 from hybridjax.rollout.config import RolloutConfig, SamplingParams
 from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.paged_cache import PagedKVCache
@@ -35,7 +36,7 @@ from hybridjax.rollout.pages import num_pages
 from hybridjax.rollout.programs import Programs
 from hybridjax.rollout.replicas import ROWS_SPEC
 from hybridjax.rollout.slots import Slots, prefill_bucket
-from hybridjax.sharding.mesh import pass_mesh, platform_of
+from hybridjax.sharding.mesh import pass_mesh
 
 
 def abstract_programs(

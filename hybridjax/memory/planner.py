@@ -16,21 +16,21 @@ gradients, the optimizer step of one loop iteration). The peak of a stage is
     resident states + stage outputs − donated bytes + counted live bytes   (bytes per device)
 
 XLA's CPU scratch of each program (`temp_size_in_bytes`) is kept beside it as
-`xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps
-buffers a GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of
-float32 logits and of the gathered embedding, against 29.6 GB counted).
-`gen` adds the rollout's decode scratch (analytic: the logits, and the jnp path's gathered
-K/V copy where it makes one). What `fsdp_config.*_offload` names is counted only in the stages
-that use it (`hybridjax.rl.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
-optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative
-reward model (`reward_model.generative`) is planned as an engine of its own: its weights stay,
-its KV pool (sized after the rollout's, as the trainer builds them) is on the devices only in
-`reward`, beside its decode scratch, unless `generative.free_cache_engine` is off. The KV pool is
-sized as the engine sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity −
-what is resident when the engine starts). With `rollout.free_cache_engine` (the default; sync
-rollouts) the engine sleeps after `gen` (`hybridjax.rl.residency`): no training stage
-holds the pool or the generation weights, and `reshard` writes the one new copy; without it
-both stay through every stage and `reshard` holds a second copy while the new one lands.
+`xla_cpu_scratch_bytes`, not added: the CPU compiler fuses less than the GPU one and keeps buffers a
+GPU program does not (for the 7B update, 181 GB of CPU scratch, mostly copies of float32 logits and
+of the gathered embedding, against 29.6 GB counted). `gen` adds the rollout's decode scratch
+(analytic: the logits, and the jnp path's gathered K/V copy where it makes one). What
+`fsdp_config.*_offload` names is counted only in the stages that use it
+(`hybridjax.training.offload`: the actor in `old_log_prob`, `update_actor` and `reshard`, its
+optimizer state in `update_actor`, the reference, teacher and critic in theirs). A generative reward
+model (`reward_model.generative`) is planned as an engine of its own: its weights stay, its KV pool
+(sized after the rollout's, as the trainer builds them) is on the devices only in `reward`, beside
+its decode scratch, unless `generative.free_cache_engine` is off. The KV pool is sized as the engine
+sizes it: `rollout.num_pages`, else `gpu_memory_utilization` × (capacity − what is resident when the
+engine starts). With `rollout.free_cache_engine` (the default; sync rollouts) the engine sleeps
+after `gen` (`hybridjax.training.residency`): no training stage holds the pool or the generation
+weights, and `reshard` writes the one new copy; without it both stay through every stage and
+`reshard` holds a second copy while the new one lands.
 
 The CLI compiles for `--devices` simulated CPU devices in its own process, so it runs anywhere
 (docs/memory-planner.md: its error on CPU); with `--target=a100|h100` it compiles for
@@ -71,7 +71,7 @@ from hybridjax.memory.stages import (
     plan_training,
     stage_batches,
 )
-from hybridjax.sharding.mesh import platform_of
+from hybridjax.platforms import platform_of
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def plan_memory(
     Args:
       cfg: a full trainer config (validated); its `auto` dtypes are resolved, in place, for
         `target` (`hybridjax.config.run.resolve_dtypes`: bfloat16 on GPU).
-      actor_config: the actor's ModelConfig (`hybridjax.rl.build.actor_model_config`), built
+      actor_config: the actor's ModelConfig (`hybridjax.training.build.actor_model_config`), built
         from `cfg` with its dtypes resolved for `target`.
       devices: how many of `jax.devices()` the meshes span.
       capacity_bytes: memory of one device; None = the device's `bytes_limit`, else (CPU) the

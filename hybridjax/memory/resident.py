@@ -44,7 +44,7 @@ def abstract_model(model_cls, config, mesh, rules, dtype=None):
 
 def abstract_train_state(params: Any, optim) -> Any:
     """The TrainState the trainer builds (`build.train_state_shardings`), as abstract arrays."""
-    from hybridjax.rl import build
+    from hybridjax.training import build
 
     shapes = jax.eval_shape(build.init_train_state, params, optim)
     return _with_shardings(shapes, build.train_state_shardings(params, optim))
@@ -55,7 +55,7 @@ def abstract_batch(
 ) -> Any:
     """An RLBatch of ShapeDtypeStructs (rows over the batch axes), with the float B×R `fields`
     (and with `topk` > 0 the distillation teacher's B×R×topk log-probs and ids)."""
-    from hybridjax.rl.batch import RLBatch
+    from hybridjax.training.batch import RLBatch
 
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sharding)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)
@@ -142,7 +142,6 @@ def resident_states(
     from hybridjax.models.decoder import CausalLM, SequenceClassifier
     from hybridjax.models.hf_io import read_hf_config
     from hybridjax.rewards import genrm
-    from hybridjax.rl import build
     from hybridjax.rollout import RolloutConfig
     from hybridjax.sharding import (
         ACTOR_GENERATE_RULES,
@@ -151,6 +150,7 @@ def resident_states(
         REFERENCE_RULES,
         REWARD_MODEL_RULES,
     )
+    from hybridjax.training import build
 
     train, gen = run.meshes.train, run.meshes.generate
     sc, roles = run.stage_cfg, run.roles
@@ -230,12 +230,12 @@ def resident_states(
 def on_devices(cfg: ConfigDict, states: ResidentStates) -> tuple[dict[str, int], dict[str, int]]:
     """(the states on the devices in `gen`, those in a training stage that does not use them),
     name → bytes per device. Offloaded states (`fsdp_config.*_offload`) are on the devices only
-    in the stages that use them (`hybridjax.rl.offload`). With `rollout.free_cache_engine` the
-    engine sleeps after `gen` (`hybridjax.rl.residency`): no pool or generation copy in
+    in the stages that use them (`hybridjax.training.offload`). With `rollout.free_cache_engine` the
+    engine sleeps after `gen` (`hybridjax.training.residency`): no pool or generation copy in
     training; a judge's engine holds its pool only while it judges
     (`generative.free_cache_engine`)."""
-    from hybridjax.rl.offload import offload_configs
-    from hybridjax.rl.residency import free_cache_engine
+    from hybridjax.training.offload import offload_configs
+    from hybridjax.training.residency import free_cache_engine
 
     resident = states.bytes
     offload = offload_configs(cfg)
@@ -256,6 +256,6 @@ def on_devices(cfg: ConfigDict, states: ResidentStates) -> tuple[dict[str, int],
     )
     on_device = {k: v for k, v in resident.items() if not off.get(k) and k not in judge_asleep}
     training = {k: v for k, v in resident.items() if k not in asleep + judge_asleep}
-    # offloaded states are on the devices only in the stages that use them (`rl.offload`)
+    # offloaded states are on the devices only in the stages that use them (`training.offload`)
     idle = {k: v for k, v in training.items() if not off.get(k)}
     return on_device, idle

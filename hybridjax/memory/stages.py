@@ -202,9 +202,9 @@ def plan_reward(
     """Plans `reward` when a reward model runs on the devices: a generative judge's pool (awake
     again) and decode scratch, or a classifier's `score_responses` on the training mesh."""
     from hybridjax.rewards.reward_model import score_responses
-    from hybridjax.rl import build
-    from hybridjax.rl.packing import packing_configs
     from hybridjax.rollout.decode_attention import select_decode_kernel
+    from hybridjax.training import build
+    from hybridjax.training.packing import packing_configs
 
     run, r, rm_cfg = book.run, states.rollout, states.rm_cfg
     if states.judge:  # generation: its pool (awake again) and its decode loop's scratch
@@ -235,7 +235,7 @@ def plan_training(
 ) -> None:
     """Plans the forward passes (`old_log_prob`, `ref`, `teacher`, `values`) and the updates
     (`update_critic`, `update_actor`) the run has, each compiled as the step jits it."""
-    from hybridjax.rl import passes
+    from hybridjax.training import passes
 
     run, s = book.run, states
     sc, roles, train = run.stage_cfg, run.roles, run.meshes.train

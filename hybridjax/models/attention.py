@@ -90,7 +90,7 @@ def attention_backend() -> str:
     needs the gradient of its log-sum-exp, which splash does not provide (its vjp raises
     "Higher-order AD not supported" with `save_residuals`). See docs/packing.md.
     """
-    from hybridjax.sharding.mesh import platform_of  # noqa: PLC0415 (sharding imports models)
+    from hybridjax.platforms import platform_of  # noqa: PLC0415
 
     return "jnp" if platform_of() == "cpu" else "blocked"
 

@@ -32,7 +32,6 @@ from hybridjax.checkpointing import Checkpointer
 from hybridjax.checkpointing.export import check_export_target, write_hf_export
 from hybridjax.checkpointing.run_lock import hold_outputs
 from hybridjax.compilation_cache import set_compilation_cache
-from hybridjax.config.roles import batch_sharding, data_parallel_size
 from hybridjax.errors import ConfigError
 from hybridjax.metrics import Tracking
 from hybridjax.metrics.console import announce
@@ -41,13 +40,14 @@ from hybridjax.models.lora import (
     split_trainable,
 )
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rl.build import checkpointed, init_train_state, restored
-from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
-from hybridjax.rl.update import TrainState
 from hybridjax.sharding import MeshConfig, make_meshes
 from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh, train_tuple
+from hybridjax.sharding.roles import batch_sharding, data_parallel_size
 from hybridjax.sharding.validate import expert_problems
+from hybridjax.training.build import checkpointed, init_train_state, restored
+from hybridjax.training.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.training.update import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ only**. With `model.use_remove_padding` (default) the pairs of a batch are packe
 in rows of `data.max_length` tokens (`hybridjax.models.packing`, no padding computed; the
 gradient equals the padded one). Same machinery as the RL trainer: an ml_collections config
 (`sft_config()` is the schema; unknown keys are rejected), the training mesh and rule table of
-the actor, optax AdamW with verl's warmup/cosine schedule (`hybridjax.rl.optim`), orbax
+the actor, optax AdamW with verl's warmup/cosine schedule (`hybridjax.training.optim`), orbax
 checkpoints with automatic resume (`hybridjax.checkpointing`), and metrics to the console /
 JSONL / TensorBoard (`hybridjax.metrics.Tracking`, verl's SFT names `train/loss`, `train/lr`,
 `val/loss`). At the end the model is written as an HF checkpoint (with the tokenizer) that
@@ -36,8 +36,6 @@ import pyarrow.parquet as pq
 from flax import nnx
 from ml_collections import ConfigDict, FieldReference
 
-from hybridjax.config.roles import data_parallel_size
-from hybridjax.config.run import dtype_of
 from hybridjax.errors import ConfigError, InputFileError, cli_errors, run_main
 from hybridjax.models import packing
 from hybridjax.models.config import DTYPE_CHOICES, ModelConfig
@@ -47,13 +45,15 @@ from hybridjax.models.logprobs import FUSED, LogProbConfig, next_token_log_probs
 from hybridjax.models.lora import LoRAConfig, LoRAModel, apply_lora, merge_trainable
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.offline import loop
-from hybridjax.rl.forward import response_log_probs
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
     init_sharded,
 )
+from hybridjax.sharding.roles import data_parallel_size
 from hybridjax.sharding.rules import sharding_fn
 from hybridjax.tools.chat import tool_response_text
+from hybridjax.training.build import dtype_of
+from hybridjax.training.forward import response_log_probs
 
 log = logging.getLogger(__name__)
 

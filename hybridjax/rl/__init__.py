@@ -11,11 +11,11 @@ pipeline = default_pipeline(config).insert_after("reward", my_stage)
 RLTrainer(config, pipeline=pipeline).fit()
 """
 
-from hybridjax.rl.batch import RLBatch, make_batch
 from hybridjax.rl.nan_guard import NonFiniteLossError
 from hybridjax.rl.pipeline import Deferred, Pipeline, PipelineError, Stage, StepContext, stage
 from hybridjax.rl.step import default_pipeline
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.training.batch import RLBatch, make_batch
 
 __all__ = [
     "Deferred",

@@ -28,9 +28,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from hybridjax.rl.batch import RLBatch
 from hybridjax.rl.generation import HostColumns, put_global
 from hybridjax.rl.pipeline import Stage, StepContext
+from hybridjax.training.batch import RLBatch
 
 METRICS = ("score", "acc", "seq_reward")  # always available; reward-function keys too
 

@@ -23,11 +23,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hybridjax.rl.batch import RLBatch, make_batch
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rollout import Engine, SamplingParams, generate
 from hybridjax.sharding.hosts import allgather, to_local
 from hybridjax.sharding.pools import sync_weights
+from hybridjax.training.batch import RLBatch, make_batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ groups not yet admitted go back to the queue. With "recompute" the resumed run t
 what the uninterrupted run samples after its next weight swap.
 
 Only whole-batch single-turn sampling in one process: multi-turn, a greedy baseline (ReMax)
-and several processes are refused (`hybridjax.config.checks`, `RLTrainer`).
+and several processes are refused (`hybridjax.rl.checks`, `RLTrainer`).
 """
 
 from __future__ import annotations

@@ -36,11 +36,11 @@ from typing import Any
 
 import jax
 
-from hybridjax.rl.batch import RLBatch
+from hybridjax.training.batch import RLBatch
 from hybridjax.user_code import CodeNotFound, load_module
 
 BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
-# the model states a stage may use (`Stage.uses`; `hybridjax.rl.offload` moves them)
+# the model states a stage may use (`Stage.uses`; `hybridjax.training.offload` moves them)
 MODEL_STATES = ("actor", "actor_optimizer", "ref", "teacher", "critic", "critic_optimizer")
 
 
@@ -68,7 +68,7 @@ class Stage:
       name: unique within a pipeline; also the timer `timing_s/<name>`.
       fn: `fn(batch, ctx) -> RLBatch | Deferred` (`batch` is None before the first stage).
       reads, writes: `RLBatch` field names.
-      uses: the model states it reads (`MODEL_STATES`; `hybridjax.rl.offload`): offloaded
+      uses: the model states it reads (`MODEL_STATES`; `hybridjax.training.offload`): offloaded
         ones are on the devices while it runs and the other offloaded ones in host memory;
         None (a user's stage unless it says) leaves them where they are.
     """
@@ -122,7 +122,7 @@ class StepContext:
       deps: what the step reads and never changes (`hybridjax.rl.step.StepDeps`: the config,
         the engine, the reward stage, the tokenizer, the loader, the shardings); None in toy
         pipelines that need none of it.
-      models: the run's models (`hybridjax.rl.build.Models`); a stage that changes them
+      models: the run's models (`hybridjax.training.build.Models`); a stage that changes them
         (an update, an offload) replaces this field, and the step returns it.
       kl_coef: the adaptive KL coefficient (float32 scalar on the devices); `adv` replaces it.
       prompts: this step's batch of prompts from the data loader (what `gen` samples from).

@@ -46,14 +46,14 @@ from hybridjax.rewards.manager import check_outcomes, serves_model
 from hybridjax.rewards.remote import RemoteClient, RemoteConfig
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.rewards.scoring import Outcome
-from hybridjax.rl.batch import RLBatch
-from hybridjax.rl.build import forward_micro_batch
 from hybridjax.rl.generation import HostColumns, put_global
-from hybridjax.rl.packing import packing_configs
 from hybridjax.sharding import load_to_device
 from hybridjax.sharding.hosts import allgather
 from hybridjax.sharding.mesh import batch_shards, pass_mesh
 from hybridjax.sharding.pools import move_rows
+from hybridjax.training.batch import RLBatch
+from hybridjax.training.build import forward_micro_batch
+from hybridjax.training.packing import packing_configs
 
 
 def submit_rewards(

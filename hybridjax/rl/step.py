@@ -15,12 +15,12 @@ without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.
 `values` and `update_critic` without a critic, `onload` (the last stage) with no offload
 key set, `filter_groups` (DAPO's dynamic sampling) unless
 `algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
-after the rollout, `hybridjax.rl.residency`) unless `rollout.free_cache_engine`. With an
+after the rollout, `hybridjax.training.residency`) unless `rollout.free_cache_engine`. With an
 estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
 `reward` scores it. Which algorithm runs is the
 registries' business.
 
-Each device stage calls a jitted pass of `hybridjax.rl.passes`, compiled once per process
+Each device stage calls a jitted pass of `hybridjax.training.passes`, compiled once per process
 and shared by every trainer (graph definitions and `StageConfig` static). `reward` starts
 scoring and returns at once; the pipeline finishes it before `adv`, the first stage that reads
 `token_level_scores`, so scoring overlaps the log-prob and value passes.
@@ -37,26 +37,14 @@ from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
-from hybridjax.config.roles import Roles
 from hybridjax.config.run import RunConfig
 from hybridjax.metrics import compute_data_metrics, compute_perf_metrics
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rl import passes
 from hybridjax.rl.async_rollout import RolloutAhead, staleness_metrics
-from hybridjax.rl.batch import RLBatch
-from hybridjax.rl.build import Models, recompute_old_log_prob
 from hybridjax.rl.dynamic_sampling import FILTER_GROUPS
 from hybridjax.rl.evaluation import generation_samples
 from hybridjax.rl.generation import RolloutWeights, Sampler
 from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
-from hybridjax.rl.offload import (
-    any_offload,
-    misplaced,
-    move_states,
-    offload_configs,
-    offloaded_states,
-)
-from hybridjax.rl.passes import StageConfig
 from hybridjax.rl.pipeline import (
     MODEL_STATES,
     Deferred,
@@ -68,12 +56,24 @@ from hybridjax.rl.pipeline import (
     apply_entries,
     timed,
 )
-from hybridjax.rl.residency import free_cache_engine, sleep_engine
 from hybridjax.rl.reward import RewardStage
 from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
 from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh
 from hybridjax.sharding.pools import move_rows
+from hybridjax.sharding.roles import Roles
+from hybridjax.training import passes
+from hybridjax.training.batch import RLBatch
+from hybridjax.training.build import Models, recompute_old_log_prob
+from hybridjax.training.offload import (
+    any_offload,
+    misplaced,
+    move_states,
+    offload_configs,
+    offloaded_states,
+)
+from hybridjax.training.passes import StageConfig
+from hybridjax.training.residency import free_cache_engine, sleep_engine
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
 _ref_log_prob = jax.jit(passes.compute_ref_log_prob, static_argnums=(0, 3))

@@ -3,7 +3,7 @@
     gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
         → reshard
 
-At construction the config is checked (`hybridjax.config.checks`) and resolved
+At construction the config is checked (`hybridjax.rl.checks`) and resolved
 (`hybridjax.config.run.resolve`), the models, the rollout engine, the reward stage and the
 pipeline (`step.configured_pipeline`: the config's default step plus the `trainer.stages`
 edits, or one given from Python) are built, and what a step reads is frozen into
@@ -27,7 +27,6 @@ from ml_collections import ConfigDict
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.checkpointing.run_lock import hold_run_directory
-from hybridjax.config import checks
 from hybridjax.config.run import resolve, resolve_dtypes
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
@@ -36,13 +35,12 @@ from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig
 from hybridjax.rewards.guard import RewardFailureGuard
 from hybridjax.rewards.registry import check_data_sources
-from hybridjax.rl import build, step
+from hybridjax.rl import checks, step
 from hybridjax.rl.async_rollout import RolloutAhead
 from hybridjax.rl.evaluation import validate
 from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rl.nan_guard import NanGuard
-from hybridjax.rl.offload import offload_configs
 from hybridjax.rl.partial_rollout import PartialRollout
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
@@ -52,6 +50,8 @@ from hybridjax.sharding import (
     state_shardings,
 )
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share
+from hybridjax.training import build
+from hybridjax.training.offload import offload_configs
 
 log = logging.getLogger(__name__)
 

@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.moe import moe_layers
+from hybridjax.platforms import platform_of
 from hybridjax.rollout.config import RolloutConfig
 from hybridjax.rollout.decode_attention import select_decode_kernel
 from hybridjax.rollout.host_state import HostState
@@ -58,7 +59,6 @@ from hybridjax.rollout.programs import Programs, pool_pages
 from hybridjax.rollout.routing import Routing, sequence_experts
 from hybridjax.rollout.scheduler import Scheduler
 from hybridjax.rollout.slots import StepOutput
-from hybridjax.sharding.mesh import platform_of
 
 __all__ = ["Engine", "Prefix", "Request", "StepOutput"]  # re-exported
 

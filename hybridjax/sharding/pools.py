@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from hybridjax.config.roles import Roles
 from hybridjax.sharding.mesh import (
     GENERATE_AXES,
     TRAIN_AXES,
@@ -43,6 +42,7 @@ from hybridjax.sharding.mesh import (
     train_tuple,
 )
 from hybridjax.sharding.reshard import update_weights
+from hybridjax.sharding.roles import Roles
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "teacher")
 DEFAULT_POOL = "global_pool"

@@ -7,9 +7,10 @@ import pytest
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS
 from hybridjax.config import fields
-from hybridjax.config.checks import _get, validate
+from hybridjax.config.checks import _get
 from hybridjax.config.schema import base_config, declared_checks, declared_config
 from hybridjax.errors import ConfigError
+from hybridjax.rl.checks import validate
 from tests.reliability.test_config_checks import _config, _problems
 
 

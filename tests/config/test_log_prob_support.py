@@ -1,12 +1,14 @@
 """`actor_rollout_ref.rollout.log_prob_support` and `algorithm.rollout_rs`: resolved once
-(`hybridjax.rl.build`), checked at start-up beside their fields (`hybridjax.config.checks`)."""
+(`hybridjax.training.build`), checked at start-up beside their fields
+(`hybridjax.config.checks`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybridjax.config.checks import ConfigError, validate
-from hybridjax.rl import build
+from hybridjax.config.checks import ConfigError
+from hybridjax.rl.checks import validate
+from hybridjax.training import build
 from tests.rl.tiny_run import load_config_file
 
 

@@ -8,10 +8,12 @@ import dataclasses
 import pytest
 from jax.sharding import PartitionSpec
 
-from hybridjax.config.checks import ConfigError, validate, validate_models
-from hybridjax.config.roles import Roles
-from hybridjax.config.run import dtype_of, resolve, resolve_dtypes, total_steps
+from hybridjax.config.checks import ConfigError
+from hybridjax.config.run import resolve, resolve_dtypes, total_steps
 from hybridjax.models.config import ModelConfig
+from hybridjax.rl.checks import validate, validate_models
+from hybridjax.sharding.roles import Roles
+from hybridjax.training.build import dtype_of
 from tests.rl.tiny_run import load_config_file
 
 ACTOR = ModelConfig(

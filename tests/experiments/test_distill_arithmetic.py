@@ -3,8 +3,8 @@
 import pytest
 
 from experiments.examples.distill_arithmetic import rl_config
-from hybridjax.config.checks import validate
 from hybridjax.errors import ConfigError
+from hybridjax.rl.checks import validate
 
 
 def test_student_runs_differ_only_in_the_distillation_keys():

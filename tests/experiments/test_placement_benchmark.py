@@ -7,7 +7,7 @@ import importlib.util
 import pathlib
 
 from experiments.benchmarks import placement
-from hybridjax.config.checks import validate
+from hybridjax.rl.checks import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import pytest
 
 from hybridjax.memory import gpu_targets
 from hybridjax.memory import planner as plan
-from hybridjax.rl import build
+from hybridjax.training import build
 from tests.memory.test_recipes import _recipe
 from tests.rl.tiny_run import REPO
 

@@ -10,8 +10,9 @@ from jax.sharding import Mesh
 
 from hybridjax.memory import gpu_targets
 from hybridjax.models.attention import attention_backend
+from hybridjax.platforms import platform_of
 from hybridjax.rollout.decode_attention import select_decode_kernel
-from hybridjax.sharding.mesh import pass_mesh, platform_of
+from hybridjax.sharding.mesh import pass_mesh
 from tests.rl.tiny_run import REPO
 
 

@@ -10,12 +10,13 @@ import pytest
 
 import hybridjax
 from configs.tiny import get_config
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.config.run import resolve_dtypes
 from hybridjax.memory import planner as plan
 from hybridjax.memory.resident import kv_pool
-from hybridjax.rl import build
+from hybridjax.rl.checks import validate
 from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.training import build
 
 F32 = 4
 QUICKSTART_DATA = str(
@@ -261,7 +262,7 @@ def test_a_judge_holds_its_kv_pool_only_while_it_judges(tiny, free):
 
 
 def test_offloaded_states_count_only_in_the_stages_that_use_them(tiny):
-    """`fsdp_config.*_offload` (`hybridjax.rl.offload`): the reference only in `ref`, the
+    """`fsdp_config.*_offload` (`hybridjax.training.offload`): the reference only in `ref`, the
     actor's optimizer state only in `update_actor`, as the step places them."""
     c, actor, _ = tiny
     c = c.copy_and_resolve_references()

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from hybridjax.memory import planner as plan
-from hybridjax.rl import build
+from hybridjax.training import build
 from tests.rl.tiny_run import REPO
 
 pytestmark = pytest.mark.slow

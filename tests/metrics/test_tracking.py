@@ -7,8 +7,9 @@ import sys
 import pytest
 from tensorboardX.proto import event_pb2
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.metrics.tracking import Tracking, missing_logger_packages
+from hybridjax.rl.checks import validate
 from hybridjax.rl.evaluation import select_generations
 from tests.rl.tiny_run import load_config_file
 

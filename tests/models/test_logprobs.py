@@ -23,10 +23,10 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.models.logprobs import FUSED, LogProbConfig, token_log_probs
 from hybridjax.offline.dpo import sequence_log_probs
 from hybridjax.offline.sft import sft_loss
-from hybridjax.rl import build
-from hybridjax.rl import passes as stages
-from hybridjax.rl.forward import response_log_probs
 from hybridjax.sharding import ACTOR_TRAIN_RULES, BATCH_AXES, MeshConfig, init_sharded, make_meshes
+from hybridjax.training import build
+from hybridjax.training import passes as stages
+from hybridjax.training.forward import response_log_probs
 from tests.rl.test_packing import (
     CONFIG,
     PLAIN,

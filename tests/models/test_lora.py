@@ -142,7 +142,8 @@ def test_peft_loads_exported_adapter_with_same_logits(tmp_path, scan):
 
 
 def test_trainer_config_check_names_lora_keys(tmp_path):
-    from hybridjax.config.checks import ConfigError, validate
+    from hybridjax.config.checks import ConfigError
+    from hybridjax.rl.checks import validate
     from tests.rl.test_trainer_config import ACTOR, _load
 
     config = _load("tiny", tmp_path)

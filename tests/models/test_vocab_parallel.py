@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.logprobs import LogProbConfig, token_log_probs, vocab_split
-from hybridjax.rl import build
-from hybridjax.rl import passes as stages
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, init_sharded, make_meshes
+from hybridjax.training import build
+from hybridjax.training import passes as stages
 from tests.rl.test_packing import CONFIG, PLAIN, N, P, R, ragged_batch
 from tests.rl.tiny_run import load_config_file
 
@@ -179,7 +179,7 @@ def _sft_gradients(mesh, head):
     from hybridjax.models.lora import split_trainable
     from hybridjax.offline import loop
     from hybridjax.offline.sft import packed_sft_gradients
-    from hybridjax.rl.packing import PackingConfig
+    from hybridjax.training.packing import PackingConfig
 
     config = dataclasses.replace(CONFIG, vocab_size=VOCAB, num_hidden_layers=1)
     graphdef, params = nnx.split(init_sharded(CausalLM, config, mesh, ACTOR_TRAIN_RULES, seed=0))

@@ -1,4 +1,4 @@
-"""Properties of the update's micro-batch split and merge (`hybridjax.rl.update`):
+"""Properties of the update's micro-batch split and merge (`hybridjax.training.update`):
 merge ∘ split is the identity, each chunk holds the rows r ≡ i (mod chunks) in order (so a
 chunk keeps the batch axis's sharding).
 """
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # the update's own split and merge: the micro-batches a mini-batch is cut into
-from hybridjax.rl.update import _merge as merge
-from hybridjax.rl.update import _split as split
+from hybridjax.training.update import _merge as merge
+from hybridjax.training.update import _split as split
 
 FAST = settings(max_examples=25, deadline=None)
 

@@ -8,7 +8,7 @@ in the padded B×R layout, and `over_buffers` visits every row exactly once. Ran
 prompt and response lengths, groups of unequal size, prompts equal or not within a group,
 1 or 2 data-parallel pieces, 1 or 2 buffer rows per step, sharing on or off.
 
-`hybridjax.rl.packing` sizes the plans (`PackingConfig.for_budget`, `row_responses`): a row
+`hybridjax.training.packing` sizes the plans (`PackingConfig.for_budget`, `row_responses`): a row
 always holds one whole sequence, never exceeds the budget when a sequence fits it, and k is the
 cheapest by the cost model of `row_responses`'s docstring.
 """
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hybridjax.config.schema import base_config
 from hybridjax.models import packing
 from hybridjax.models.packing import STEPS_PER_BUDGET, PackingConfig, row_responses
-from hybridjax.rl.packing import PASSES, packing_configs
+from hybridjax.training.packing import PASSES, packing_configs
 
 FAST = settings(max_examples=20, deadline=None)
 B, P, R = 8, 4, 4  # one batch shape; the plan's configs vary

@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
-from hybridjax.config.checks import validate
 from hybridjax.errors import ConfigError
-from hybridjax.rl import build
+from hybridjax.rl.checks import validate
+from hybridjax.training import build
 from tests.rl.tiny_run import REPO, load_config_file
 
 DATA = REPO / "hybridjax" / "assets" / "quickstart" / "data"
@@ -282,8 +282,8 @@ def test_greedy_samples_under_a_group_estimator_warn_that_advantages_are_zero(ca
 
 
 def test_an_eos_outside_the_vocabulary_warns_in_one_line(caplog):
-    from hybridjax.config.checks import validate_models
     from hybridjax.models.config import ModelConfig
+    from hybridjax.rl.checks import validate_models
 
     config = _config()
     shape = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1)

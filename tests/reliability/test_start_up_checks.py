@@ -9,8 +9,8 @@ import pytest
 
 from hybridjax.errors import ConfigError
 from hybridjax.rewards.registry import check_data_sources
-from hybridjax.rl import build
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.training import build
 from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 

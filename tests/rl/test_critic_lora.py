@@ -16,8 +16,8 @@ from flax import nnx
 
 from hybridjax.models.decoder import SequenceClassifier
 from hybridjax.models.lora import LoRAConfig, apply_lora, merge_trainable, split_trainable
-from hybridjax.rl import build
-from hybridjax.rl.optim import OptimConfig
+from hybridjax.training import build
+from hybridjax.training.optim import OptimConfig
 from tests.models.test_lora import CONFIG, _batch
 from tests.rl.test_trainer_end_to_end import _deterministic, _run
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
@@ -67,7 +67,8 @@ def test_gradients_reach_only_critic_adapters_and_score_head():
 
 
 def test_config_check_rejects_bad_critic_target(tmp_path):
-    from hybridjax.config.checks import ConfigError, validate
+    from hybridjax.config.checks import ConfigError
+    from hybridjax.rl.checks import validate
     from tests.rl.test_trainer_config import ACTOR, _load
 
     config = _load("tiny", tmp_path)

@@ -15,9 +15,10 @@ import pytest
 from flax import nnx
 
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl import build, passes, step
+from hybridjax.rl import step
 from hybridjax.rl.pipeline import StepContext
 from hybridjax.sharding.mesh import TRAIN_AXES
+from hybridjax.training import build, passes
 from tests.rl.test_trainer_on_policy import (
     FIXED_REWARD,
     GRPO,
@@ -121,8 +122,8 @@ def test_teacher_from_a_checkpoint_and_its_vocabulary_check():
 def test_teacher_offload_key_moves_the_teacher_alone():
     """`distillation.teacher_model.fsdp_config.param_offload` sends the teacher's weights to host
     memory during generation and back; `ref.fsdp_config.param_offload` leaves them in place."""
-    from hybridjax.rl.offload import move_idle_states, offload_configs
     from hybridjax.sharding import load_to_device, offload_to_host
+    from hybridjax.training.offload import move_idle_states, offload_configs
 
     cfg = _config(**GRPO, **PURE)
     sc = build.stage_config(cfg, total_steps=1, data_parallel=1)

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from hybridjax.config.checks import validate
 from hybridjax.errors import ConfigError
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import save_pretrained
-from hybridjax.rl import build
+from hybridjax.rl.checks import validate
 from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.training import build
 from tests.reliability.test_config_checks import _config
 
 

@@ -12,14 +12,15 @@ import transformers
 from flax import nnx
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from hybridjax.config.roles import batch_sharding
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.models.hf_io import load_pretrained
-from hybridjax.rl import build, passes, step
-from hybridjax.rl.batch import make_batch
+from hybridjax.rl import step
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, make_meshes, state_shardings
 from hybridjax.sharding.mesh import pass_mesh
+from hybridjax.sharding.roles import batch_sharding
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
 from tests.models.hf_testing import VOCAB, qwen3_moe_config, write_hf_model
 from tests.rl.test_passes import MASK_BxR
 from tests.rl.test_passes import _batch as dense_batch

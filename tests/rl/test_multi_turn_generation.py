@@ -14,7 +14,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybridjax.data import gsm8k
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rl.forward import response_log_probs
 from hybridjax.rl.generation import generate_batch
 from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
 from hybridjax.rl.trainer import RLTrainer
@@ -22,6 +21,7 @@ from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 from hybridjax.tools import ToolCall, ToolExecutor
 from hybridjax.tools.calculator import CalculatorTool
 from hybridjax.tools.chat import ChatTools
+from hybridjax.training.forward import response_log_probs
 from tests.rl.tiny_run import GSM8K_JSONL, read_metrics, tiny_config
 from tests.rollout.rollout_testing import make_model
 

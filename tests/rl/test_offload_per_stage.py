@@ -15,9 +15,9 @@ import pytest
 
 from hybridjax.config.schema import base_config
 from hybridjax.rl import step
-from hybridjax.rl.build import Models
-from hybridjax.rl.offload import offload_configs
 from hybridjax.rl.pipeline import PipelineError, Stage, StepContext
+from hybridjax.training.build import Models
+from hybridjax.training.offload import offload_configs
 
 OFFLOAD_KEYS = (
     "actor_rollout_ref.actor.fsdp_config.param_offload",

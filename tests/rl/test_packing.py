@@ -21,10 +21,10 @@ from hybridjax.models import packing
 from hybridjax.models.attention import packed_attention_mask
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
-from hybridjax.rl import build, passes
-from hybridjax.rl.batch import make_batch
-from hybridjax.rl.forward import packed_map, response_log_probs, response_values
 from hybridjax.sharding import ACTOR_TRAIN_RULES, BATCH_AXES, MeshConfig, init_sharded, make_meshes
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
+from hybridjax.training.forward import packed_map, response_log_probs, response_values
 from tests.rl.tiny_run import load_config_file
 
 P, R, N = 6, 5, 4  # prompt columns, response columns, rollout.n of the stage config
@@ -385,7 +385,7 @@ def test_packed_sft_gradient_equals_padded(models):
 
 
 def test_packing_keys_are_read_and_checked():
-    from hybridjax.rl.packing import packing_configs, packing_problems
+    from hybridjax.training.packing import packing_configs, packing_problems
 
     c = load_config_file("tiny")  # P 256, R 32
     c.actor_rollout_ref.rollout.n = 4
@@ -430,7 +430,7 @@ def test_row_length_minimises_token_and_attention_work():
 def test_attention_pair_cost_of_a_model():
     from hybridjax.metrics import matmul_params
     from hybridjax.models.config import ModelConfig
-    from hybridjax.rl.packing import attention_pair_cost
+    from hybridjax.training.packing import attention_pair_cost
 
     shape = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
     config = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, **shape)

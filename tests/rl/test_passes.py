@@ -15,8 +15,8 @@ from flax import nnx
 from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl import build, passes
-from hybridjax.rl.batch import make_batch
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
 from tests.rl.tiny_run import load_config_file
 
 # 4 responses of 4 tokens after 3-token prompts; valid lengths 4, 3, 2, 1.

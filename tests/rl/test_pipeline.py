@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.config.schema import base_config
 from hybridjax.rl import step
-from hybridjax.rl.batch import make_batch
+from hybridjax.rl.checks import validate
 from hybridjax.rl.dynamic_sampling import _take, varied_groups
 from hybridjax.rl.generation import HostColumns
 from hybridjax.rl.pipeline import (
@@ -23,6 +23,7 @@ from hybridjax.rl.pipeline import (
     StepContext,
     apply_entries,
 )
+from hybridjax.training.batch import make_batch
 
 
 def _batch(rows=4, uid=(0, 0, 1, 1)):

@@ -19,12 +19,12 @@ import pytest
 from hybridjax.metrics import compute_perf_metrics
 from hybridjax.rl import step
 from hybridjax.rl.generation import generate_batch, step_seed
-from hybridjax.rl.offload import any_offload, move_idle_states
 from hybridjax.rl.pipeline import timed
-from hybridjax.rl.residency import sleep_engine
 from hybridjax.rl.trainer import RLTrainer
 from hybridjax.rollout import SamplingParams
 from hybridjax.sharding import load_to_device, offload_to_host
+from hybridjax.training.offload import any_offload, move_idle_states
+from hybridjax.training.residency import sleep_engine
 from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from flax import nnx
 
 from hybridjax.models.decoder import SequenceClassifier
 from hybridjax.models.hf_io import save_pretrained
-from hybridjax.rl import build
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.training import build
 from tests.rl.tiny_run import gsm8k_subset, tiny_config
 
 pytestmark = pytest.mark.slow

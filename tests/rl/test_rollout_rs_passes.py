@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridjax.rl import passes
+from hybridjax.training import passes
 from tests.rl.test_passes import MASK_BxR, _batch, _stage_config
 from tests.rl.test_passes import actor as actor  # noqa: F401 (the fixture)
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 from ml_collections import ConfigDict
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.models.config import ModelConfig
+from hybridjax.rl.checks import validate
 from tests.rl.tiny_run import REPO, load_config_file
 
 ACTOR = {"actor_rollout_ref.model": ModelConfig(num_attention_heads=4, num_key_value_heads=2)}

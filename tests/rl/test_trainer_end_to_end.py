@@ -16,11 +16,11 @@ from safetensors import safe_open
 from hybridjax.checkpointing.export import export_actor
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, save_pretrained
-from hybridjax.rl import build
 from hybridjax.rl import step as step_module
 from hybridjax.rl.pipeline import Stage
 from hybridjax.rl.trainer import RLTrainer
 from hybridjax.sharding.offload import host_memory_kind
+from hybridjax.training import build
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow

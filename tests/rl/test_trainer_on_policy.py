@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
-from hybridjax.rl import build, passes, step
-from hybridjax.rl.batch import make_batch
+from hybridjax.rl import step
+from hybridjax.rl.checks import validate
 from hybridjax.rl.pipeline import Stage, StepContext
-from hybridjax.rl.update import UpdateConfig
 from hybridjax.sharding.mesh import TRAIN_AXES
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
+from hybridjax.training.update import UpdateConfig
 from tests.rl.tiny_run import load_config_file
 
 MODEL = ModelConfig(

@@ -16,8 +16,8 @@ from flax import nnx
 from hybridjax.models.decoder import SequenceClassifier
 from hybridjax.models.hf_io import save_pretrained
 from hybridjax.rewards.serve import start_local
-from hybridjax.rl import build
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.training import build
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from flax import nnx
 
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, stack_layer_state
-from hybridjax.rl import build, passes
 from hybridjax.rl.trainer import RLTrainer
+from hybridjax.training import build, passes
 from tests.rl.test_passes import _batch, _stage_config
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 

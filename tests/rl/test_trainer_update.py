@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from hybridjax.algorithms.loss_agg import agg_loss
-from hybridjax.rl.batch import make_batch
 from hybridjax.rl.nan_guard import NanGuard, NonFiniteLossError
-from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
-from hybridjax.rl.update import TrainState, UpdateConfig, ppo_update
+from hybridjax.training.batch import make_batch
+from hybridjax.training.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.training.update import TrainState, UpdateConfig, ppo_update
 
 OPTIM = OptimConfig(lr=0.1, warmup_steps=0, total_steps=10, weight_decay=0.0)
 

@@ -15,6 +15,7 @@ from jax import export
 from jax.sharding import NamedSharding
 from rollout_testing import make_model, make_prompts, trainer_log_probs
 
+from hybridjax.platforms import platform_of
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate, steps
 from hybridjax.rollout import decode_attention as decode_attention_module
 from hybridjax.rollout.decode_attention import (
@@ -28,7 +29,6 @@ from hybridjax.rollout.decode_attention import (
 from hybridjax.rollout.paged_kernel import kernel_blocks, paged_attention_kernel
 from hybridjax.rollout.slots import decode_batch_size, table_widths
 from hybridjax.sharding import MeshConfig, make_meshes
-from hybridjax.sharding.mesh import platform_of
 
 # Qwen2.5-7B attention: 28 query heads, 4 kv heads of 128, bfloat16; 16-token pages.
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 28, 4, 128, 16

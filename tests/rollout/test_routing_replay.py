@@ -15,13 +15,13 @@ from test_multi_turn import CONFIG as TURNS
 from test_multi_turn import PROMPTS, SAMPLING, Scripted
 
 from hybridjax.models.moe import moe_layers, with_router_stats
-from hybridjax.rl import build, passes
-from hybridjax.rl.batch import make_batch
-from hybridjax.rl.forward import model_log_probs
 from hybridjax.rl.generation import routed_experts_array
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 from hybridjax.rollout.agent_loop import generate_multi_turn
 from hybridjax.sharding import MeshConfig, make_meshes
+from hybridjax.training import build, passes
+from hybridjax.training.batch import make_batch
+from hybridjax.training.forward import model_log_probs
 from tests.rl.tiny_run import load_config_file
 
 MOE = dataclasses.replace(

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridjax.config.roles import batch_sharding
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
 from hybridjax.offline import loop
 from hybridjax.offline.dpo import TRL_METRIC_NAMES, DPOConfig, DPOObjective
 from hybridjax.offline.sft import SFT_METRIC_NAMES, sft_objective
-from hybridjax.rl.build import init_sharded_train_state, init_train_state
-from hybridjax.rl.optim import OptimConfig
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, make_meshes, state_shardings
+from hybridjax.sharding.roles import batch_sharding
+from hybridjax.training.build import init_sharded_train_state, init_train_state
+from hybridjax.training.optim import OptimConfig
 
 MOE = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

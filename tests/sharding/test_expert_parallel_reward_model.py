@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridjax.config.roles import batch_sharding
 from hybridjax.models.decoder import SequenceClassifier
 from hybridjax.rewards import RewardConfig, RewardManager
 from hybridjax.rewards.reward_model import score_responses
 from hybridjax.rl import reward as reward_stage
-from hybridjax.rl.batch import make_batch
 from hybridjax.sharding import ACTOR_TRAIN_RULES, MeshConfig, make_meshes, state_shardings
+from hybridjax.sharding.roles import batch_sharding
+from hybridjax.training.batch import make_batch
 from tests.sharding.test_expert_parallel_offline import MOE
 
 

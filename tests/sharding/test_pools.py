@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.config.schema import base_config
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
+from hybridjax.rl.checks import validate
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     ACTOR_TRAIN_RULES,

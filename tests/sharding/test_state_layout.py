@@ -15,11 +15,11 @@ from hybridjax.models.decoder import CausalLM
 from hybridjax.offline import loop
 from hybridjax.offline.dpo import DPOConfig, DPOObjective
 from hybridjax.offline.sft import SFT_METRIC_NAMES, sft_objective
-from hybridjax.rl import build
-from hybridjax.rl.optim import OptimConfig
 from hybridjax.sharding import ACTOR_TRAIN_RULES, BATCH_AXES, make_meshes
 from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import MeshConfig, pass_mesh
+from hybridjax.training import build
+from hybridjax.training.optim import OptimConfig
 
 
 def _mesh(devices):

@@ -22,8 +22,7 @@ from hybridjax.algorithms.config import (
 )
 from hybridjax.algorithms.distillation import DistillationConfig
 from hybridjax.algorithms.registry import ROLLOUT_REJECTIONS
-from hybridjax.config.run import dtype_of
-from hybridjax.models.config import ModelConfig
+from hybridjax.models.config import AUTO_DTYPE, ModelConfig, auto_dtype
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.models.hf_io import load_pretrained, model_config_from_checkpoint
 from hybridjax.models.logprobs import LogProbConfig
@@ -36,10 +35,6 @@ from hybridjax.models.lora import (
 )
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rewards.manager import overlong_enabled
-from hybridjax.rl.optim import OptimConfig, make_optimizer
-from hybridjax.rl.packing import attention_pair_cost, packing_configs
-from hybridjax.rl.passes import StageConfig
-from hybridjax.rl.update import TrainState, UpdateConfig
 from hybridjax.sharding import (
     ACTOR_TRAIN_RULES,
     CRITIC_RULES,
@@ -50,6 +45,18 @@ from hybridjax.sharding import (
     sharding_fn,
     state_shardings,
 )
+from hybridjax.training.optim import OptimConfig, make_optimizer
+from hybridjax.training.packing import attention_pair_cost, packing_configs
+from hybridjax.training.passes import StageConfig
+from hybridjax.training.update import TrainState, UpdateConfig
+
+
+def dtype_of(name: str, backend: str | None = None) -> str:
+    """`name`, or for `auto` the compute dtype of `backend` (default `jax.default_backend()`):
+    bfloat16 on GPU and TPU, float32 on CPU (`hybridjax.models.config.auto_dtype`)."""
+    if name != AUTO_DTYPE:
+        return name
+    return auto_dtype(jax.default_backend() if backend is None else backend)
 
 
 def _fresh_train_state(params: Any, optim: OptimConfig) -> TrainState:

@@ -46,8 +46,8 @@ from hybridjax.models.logprobs import LogProbConfig, log_probs_at
 from hybridjax.models.lora import merged_model
 from hybridjax.models.moe import RouterStats, with_router_stats
 from hybridjax.models.packing import PackingConfig
-from hybridjax.rl.batch import RLBatch
-from hybridjax.rl.forward import (
+from hybridjax.training.batch import RLBatch
+from hybridjax.training.forward import (
     map_micro_batches,
     model_log_probs,
     model_log_probs_and_hidden,
@@ -56,8 +56,8 @@ from hybridjax.rl.forward import (
     response_log_probs,
     response_values,
 )
-from hybridjax.rl.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
-from hybridjax.rl.update import TrainState, UpdateConfig, ppo_update
+from hybridjax.training.optim import OptimConfig, learning_rate, make_optimizer, set_learning_rate
+from hybridjax.training.update import TrainState, UpdateConfig, ppo_update
 
 
 @dataclasses.dataclass(frozen=True)

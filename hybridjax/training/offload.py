@@ -25,8 +25,8 @@ from typing import Any
 import jax
 from ml_collections import ConfigDict
 
-from hybridjax.rl.build import Models
 from hybridjax.sharding import OffloadConfig
+from hybridjax.training.build import Models
 
 
 def offload_configs(cfg: ConfigDict) -> dict[str, OffloadConfig]:

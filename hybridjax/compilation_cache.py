@@ -5,9 +5,7 @@ first step). With a cache directory set, XLA's executables are written there, ke
 program, the JAX version, the devices and the flags, and a later run of the same config loads
 them instead of compiling. `trainer.compilation_cache_dir` (default `auto`: on a GPU or TPU
 backend `jax/` under the user's cache directory, `platformdirs.user_cache_dir("hybridjax")`
-when platformdirs is installed, else `~/.cache/hybridjax`; on CPU off, because XLA's CPU
-executable serializer (JAX 0.10) crashed the process with a segfault in
-`executable.serialize()` while writing entries, twice in our test suite, and CPU programs of
+when platformdirs is installed, else `~/.cache/hybridjax`; on CPU off, because CPU programs of
 our sizes compile in seconds; `""` turns the cache off, a path turns it on anywhere) is
 applied through
 `jax.config.update("jax_compilation_cache_dir", ...)` before the first compile, by

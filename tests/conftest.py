@@ -3,13 +3,13 @@
 `HYBRIDJAX_TEST_PLATFORMS` (default `cpu`) sets `jax_platforms`; `experiments/gpu/check.sh` runs
 the `gpu`-marked tests with `cuda,cpu`. Those tests are skipped where JAX has no GPU.
 
-JAX's persistent compilation cache is off unless `HYBRIDJAX_TEST_JAX_CACHE` names a folder (a
-developer's warm reruns: a second run of the same tests then compiles little). It is off by
-default, CI included, because XLA's CPU executable serializer (JAX 0.10) crashed the slow suite
-with a segfault in `executable.serialize()` while writing entries, twice in fresh clones, and a
-cold run (every CI run) gained nothing measurable from it. When on, it goes through environment
-variables, so the runs the tests start as subprocesses share it; it is keyed on the program,
-the JAX version and the flags, so a stale entry is never used.
+JAX's persistent compilation cache is on, in `.jax_cache/` at the repository's root (git ignores
+it) unless `HYBRIDJAX_TEST_JAX_CACHE` names another folder (`""` turns it off). The run's two
+workers and its phases share it, and so do the runs the tests start as subprocesses (it goes
+through environment variables): a program compiled once, by any test, is loaded by the next that
+builds it (a new engine or trainer jits its programs afresh, and every test file ends by dropping
+the process's compiled programs). It is keyed on the program, the JAX version and the flags, so a
+stale entry is never used. Programs that compiled in under half a second are not written.
 """
 
 import gc
@@ -27,11 +27,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if os.environ.get("HYBRIDJAX_TEST_FULL_OPTIMIZATION") != "1":
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {TEST_XLA_FLAGS}".strip()
-if os.environ.get("HYBRIDJAX_TEST_JAX_CACHE"):
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["HYBRIDJAX_TEST_JAX_CACHE"])
-    # programs that took a second or more to compile (JAX's default), of any size; a size
-    # limit turns on the cache's file lock (parallel workers and their runs share it)
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+_JAX_CACHE = os.environ.get(
+    "HYBRIDJAX_TEST_JAX_CACHE",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
+)
+if _JAX_CACHE:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE)
+    # a size limit turns on the cache's file lock (parallel workers and their runs share it)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
@@ -66,10 +69,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """After each test file, drop JAX's compiled programs and tracing caches: one process runs
-    the whole slow suite (and an xdist worker half the fast one), and XLA's CPU compiler
-    segfaulted twice, at the same point of the slow suite, in a test that passes alone, after
-    25 minutes of programs accumulating in the process."""
+    """After each test file, drop JAX's compiled programs and tracing caches. Each XLA:CPU
+    executable a process keeps holds memory maps of its own (about 33 for a small program), and
+    a process near `vm.max_map_count` (65,530) dies inside XLA's compiler or serializer with
+    SIGSEGV: a worker of the fast suite, and the slow suite in one process, used to pile up
+    programs until it did (`experiments/xla_memory_maps.py` reproduces it in seconds). The
+    persistent cache above gives the next file's programs back without compiling them."""
     yield
     jax.clear_caches()
     gc.collect()

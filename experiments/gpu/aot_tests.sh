@@ -25,6 +25,7 @@ jax=$("$aot/bin/python" -c 'import jax; print(jax.__version__)')
 "$aot/bin/pip" install -q --disable-pip-version-check --no-deps \
   "jax-cuda12-plugin==$jax" "jax-cuda12-pjrt==$jax" "nvidia-cuda-nvcc-cu12>=12.9"
 # XLA's full optimisation, as a user's compile (tests/conftest.py lowers it for the CPU tests)
-HYBRIDJAX_TEST_FULL_OPTIMIZATION=1 exec "$aot/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile -p no:cacheprovider \
+# compile-only GPU programs stay out of the tests' persistent cache (tests/conftest.py)
+HYBRIDJAX_TEST_JAX_CACHE= HYBRIDJAX_TEST_FULL_OPTIMIZATION=1 exec "$aot/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile -p no:cacheprovider \
   tests/rollout/test_kernel_gpu_compile.py tests/sharding/test_state_layout.py \
   tests/memory/test_gpu_plan.py tests/memory/test_gpu_targets.py "$@"

@@ -4,8 +4,9 @@
 this option a worker also takes one file at a time, and once it has run for SECONDS it finishes
 its file, exits, and a fresh worker (a new process: imports, collection, 20-30 s) takes the next
 file. Compiled XLA programs therefore never pile up in one process for longer than that (the
-slow suite in one process segfaulted inside XLA:CPU's compiler and serializer after 25 minutes),
-and 0 gives every file a process of its own.
+slow suite in one process segfaulted inside XLA:CPU's compiler and serializer after 25 minutes,
+when its programs' memory maps reached `vm.max_map_count`: experiments/xla_memory_maps.py), and 0
+gives every file a process of its own.
 
 A worker that dies (a signal, `os._exit`) fails the test it was running, with the signal in the
 report ("worker 'gw1' crashed while running 'tests/x.py::test_y' (killed by SIGSEGV)"); the rest

@@ -41,7 +41,12 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
       UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
     """
     from hybridjax.checkpointing import hold_directory
-    from hybridjax.checkpointing.export import check_export_target, export_actor, export_protected
+    from hybridjax.checkpointing.export import (
+        check_export_target,
+        export_actor,
+        export_inputs,
+        export_protected,
+    )
     from hybridjax.checkpointing.run_lock import hold_run_directory
     from hybridjax.rl.trainer import RLTrainer
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
@@ -63,7 +68,8 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
     if export_hf:  # held as a run holds its directory, then checked under the lock
         lock = hold_directory(export_hf, "--export_hf", create=False) if is_main() else None
-        check_export_target(os.path.abspath(export_hf), overwrite, export_protected(config))
+        check_export_target(os.path.abspath(export_hf), overwrite, export_protected(config),
+                            export_inputs(config))  # fmt: skip
     trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
         if export_hf:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shlex
@@ -122,9 +123,25 @@ def _under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+@functools.cache
+def _bwrap_disables_userns() -> bool:
+    """Whether this bwrap has `--disable-userns` (bubblewrap 0.8 and later); warns once if not:
+    the code could then make a user namespace and mount a tmpfs no size bounds."""
+    usage = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    if "--disable-userns" in usage:
+        return True
+    log.warning(
+        "python tool: this bwrap lacks --disable-userns (bubblewrap < 0.8): sandboxed code "
+        "can mount file systems of its own, which max_file_mb does not bound"
+    )
+    return False
+
+
 def bwrap_args(limits: Limits) -> list[str]:
     """The bubblewrap command line up to the sandboxed program (see the module docstring)."""
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    if _bwrap_disables_userns():  # no user namespace inside, so no mount of a tmpfs of its own
+        args += ["--unshare-user", "--disable-userns"]
     args += ["--uid", _NOBODY, "--gid", _NOBODY, "--cap-drop", "ALL"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
@@ -209,14 +226,16 @@ def _run(
         start_new_session=True,
     )
     out, err = _Reader(proc.stdout, limits.max_output), _Reader(proc.stderr, limits.max_output)
-    supervisor = None
-    if cgroup is None:  # what the kernel does not bound, the supervisor does
-        supervisor = Supervisor(
-            proc.pid,
-            max_processes=None if kernel_counts_tasks(None, isolation) else limits.max_processes,
-            memory_mb=limits.memory_mb,
-            overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
-        )
+    # what the kernel does not bound, the supervisor does: without a cgroup, the processes and
+    # their memory; always, the files of the private tmpfs (a cgroup v1 may not count them)
+    supervisor = Supervisor(
+        proc.pid,
+        max_processes=None if kernel_counts_tasks(cgroup, isolation) else limits.max_processes,
+        memory_mb=limits.memory_mb,
+        overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
+        tmpfs=_PRIVATE_DIRS if isolation == "bwrap" else (),
+        count_processes=cgroup is None,
+    )
     try:
         rc = proc.wait(timeout=limits.timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -224,14 +243,13 @@ def _run(
         proc.wait()
         raise TimeoutError(f"code ran longer than {limits.timeout_s} s") from e
     finally:
-        if supervisor is not None:
-            supervisor.stop()
+        supervisor.stop()
         _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
         if cgroup is not None:
             cgroup.kill()  # and those that left the group (`none`: a new session)
         out.join(_DRAIN_S)  # a process that left both (`none`, no cgroup) may hold the
         err.join(_DRAIN_S)  # pipes open for ever: what it writes later is not waited for
-    said = f"sandbox: stopped: {supervisor.reason}" if supervisor and supervisor.reason else ""
+    said = f"sandbox: stopped: {supervisor.reason}" if supervisor.reason else ""
     if out.is_alive() or err.is_alive():
         said = "sandbox: a process that left the sandbox holds its output; not waited for"
     if cgroup is not None and cgroup.out_of_memory():

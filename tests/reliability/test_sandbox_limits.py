@@ -33,6 +33,19 @@ HOLD = (
 )
 # issue 48: 2 GB written to /work in 0.9 s
 FILL = "for i in range(2048):\n    open(f'{}/f{{i}}', 'wb').write(b'x' * (1 << 20))"
+# memory no process maps (issue 48's second probe: 600 MB under memory_mb=256 unseen by the
+# supervisor): memory files held open, and empty files (each an inode and a dentry)
+MEMFDS = (
+    "import os\nfds = []\nfor i in range(20):\n    fds.append(os.memfd_create(f'm{i}'))\n"
+    "    for _ in range(15):\n        os.write(fds[-1], b'x' * (1 << 20))\nprint(len(fds))"
+)
+FILES = "n = 0\nwhile True:\n    open(f'/tmp/{n}', 'w').close()\n    n += 1"
+# a user namespace of its own would let the code mount a tmpfs that nothing bounds
+USERNS = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\n"
+    "print('unshared')"
+)
 CASES = {  # name: (code, kwargs)
     "runs": ("print(6 * 7)", {}),
     "twenty-children": (SPAWN.format(20), {}),
@@ -42,6 +55,9 @@ CASES = {  # name: (code, kwargs)
     "fill-tmp": (FILL.format("/tmp"), {}),
     "fill-shm": (FILL.format("/dev/shm"), {}),
     "write-root": ("open('/planted', 'w')", {}),
+    "memory-files": (MEMFDS, {"memory_mb": 96, "timeout_s": 20}),
+    "many-empty-files": (FILES, {"memory_mb": 96, "timeout_s": 20}),
+    "user-namespace": (USERNS, {}),
 }
 
 
@@ -60,6 +76,10 @@ def check(name: str, rc: int, out: str, err: str) -> None:
         assert rc == 1 and "No space left on device" in err, err
     elif name == "write-root":
         assert rc == 1 and "Read-only file system" in err, err
+    elif name in ("memory-files", "many-empty-files"):  # the cgroup or the supervisor
+        assert rc != 0 and "sandbox: " in err and "memory_mb=96" in err, (rc, out, err)
+    elif name == "user-namespace":
+        assert rc == 1 and "unshared" not in out, (rc, out, err)
 
 
 @pytest.mark.parametrize("mechanism", ["best", "supervisor"])

@@ -234,6 +234,7 @@ def _run(
         memory_mb=limits.memory_mb,
         overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
         tmpfs=_PRIVATE_DIRS if isolation == "bwrap" else (),
+        tmpfs_mb=limits.max_file_mb,
         count_processes=cgroup is None,
     )
     try:

@@ -225,13 +225,13 @@ def _tree_by_parents(root: int) -> list[int]:
 
 
 def _usage(
-    pids: list[int], count_processes: bool = True, tmpfs: tuple[str, ...] = ()
+    pids: list[int], count_processes: bool = True, tmpfs: tuple[str, ...] = (), tmpfs_mb: int = 0
 ) -> tuple[int, int]:
     """(tasks, bytes) of `pids`: their threads, and (`count_processes`) their proportional
     set size (shared pages split between their sharers, so forked children are not counted
     twice; resident size where /proc/<pid>/smaps_rollup is missing) plus the memory files they
-    hold open, and the use of the private tmpfs `tmpfs` as their mount namespace sees them. A
-    process that has exited counts nothing."""
+    hold open, and the use of the private tmpfs `tmpfs` (of `tmpfs_mb` each) as their mount
+    namespace sees them. A process that has exited counts nothing."""
     tasks = used = 0
     memfds: dict[tuple[int, int], int] = {}
     for pid in pids:
@@ -241,7 +241,7 @@ def _usage(
             if count_processes:
                 used += _pss(pid)
                 memfds.update(_memfds(pid))
-    return tasks, used + sum(memfds.values()) + _tmpfs_use(pids, tmpfs)
+    return tasks, used + sum(memfds.values()) + _tmpfs_use(pids, tmpfs, tmpfs_mb)
 
 
 def _memfds(pid: int) -> dict[tuple[int, int], int]:
@@ -255,21 +255,21 @@ def _memfds(pid: int) -> dict[tuple[int, int], int]:
     return held
 
 
-def _tmpfs_use(pids: list[int], dirs: tuple[str, ...]) -> int:
-    """Bytes and `INODE_BYTES` per file of the tmpfs `dirs`, seen from the first of `pids`
-    in another mount namespace than ours (the sandbox's); 0 before it has one."""
-    if not dirs:
-        return 0
+def _tmpfs_use(pids: list[int], dirs: tuple[str, ...], size_mb: int) -> int:
+    """Bytes and `INODE_BYTES` per file of the tmpfs of `size_mb` at `dirs`, seen from the
+    first of `pids` in another mount namespace than ours (the sandbox's); a directory not
+    (yet) such a tmpfs counts nothing (bwrap mounts them after it enters its namespace)."""
     ours = os.readlink("/proc/self/ns/mnt")
-    for pid in pids:
+    for pid in pids if dirs else []:
         with contextlib.suppress(OSError):
             if os.readlink(f"/proc/{pid}/ns/mnt") == ours:
                 continue
             used = 0
             for d in dirs:
                 st = os.statvfs(f"/proc/{pid}/root{d}")
-                used += (st.f_blocks - st.f_bfree) * st.f_frsize
-                used += (st.f_files - st.f_ffree) * INODE_BYTES
+                if st.f_blocks * st.f_frsize <= (size_mb << 20) + _PAGE:
+                    used += (st.f_blocks - st.f_bfree) * st.f_frsize
+                    used += (st.f_files - st.f_ffree) * INODE_BYTES
             return used
     return 0
 
@@ -291,8 +291,8 @@ class Supervisor(threading.Thread):
     `max_processes` + `overhead` (the sandbox's own launcher processes) or its memory exceeds
     `memory_mb`, kills process group `pid` and says why in `reason`. Memory: the sum of
     proportional set sizes and held memory files (`count_processes`; off where a cgroup
-    bounds them) and the use of the sandbox's private tmpfs `tmpfs` (see `_usage`). A limit of
-    None is not checked (a kernel mechanism bounds it exactly)."""
+    bounds them) and the use of the sandbox's private tmpfs `tmpfs` of `tmpfs_mb` each (see
+    `_usage`). A limit of None is not checked (a kernel mechanism bounds it exactly)."""
 
     def __init__(
         self,
@@ -301,10 +301,11 @@ class Supervisor(threading.Thread):
         memory_mb: int | None,
         overhead: int,
         tmpfs: tuple[str, ...] = (),
+        tmpfs_mb: int = 0,
         count_processes: bool = True,
     ):
         super().__init__(daemon=True)
-        self.pid, self.overhead, self.tmpfs = pid, overhead, tmpfs
+        self.pid, self.overhead, self.tmpfs, self.tmpfs_mb = pid, overhead, tmpfs, tmpfs_mb
         self.max_processes, self.memory_mb = max_processes, memory_mb
         self.count_processes = count_processes
         self.reason = ""
@@ -313,7 +314,8 @@ class Supervisor(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(POLL_S):
-            tasks, used = _usage(_tree(self.pid), self.count_processes, self.tmpfs)
+            tree = _tree(self.pid)
+            tasks, used = _usage(tree, self.count_processes, self.tmpfs, self.tmpfs_mb)
             if self.max_processes is not None and tasks > self.max_processes + self.overhead:
                 self.reason = f"more than max_processes={self.max_processes} processes"
             elif self.memory_mb is not None and used > self.memory_mb << 20:

@@ -148,3 +148,28 @@ def test_the_process_tree_is_found_with_or_without_proc_children():
     finally:
         os.killpg(shell.pid, 9)
         shell.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a mount namespace (root)")
+def test_the_tmpfs_count_ignores_a_directory_that_is_not_yet_the_sandboxs_tmpfs():
+    """Before bwrap mounts its tmpfs, /proc/<pid>/root/tmp is the host's /tmp: it counts
+    nothing (it counted the host disk's 100 GB, stopping a run that had just started); once
+    mounted, its files count."""
+    import subprocess
+    import time
+
+    script = "{} sleep 5"
+    for mount, counted in [
+        ("", 0),
+        ("mount -t tmpfs -o size=16m tmpfs /tmp && touch /tmp/a &&", 1),
+    ]:
+        ns = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               script.format(mount)], start_new_session=True)  # fmt: skip
+        try:
+            time.sleep(0.5)
+            pids = sandbox_limits._tree(ns.pid)
+            used = sandbox_limits._tmpfs_use(pids, ("/tmp",), 16)
+            assert used == 0 if not counted else used >= sandbox_limits.INODE_BYTES, used
+        finally:
+            os.killpg(ns.pid, 9)
+            ns.wait()

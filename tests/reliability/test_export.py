@@ -249,6 +249,7 @@ def test_export_to_the_parent_of_a_live_run_is_refused_and_the_run_goes_on(tmp_p
     assert "Traceback" not in export.stderr
     assert holder.returncode == 0
     assert sorted(os.listdir(run)) == ["global_step_0.txt", "global_step_1.txt"]
+    assert not (tmp_path / ".parent.lock").exists()  # a refused target gets no lock file beside
 
 
 def test_a_crash_while_writing_leaves_the_old_export(tmp_path, model_and_tokenizer, monkeypatch):

@@ -214,6 +214,13 @@ def create_app(
     )
     guarded = [fastapi.Depends(authorize)]
 
+    @app.exception_handler(fastapi.exceptions.RequestValidationError)
+    async def invalid(request, exc) -> fastapi.responses.JSONResponse:
+        """422 naming each problem's place and rule, without echoing the input (a NaN in it
+        cannot be written as JSON: the default answer was a 500 and a traceback)."""
+        errors = [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]
+        return fastapi.responses.JSONResponse({"detail": errors}, status_code=422)
+
     if model is not None:
         health = {"status": "ok", "kind": "model", "devices": model.devices,
                   "serves": f"model {model.path}"}  # fmt: skip

@@ -102,6 +102,8 @@ def test_bad_requests_get_4xx(server):
     assert malformed.status_code == 422 and "JSON" in malformed.text
     missing = httpx.post(f"{server}/score", json={"rows": [{"solution_str": "x"}]}, headers=auth)
     assert missing.status_code == 422 and "data_source" in missing.text
+    nan = httpx.post(f"{server}/score", content=b'{"rows": NaN}', headers=json_type)
+    assert nan.status_code == 422 and "rows" in nan.text  # was a 500 (the NaN echoed back)
     assert httpx.post(f"{server}/score", json={"rows": []}).status_code == 401
     wrong = httpx.post(f"{server}/score", json={"rows": []}, headers={"Authorization": "Bearer x"})
     assert wrong.status_code == 401

@@ -10,6 +10,7 @@ Each call starts `prlimit ... bwrap ... [prlimit --nproc] python -I -c CODE` wit
   * the only writable places: a private, empty working directory `/work`, `/tmp` and
     `/dev/shm`, each a tmpfs of at most `max_file_mb` (an interpreter prefix under one of them
     is mounted over it, read-only);
+  * a seccomp filter refusing SysV shared memory and message queues (`sandbox_seccomp`);
   * rlimits on CPU time, address space (per process), file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
   * `max_processes` and `memory_mb` for the whole run, whoever runs it
@@ -47,6 +48,7 @@ from hybridjax.tools.sandbox_limits import (
     inner_prlimit,
     kernel_counts_tasks,
 )
+from hybridjax.tools.sandbox_seccomp import ipc_filter
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +196,29 @@ def run_python(
         cgroup = RunCgroup.create(limits.max_processes, limits.memory_mb)
         if cgroup is not None:
             stack.callback(cgroup.close)
+        fds: tuple[int, ...] = ()
         if isolation == "bwrap":
             inner = [] if cgroup else inner_prlimit(limits.max_processes)
-            command, cwd = limits.prlimit_args() + bwrap_args(limits) + inner + python, None
+            seccomp, fds = _seccomp(stack)
+            command = limits.prlimit_args() + bwrap_args(limits) + seccomp + inner + python
+            cwd = None
         else:
             cwd = stack.enter_context(tempfile.TemporaryDirectory())
             command = limits.prlimit_args() + python
-        return _run(_joining(cgroup) + command, limits, cwd, cgroup, isolation)
+        return _run(_joining(cgroup) + command, limits, cwd, cgroup, isolation, fds)
+
+
+def _seccomp(stack: contextlib.ExitStack) -> tuple[list[str], tuple[int, ...]]:
+    """bwrap's `--seccomp FD` arguments and the fd to pass (a pipe holding the program of
+    `sandbox_seccomp.ipc_filter`, closed with `stack`); none on an architecture without one."""
+    program = ipc_filter()
+    if program is None:
+        return [], ()
+    read, write = os.pipe()
+    os.write(write, program)  # 72 bytes: the pipe holds them
+    os.close(write)
+    stack.callback(os.close, read)
+    return ["--seccomp", str(read)], (read,)
 
 
 def _joining(cgroup: RunCgroup | None) -> list[str]:
@@ -213,13 +231,19 @@ def _joining(cgroup: RunCgroup | None) -> list[str]:
 
 
 def _run(
-    command: list[str], limits: Limits, cwd: str | None, cgroup: RunCgroup | None, isolation: str
+    command: list[str],
+    limits: Limits,
+    cwd: str | None,
+    cgroup: RunCgroup | None,
+    isolation: str,
+    fds: tuple[int, ...] = (),
 ) -> tuple[int, str, str]:
     env = {"PATH": os.environ.get("PATH", "")}
     proc = subprocess.Popen(
         command,
         cwd=cwd,
         env=env,
+        pass_fds=fds,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -21,8 +21,8 @@ run together) are bounded by the first mechanism this machine and user allow:
     gigabyte that no page count shows). With a cgroup the supervisor still counts the tmpfs
     files, which a cgroup v1 without kernel-memory accounting does not. It may overshoot by
     what a run allocates in one poll; each process also keeps `RLIMIT_AS` of `memory_mb`.
-    Not counted without a cgroup: SysV shared memory no process has attached, pipe and socket
-    buffers (bounded by `max_open_files` per process).
+    Not counted without a cgroup: pipe and socket buffers (bounded by `max_open_files` per
+    process); SysV shared memory and message queues cannot be made (`sandbox_seccomp`).
 
 `mechanisms(run_cgroup, isolation)` names what bounds a run; the python tool logs it (at INFO)
 when it is built.

@@ -46,6 +46,12 @@ USERNS = (
     "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\n"
     "print('unshared')"
 )
+# SysV shared memory no process has attached: 600 MB held under memory_mb=256 as nobody
+SYSV = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.shmget(0, 64 << 20, 0o1600) < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
+    "print('created')"
+)
 CASES = {  # name: (code, kwargs)
     "runs": ("print(6 * 7)", {}),
     "twenty-children": (SPAWN.format(20), {}),
@@ -58,6 +64,7 @@ CASES = {  # name: (code, kwargs)
     "memory-files": (MEMFDS, {"memory_mb": 96, "timeout_s": 20}),
     "many-empty-files": (FILES, {"memory_mb": 96, "timeout_s": 20}),
     "user-namespace": (USERNS, {}),
+    "sysv-shared-memory": (SYSV, {}),
 }
 
 
@@ -78,8 +85,8 @@ def check(name: str, rc: int, out: str, err: str) -> None:
         assert rc == 1 and "Read-only file system" in err, err
     elif name in ("memory-files", "many-empty-files"):  # the cgroup or the supervisor
         assert rc != 0 and "sandbox: " in err and "memory_mb=96" in err, (rc, out, err)
-    elif name == "user-namespace":
-        assert rc == 1 and "unshared" not in out, (rc, out, err)
+    elif name in ("user-namespace", "sysv-shared-memory"):
+        assert rc == 1 and "unshared" not in out and "created" not in out, (rc, out, err)
 
 
 @pytest.mark.parametrize("mechanism", ["best", "supervisor"])

@@ -108,10 +108,20 @@ def cli_errors(program: str) -> Iterator[None]:
         if debug:
             traceback.print_exc()
         _exit(f"{program}: error: {err}", EXIT_USER_ERROR)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: stop at once
         if debug:
             traceback.print_exc()
-        _exit(f"{program}: interrupted", EXIT_INTERRUPTED)
+        sys.stdout.flush()
+        print(f"{program}: interrupted", file=sys.stderr, flush=True)
+        # leave now: the checkpoint writer's threads, stopped in the middle of a save, would
+        # print their tracebacks at interpreter shutdown (the last completed checkpoint is
+        # kept); the log is flushed and the run locks' records emptied first
+        from hybridjax.checkpointing.run_lock import release_all
+
+        for handler in logging.getLogger().handlers:  # the console and the run's log file
+            handler.flush()
+        release_all()
+        _leave_now(EXIT_INTERRUPTED)
     except Exception as err:
         full = _disk_full(err)
         if full is None:

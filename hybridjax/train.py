@@ -41,7 +41,12 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
       UserError (`hybridjax.errors`): a config, data, model, checkpoint or export problem.
     """
     from hybridjax.checkpointing import hold_directory
-    from hybridjax.checkpointing.export import check_export_target, export_actor, export_protected
+    from hybridjax.checkpointing.export import (
+        check_export_target,
+        export_actor,
+        export_inputs,
+        export_protected,
+    )
     from hybridjax.checkpointing.run_lock import hold_run_directory
     from hybridjax.rl.trainer import RLTrainer
     from hybridjax.sharding.hosts import DistributedConfig, initialize, is_main, process_suffix
@@ -61,9 +66,12 @@ def run(config, export_hf: str = "", overwrite: bool = False) -> None:
     writable = not export_hf and (os.path.isdir(out) or not os.path.lexists(out))
     lock = hold_run_directory(config) if writable and is_main() else None  # before any write
     configure_logging(os.path.join(logs, f"train{process_suffix()}.log") if writable else None)
-    if export_hf:  # held as a run holds its directory, then checked under the lock
+    if export_hf:  # checked first (a refused target gets no lock file beside it), held as a
+        # run holds its directory, then checked again under the lock
+        target = (os.path.abspath(export_hf), overwrite, export_protected(config))
+        check_export_target(*target, export_inputs(config))
         lock = hold_directory(export_hf, "--export_hf", create=False) if is_main() else None
-        check_export_target(os.path.abspath(export_hf), overwrite, export_protected(config))
+        check_export_target(*target, export_inputs(config))
     trainer = RLTrainer(config, read_only=bool(export_hf))
     try:
         if export_hf:

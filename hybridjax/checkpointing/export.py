@@ -4,9 +4,13 @@ An export only ever replaces an export. It writes, beside its files, a manifest
 `.hybridjax-export.json` listing them; a target that exists and is not empty is refused unless
 `overwrite` is given, and even then it is replaced only when it holds an earlier export and
 nothing else (every file listed in its manifest). Refused, with one line naming the path and
-why: a run directory or any of its parents, anything inside a checkpoint directory
-(`global_step_<N>`), a directory holding a run's lock file (`.<name>.lock`, a live or past run)
-or checkpoints, and a directory with files the export did not write. The caller holds the
+why: a run directory or any of its parents, a model directory the run reads (`inputs`: its
+model, tokenizer, critic, reward model, teacher) or any of its parents, anything inside a
+checkpoint directory (`global_step_<N>`, or any directory holding orbax's
+`_CHECKPOINT_METADATA`), a directory holding a run's lock file (`.<name>.lock`, a live or past
+run) or checkpoints, and a directory with files the export did not write. Paths are compared
+as real paths and as files (`os.path.samefile`), so another spelling (a link, a bind mount)
+of the same directory is refused too. The caller holds the
 target through the run lock (`run_lock.hold(..., create=False)`), so a run and an export, or
 two exports, never share it.
 
@@ -25,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import jax
 from flax import nnx
@@ -39,13 +43,16 @@ log = logging.getLogger(__name__)
 
 MANIFEST = ".hybridjax-export.json"  # the files an export wrote, relative to its directory
 _CHECKPOINT = re.compile(rf"{STEP_PREFIX}_\d+(\..*)?")  # a step, its orbax tmp or set-aside copy
+_CHECKPOINT_MARKER = "_CHECKPOINT_METADATA"  # in every checkpoint orbax has written
 _LOCK = re.compile(r"\..+\.lock")  # `run_lock.lock_path`'s name
 _MAX_SCANNED = 100_000  # entries looked at under a target before it is refused as too big
 _SHOWN = 5
 
 
 def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_SHOWN])
+    """Up to `_SHOWN` names, each on the same line (a name with a newline or bytes that are
+    not text is shown as Python writes it)."""
+    shown = ", ".join(n if n.isprintable() else repr(n) for n in names[:_SHOWN])
     return shown + (f", ... ({len(names)} entries)" if len(names) > _SHOWN else "")
 
 
@@ -76,19 +83,36 @@ def _scan(directory: str) -> tuple[list[str], list[str], bool]:
     return files, checkpoints, False
 
 
-def _protected_problem(path: str, protected: Iterable[str]) -> str | None:
+def _protected_problem(
+    path: str, protected: Iterable[str], inputs: Mapping[str, str] | None = None
+) -> str | None:
     """Why `path` (a real path) may not be an export target given the run directories
-    `protected`, or None."""
+    `protected` and the model directories the run reads `inputs` ({config key: path}), or
+    None. Each is matched by real path and by `os.path.samefile` (bind mounts)."""
     for parent in [path, *_ancestors(path)]:
-        if _CHECKPOINT.fullmatch(os.path.basename(parent)):
+        marked = os.path.isfile(os.path.join(parent, _CHECKPOINT_MARKER))
+        if _CHECKPOINT.fullmatch(os.path.basename(parent)) or marked:
             return f"is inside the checkpoint directory {parent}"
-    for run in protected:
-        run = os.path.realpath(os.path.abspath(run))
-        if path == run:
-            return "is the run's directory (trainer.default_local_dir), which holds its checkpoints"
-        if run.startswith(path.rstrip(os.sep) + os.sep):
-            return f"holds the run directory {run}"
+    named = [(run, "the run's directory (trainer.default_local_dir), which holds its "
+              "checkpoints", "the run directory") for run in protected]  # fmt: skip
+    named += [(p, f"{key}, a model the run reads", f"the model of {key},")
+              for key, p in (inputs or {}).items()]  # fmt: skip
+    for other, what, held in named:
+        if not other:
+            continue
+        other = os.path.realpath(os.path.abspath(other))
+        if path == other or _same_file(path, other):
+            return f"is {what}"
+        if any(path == p or _same_file(path, p) for p in _ancestors(other)):
+            return f"holds {held} {other}"
     return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing
+        return False
 
 
 def _ancestors(path: str) -> list[str]:
@@ -99,18 +123,24 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def check_export_target(directory: str, overwrite: bool, protected: Iterable[str] = ()) -> None:
+def check_export_target(
+    directory: str,
+    overwrite: bool,
+    protected: Iterable[str] = (),
+    inputs: Mapping[str, str] | None = None,
+) -> None:
     """Raises `ExportError` unless `directory` may receive an export: absent, an empty
     directory, or (with `overwrite`) a directory holding an earlier export and nothing else.
-    Never one of the run directories `protected` or a parent of one, never inside a checkpoint
-    directory, never a directory holding a run lock or checkpoints. Call it before any long
-    work (and again just before writing). Each refusal is one line naming the path and why.
+    Never one of the run directories `protected`, a model directory the run reads (`inputs`,
+    {config key: path}) or a parent of either, never inside a checkpoint directory, never a
+    directory holding a run lock or checkpoints. Call it before any long work (and again just
+    before writing). Each refusal is one line naming the path and why.
     """
     shown = directory
     path = os.path.realpath(os.path.abspath(directory))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ExportError(f"export target {shown} exists and is not a directory")
-    problem = _protected_problem(path, protected)
+    problem = _protected_problem(path, protected, inputs)
     if problem:
         raise ExportError(f"export target {shown} {problem}; choose a directory of its own")
     if not os.path.isdir(path) or not os.listdir(path):
@@ -176,17 +206,19 @@ def write_hf_export(
     overwrite: bool = False,
     adapter_base: str = "",
     protected: Iterable[str] = (),
+    inputs: Mapping[str, str] | None = None,
 ) -> None:
     """Writes `model` (a CausalLM) and `tokenizer` to `directory` in HF layout, atomically,
     with the manifest of its files. A LoRA model is written with its adapters merged into the
     weights, and the adapters alone (peft layout, base model `adapter_base`) under `adapter/`.
-    `protected`: run directories the export must not replace (see `check_export_target`).
+    `protected`, `inputs`: run directories and the model directories the run reads, which
+    the export must not replace (see `check_export_target`).
 
     Raises:
       ExportError: the target is refused (`check_export_target`).
       OSError: writing failed (the target is unchanged; the temporary directory is removed).
     """
-    check_export_target(directory, overwrite, protected)
+    check_export_target(directory, overwrite, protected, inputs)
     directory = os.path.realpath(os.path.abspath(directory.rstrip("/")))  # a link: its target
     if jax.process_index() != 0:  # gathering is collective; only process 0 writes
         save_pretrained(merged_model(model), directory)
@@ -202,7 +234,7 @@ def write_hf_export(
         _write_manifest(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if os.path.isdir(directory):
-            check_export_target(directory, overwrite, protected)  # again, just before
+            check_export_target(directory, overwrite, protected, inputs)  # again, just before
             aside = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
             os.replace(directory, aside)  # an empty directory, or an earlier export
             os.replace(tmp, directory)
@@ -223,8 +255,8 @@ def export_actor(trainer, directory: str, overwrite: bool = False) -> int:
       ExportError: the target is refused (checked before restoring; `check_export_target`).
       CheckpointError: there is no loadable checkpoint, or it does not match the config.
     """
-    protected = export_protected(trainer.cfg)
-    check_export_target(os.path.abspath(directory), overwrite, protected)
+    protected, inputs = export_protected(trainer.cfg), export_inputs(trainer.cfg)
+    check_export_target(os.path.abspath(directory), overwrite, protected, inputs)
     step = trainer.restore()
     if step == 0:
         raise CheckpointError(
@@ -234,7 +266,7 @@ def export_actor(trainer, directory: str, overwrite: bool = False) -> int:
     model = nnx.merge(trainer.actor_graphdef, trainer.actor_state.params)
     write_hf_export(model, trainer.tokenizer, directory, overwrite,
                     adapter_base=trainer.cfg.actor_rollout_ref.model.path,
-                    protected=protected)  # fmt: skip
+                    protected=protected, inputs=inputs)  # fmt: skip
     log.info("exported the actor of step %d to %s", step, directory)
     return step
 
@@ -247,3 +279,18 @@ def export_protected(cfg) -> list[str]:
     if t.resume_mode not in ("auto", "disable"):
         dirs.append(os.path.dirname(os.path.abspath(t.resume_mode.rstrip("/"))))
     return dirs
+
+
+def export_inputs(cfg) -> dict[str, str]:
+    """The model directories an RL run reads ({config key: path}, the set ones), which its
+    export must not replace: a resumed run reads them again (the reference policy, LoRA's base,
+    the critic's start, the tokenizer)."""
+    keys = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path",
+            "actor_rollout_ref.distillation.teacher_model.path", "data.tokenizer")  # fmt: skip
+    return {key: path for key in keys if (path := _config_value(cfg, key))}
+
+
+def _config_value(cfg, dotted: str) -> str:
+    for part in dotted.split("."):
+        cfg = cfg.get(part) if hasattr(cfg, "get") else None
+    return cfg if isinstance(cfg, str) else ""

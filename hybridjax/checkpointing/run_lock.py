@@ -130,7 +130,7 @@ def hold(directory: str, key: str, create: bool = True) -> RunDirectoryLock:
             )
         _write(fd, Holder(os.getpid(), socket.gethostname(), _now()))
         if not _HELD:
-            atexit.register(_release_all)  # a normal exit empties the record; a kill cannot
+            atexit.register(release_all)  # a normal exit empties the record; a kill cannot
         _HELD[path] = (fd, 1)
     lock = RunDirectoryLock(directory, path)
     try:
@@ -141,7 +141,8 @@ def hold(directory: str, key: str, create: bool = True) -> RunDirectoryLock:
     return lock
 
 
-def _release_all() -> None:
+def release_all() -> None:
+    """Releases every directory this process holds, emptying their records (at exit)."""
     with _GUARD:
         for fd, _ in _HELD.values():
             os.ftruncate(fd, 0)

@@ -110,7 +110,8 @@ def checks(spec: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Che
 
 
 def problems(declared: Iterable[tuple[str, Checked]], get: Callable[[str], Any]) -> Iterator[str]:
-    """`"<key>: <rule> (got <value>)"` for each declared field whose value (`get(key)`) fails.
+    """`"<key>: <rule> (got <value>)"` for each declared field whose value (`get(key)`) fails;
+    an integer field's value must also fit in 32 bits (`INT32`).
 
     A value of the wrong type is the type check's to report; its comparison error here is
     skipped.
@@ -123,3 +124,12 @@ def problems(declared: Iterable[tuple[str, Checked]], get: Callable[[str], Any])
             continue
         if not allowed:
             yield f"{key}: {field.rule} (got {value!r})"
+        elif _whole(field.default) and _whole(value) and not -INT32 <= value < INT32:
+            yield f"{key}: must be below 2**31, a 32-bit integer of the program (got {value!r})"
+
+
+INT32 = 2**31  # integer fields reach the compiled program as int32
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

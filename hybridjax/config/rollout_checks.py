@@ -8,8 +8,11 @@ Problems (`rollout_problems`, errors of `hybridjax.config.checks.validate`):
     engine would refuse every request): its n samples' pages plus the admission watermark,
     computed by the engine's own page book (`hybridjax.rollout.pages.PageBook`).
 Warnings (`rollout_warnings`, `eos_warnings`):
-  * greedy sampling (temperature 0 or do_sample False) with n > 1 under a group-relative
-    advantage estimator: the n samples of a prompt are identical, so every advantage is 0;
+  * greedy sampling (temperature 0, do_sample False or top_k 1) with n > 1 under a
+    group-relative advantage estimator: the n samples of a prompt are identical, so every
+    advantage is 0;
+  * a temperature above 0 but below `MIN_TEMPERATURE`: greedy in effect, and the trainer's
+    log-probs at it overflow (1e-30: every update non-finite, skipped);
   * an `eos_token_id` outside the actor's vocabulary (never sampled): every response runs to
     response_length.
 """
@@ -27,6 +30,7 @@ from hybridjax.rollout.pages import PageBook
 KEY = "actor_rollout_ref.rollout"
 # estimators whose advantage is a sample's score against its group's (0 when all are equal)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+MIN_TEMPERATURE = 1e-3  # below it sampling is greedy in effect; 1e-30 gave non-finite updates
 
 
 def rollout_problems(c: ConfigDict) -> list[str]:
@@ -60,15 +64,25 @@ def rollout_problems(c: ConfigDict) -> list[str]:
 def rollout_warnings(c: ConfigDict) -> list[str]:
     """Sampling choices that leave every advantage zero (see the module docstring)."""
     r, estimator = c.actor_rollout_ref.rollout, c.algorithm.adv_estimator
-    greedy = r.temperature == 0 or not r.do_sample
-    if greedy and r.n > 1 and estimator in GROUP_ESTIMATORS:
-        why = "temperature=0" if r.temperature == 0 else "do_sample=False"
-        return [
+    warnings = []
+    if 0 < r.temperature < MIN_TEMPERATURE:
+        warnings.append(
+            f"{KEY}.temperature={r.temperature} is near 0: sampling is greedy in effect, and "
+            "log-probs at that temperature (logits / temperature) can overflow float32, making "
+            f"updates non-finite (skipped); use temperature >= {MIN_TEMPERATURE} (or 0 for "
+            "greedy)"
+        )
+    whys = [("temperature=0", r.temperature == 0), ("do_sample=False", not r.do_sample),
+            ("top_k=1", r.top_k == 1)]  # fmt: skip
+    why = next((w for w, greedy in whys if greedy), None)
+    if why and r.n > 1 and estimator in GROUP_ESTIMATORS:
+        warnings.append(
             f"{KEY}.{why} with rollout.n={r.n}: the {r.n} samples of a prompt are identical, so "
             f"algorithm.adv_estimator={estimator!r} gives every advantage 0 and the actor does "
-            "not learn; set rollout.temperature > 0 (and do_sample=True) or rollout.n=1"
-        ]
-    return []
+            "not learn; set rollout.temperature > 0 (and do_sample=True, top_k != 1) or "
+            "rollout.n=1"
+        )
+    return warnings
 
 
 def eos_warnings(c: ConfigDict, models: Mapping[str, ModelConfig]) -> list[str]:

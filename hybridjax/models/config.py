@@ -75,6 +75,17 @@ def to_dtype(name: str | Any) -> Any:
     return _DTYPES[name]
 
 
+def _token_ids(hf: dict[str, Any], key: str, several: bool = False) -> Any:
+    """`hf[key]`: None, an integer token id, or (`several`) a list of them as a tuple; raises
+    ValueError naming the key and the value otherwise (a string, a float, a bool)."""
+    value = hf.get(key)
+    ids = value if several and isinstance(value, list) else [value]
+    if value is None or all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return tuple(value) if isinstance(value, list) else value
+    what = "an integer token id" + (" or a list of them" if several else "")
+    raise ValueError(f"{key} must be {what} (got {value!r})")
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """(rope_theta, frozen rope_scaling or None) from a v4 (`rope_theta` + `rope_scaling`) or
     v5 (`rope_parameters`, which also holds `rope_theta`) `config.json`."""
@@ -305,9 +316,7 @@ class ModelConfig:
             raise ValueError(f"{family} with attention_bias=true (o_proj bias) is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = tuple(eos)
+        eos = _token_ids(hf, "eos_token_id", several=True)
         kwargs = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -329,9 +338,9 @@ class ModelConfig:
             score_bias=bool(archs)
             and archs[0].endswith("ForTokenClassification")
             and hf.get("token_classification_bias", True),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=_token_ids(hf, "bos_token_id"),
             eos_token_id=eos,
-            pad_token_id=hf.get("pad_token_id"),
+            pad_token_id=_token_ids(hf, "pad_token_id"),
         )
         if family == "qwen3_moe":
             kwargs.update(_moe_from_hf(hf))

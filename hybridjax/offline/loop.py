@@ -169,13 +169,24 @@ def export(
     base_path: str = "",
     overwrite: bool = False,
     run_dir: str = "",
+    inputs: dict[str, str] | None = None,
 ) -> None:
     """Writes `model` (LoRA: merged) and the tokenizer as an HF checkpoint in `directory`, and
     with LoRA the adapters for peft in `directory/adapter` (`base_path`: the base's HF dir);
     atomically, refusing a non-empty `directory` unless `overwrite` replaces an earlier export,
-    and never the run directory `run_dir` or its parents (see `write_hf_export`)."""
+    and never the run directory `run_dir`, the model directories the run reads `inputs`
+    ({config key: path}) or their parents (see `write_hf_export`)."""
     protected = [run_dir] if run_dir else []
-    write_hf_export(model, tokenizer, directory, overwrite, base_path, protected)
+    write_hf_export(model, tokenizer, directory, overwrite, base_path, protected, inputs)
+
+
+def inputs_of(cfg: ConfigDict) -> dict[str, str]:
+    """The model directories an offline run reads ({config key: path}, the set ones)."""
+    return {
+        k: v
+        for k, v in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer))
+        if v
+    }
 
 
 def train_mesh(cfg: ConfigDict) -> tuple[Mesh, NamedSharding]:
@@ -249,7 +260,7 @@ def setup(
     set_compilation_cache(t.compilation_cache_dir)  # before the first compile
     out = t.output_dir or os.path.join(t.default_local_dir, "hf")
     hold_outputs(t.default_local_dir, out)  # one run owns them (until the process exits)
-    check_export_target(os.path.abspath(out), overwrite, [t.default_local_dir])
+    check_export_target(os.path.abspath(out), overwrite, [t.default_local_dir], inputs_of(cfg))
     tokenizer = Tokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.path)
     mesh, rows = train_mesh(cfg)
     train = load(cfg.data.train_files, tokenizer, cfg.data)
@@ -281,6 +292,7 @@ def train_and_export(
     validate = None if validate is None else on_mesh(run.mesh, validate)
     state, metrics = fit(cfg, run.graphdef, state, run.total, step_fn, batch_fn, validate)
     model = nnx.merge(run.graphdef, state.params)
-    export(model, run.tokenizer, run.out, cfg.model.path, overwrite, cfg.trainer.default_local_dir)
+    export(model, run.tokenizer, run.out, cfg.model.path, overwrite, cfg.trainer.default_local_dir,
+           inputs_of(cfg))  # fmt: skip
     print(f"{name} model written to {run.out}", flush=True)
     return metrics

@@ -12,6 +12,12 @@ sent with `Connection: close` (the connection is dropped, the rest of the body n
 An accepted body is read here and handed on to the app, so the app's own parsing never waits
 on the network. `/health` is the app's: it tells an unauthenticated caller only that the
 server is alive.
+
+Before any of that, a connection must send a whole request's headers within
+`header_timeout_s` of opening (or of its previous answer), else it is closed
+(`header_deadline_protocol`, uvicorn's h11 protocol with a timer): uvicorn waits for headers
+for ever, so clients holding half-sent headers, no token needed, used up the server's open
+files and it refused everyone (256 of them with a 256-file limit).
 """
 
 from __future__ import annotations
@@ -102,3 +108,42 @@ def _replay(body: bytes, receive):
 async def _refuse(status: int, reason: str, scope: Scope, receive, send) -> None:
     response = JSONResponse({"detail": reason}, status, headers={"Connection": "close"})
     await response(scope, receive, send)
+
+
+def header_deadline_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol class, closing a connection whose next request's headers have not
+    all arrived `header_timeout_s` seconds after it opened or after its last answer (pass it as
+    `uvicorn.run(..., http=...)`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            waiting_for = self.cycle  # the request in progress when armed (None: the first)
+
+            def late() -> None:  # no new request began and none is being answered
+                idle = self.cycle is waiting_for and (
+                    self.cycle is None or self.cycle.response_complete
+                )
+                if idle and not self.transport.is_closing():
+                    self.transport.close()
+
+            self._timer = self.loop.call_later(header_timeout_s, late)
+
+    return HeaderDeadline

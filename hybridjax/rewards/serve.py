@@ -24,9 +24,11 @@ JSON API (FastAPI + uvicorn; the trainer's client is `hybridjax.rewards.remote`)
 Before any of a body is read (`hybridjax.rewards.request_guard`): a wrong or missing bearer
 token gets 401 (when the environment variable `HYBRIDJAX_REWARD_TOKEN` is set for the server),
 a Content-Length over `--max_request_bytes` 413, none 411; a body not in after
-`--body_timeout_s` 408. Each drops the connection. A malformed body gets 422. The server binds
-127.0.0.1 unless `--host` says otherwise. Rule functions run as in the trainer
-(`hybridjax.rewards.scoring`: custom ones isolated in worker processes with `--timeout_s`); a
+`--body_timeout_s` 408. Each drops the connection. A connection whose request headers are not
+all in `--header_timeout_s` after it opened (or after its last answer) is closed. A malformed
+body gets 422. The server binds 127.0.0.1 unless `--host` says otherwise. Rule functions run
+as in the trainer (`hybridjax.rewards.scoring`: custom ones isolated in worker processes with
+`--timeout_s`); a
 reward model runs on the devices of this process (`CUDA_VISIBLE_DEVICES`, or
 `--xla_force_host_platform_device_count` on CPU), its batch sharded over all of them.
 """
@@ -39,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -53,11 +56,16 @@ import pydantic
 
 from hybridjax.rewards.manager import RewardConfig, build_scorer
 from hybridjax.rewards.remote import TOKEN_ENV
-from hybridjax.rewards.request_guard import RequestGuard, token_matches
+from hybridjax.rewards.request_guard import (
+    RequestGuard,
+    header_deadline_protocol,
+    token_matches,
+)
 from hybridjax.rewards.scoring import normalize
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # uvicorn waits for request headers for ever
 
 
 class Row(pydantic.BaseModel):
@@ -206,6 +214,13 @@ def create_app(
     )
     guarded = [fastapi.Depends(authorize)]
 
+    @app.exception_handler(fastapi.exceptions.RequestValidationError)
+    async def invalid(request, exc) -> fastapi.responses.JSONResponse:
+        """422 naming each problem's place and rule, without echoing the input (a NaN in it
+        cannot be written as JSON: the default answer was a 500 and a traceback)."""
+        errors = [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]
+        return fastapi.responses.JSONResponse({"detail": errors}, status_code=422)
+
     if model is not None:
         health = {"status": "ok", "kind": "model", "devices": model.devices,
                   "serves": f"model {model.path}"}  # fmt: skip
@@ -305,11 +320,16 @@ def main(argv: list[str] | None = None) -> None:
         "--body_timeout_s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
         help="a request body must arrive within this many seconds of its headers",
     )  # fmt: skip
+    parser.add_argument(
+        "--header_timeout_s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+        help="a connection must send a request's headers within this many seconds",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     limits = {"max_request_bytes": args.max_request_bytes, "body_timeout_s": args.body_timeout_s}
-    if args.body_timeout_s <= 0:
-        parser.error(f"--body_timeout_s={args.body_timeout_s}; must be > 0")
+    for flag in ("body_timeout_s", "header_timeout_s"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag}={getattr(args, flag)}; must be > 0")
     if args.judge_path:
         try:
             block = json.loads(args.judge_config)
@@ -343,7 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.judge_path:
         what = f"model {args.model_path}" if args.model_path else describe_rule(config)
     print(f"serving {what} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one open file per connection
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    protocol = header_deadline_protocol(args.header_timeout_s)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=protocol)
 
 
 if __name__ == "__main__":

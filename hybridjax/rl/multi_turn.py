@@ -151,7 +151,7 @@ def config_problems(c: Any) -> list[str]:
         problems.append(f"{KEY}.tool_config_path: no such file {path!r}")
     else:
         try:
-            ToolExecutor(load_tools(path)).close()  # tool classes exist, names are unique
+            ToolExecutor(load_tools(path), max_workers=1).close()  # the tools load, names unique
         except (ValueError, OSError, yaml.YAMLError) as err:
             first = str(err).strip().splitlines()[0]
             problems.append(f"{KEY}.tool_config_path: {first}")

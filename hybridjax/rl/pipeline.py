@@ -310,7 +310,8 @@ def load_stage(target: str, function: str) -> Stage:
 
     Raises:
       PipelineError: `target` is neither a file nor an importable module (a path that does
-        not exist is not tried as a module), has a syntax error, or has no `function`.
+        not exist is not tried as a module), has a syntax error, fails as it is imported, or
+        has no `function`.
     """
     if not os.path.isfile(target) and not _MODULE.fullmatch(target):
         why = "a directory" if os.path.isdir(target) else "no such file"
@@ -327,6 +328,11 @@ def load_stage(target: str, function: str) -> Stage:
     except SyntaxError as err:
         raise PipelineError(
             f"trainer.stages: {err.filename or target}, line {err.lineno}: {err.msg}"
+        ) from None
+    except (Exception, SystemExit) as err:  # its import-time code raised (or exited)
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise PipelineError(
+            f"trainer.stages: importing {target!r} failed: {type(err).__name__}: {first}"
         ) from None
     found = getattr(module, function, None)
     if isinstance(found, Stage):

@@ -234,16 +234,23 @@ class RLTrainer:
             return self.reward.submit(batch, host, n), greedy_scoring
 
         self._data_states = []  # loader state before each batch drawn ahead, oldest first
+        self._prompts_in_flight = 0  # partial rollouts: queued, not yet handed to a step
 
         def next_prompts():
             self._data_states = self._data_states[-lag:] + [self.train_loader.get_state()]
             if self.partial is None:
                 return next(self.train_loader)
             # partial rollouts queue one batch ahead, so that freed slots take its prompts
-            # while the batch's long tail runs: request k brings batch k+1 (request 1 also 1)
-            first = [next(self.train_loader)] if self.rollout_ahead.requested == 1 else []
+            # while the batch's long tail runs: each request tops the prompts in flight up to
+            # this step's batch and the next one's (this step's alone at the last step),
+            # counted from those a checkpoint put back (none after a run's last step)
+            size = self.cfg.data.train_batch_size
             last = self.rollout_ahead.requested == self.total_steps
-            return first + ([] if last else [next(self.train_loader)])
+            batches = []
+            while self._prompts_in_flight + len(batches) * size < size * (1 if last else 2):
+                batches.append(next(self.train_loader))
+            self._prompts_in_flight += len(batches) * size - size  # this step takes `size`
+            return batches
 
         return RolloutAhead(generate, set_weights, next_prompts, lag, self.total_steps, score)
 
@@ -414,6 +421,7 @@ class RLTrainer:
         if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
             with self.rollout_ahead.engine_lock:
                 self.partial.load_state(meta["partial_rollout"])
+            self._prompts_in_flight = len(self.partial.groups)
         elif in_flight := len(meta.get("partial_rollout", {}).get("groups", [])):
             log.warning(
                 "the checkpoint of step %d holds %d prompts in flight of a partial-rollout run; "

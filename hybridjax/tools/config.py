@@ -53,8 +53,8 @@ def tool_class(name: str, where: str) -> type[Tool]:
     reason = _refusal(module, attr) if module else "not a dotted path"
     try:
         cls = None if reason else getattr(importlib.import_module(module), attr, None)
-    except ImportError as e:
-        reason = f"importing {module!r} failed: {e}"
+    except (Exception, SystemExit) as e:  # its import-time code raised (or exited)
+        reason = f"importing {module!r} failed: {type(e).__name__}: {_first_line(e)}"
     if not reason and not (isinstance(cls, type) and issubclass(cls, Tool)):
         reason = f"{attr} is not a subclass of hybridjax.tools.Tool"
     if reason:
@@ -63,6 +63,11 @@ def tool_class(name: str, where: str) -> type[Tool]:
             f"nor a Tool class on the import path: {reason}"
         )
     return cls  # type: ignore[return-value]
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _import_path() -> list[str]:
@@ -102,6 +107,9 @@ def _refusal(module: str, attr: str) -> str:
     if module in sys.modules:
         return ""
     origin = spec.origin or ""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main and origin and os.path.realpath(main) == os.path.realpath(origin):
+        return f"{module!r} is the running program (__main__); importing it would run it again"
     if not origin.endswith(".py"):
         return f"{module!r} is not Python source ({origin})"
     try:

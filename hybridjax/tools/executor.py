@@ -17,6 +17,7 @@ import importlib
 import logging
 import multiprocessing
 import pickle
+import time
 
 import pebble
 
@@ -26,6 +27,7 @@ from hybridjax.tools.parser import ParseError
 log = logging.getLogger(__name__)
 
 TRUNCATE_SIDES = ("left", "middle", "right")
+_START_S = 10.0  # how long `close` waits for workers still starting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +84,11 @@ class ToolExecutor:
         self.truncate_side = truncate_side
         context = multiprocessing.get_context("forkserver")
         modules = sorted({type(t).__module__ for t in tools})  # imported as each worker starts
-        self.pool = pebble.ProcessPool(max_workers, initializer=_import, initargs=(modules,),
-                                       context=context)  # fmt: skip
+        self._started = context.Value("i", 0)  # workers past their start-up
+        self.max_workers = max_workers
+        self.pool = pebble.ProcessPool(
+            max_workers, initializer=_import, initargs=(modules, self._started), context=context
+        )
         self.pool.schedule(_execute, (None, None)).result()  # a worker is up before any call
 
     @property
@@ -129,7 +134,12 @@ class ToolExecutor:
         return dataclasses.replace(out, text=text)
 
     def close(self) -> None:
-        """Stops the workers at once (running calls are killed, not waited for)."""
+        """Stops the workers at once (running calls are killed, not waited for), once every
+        worker has started (at most `_START_S` s): a worker killed while it started printed
+        multiprocessing tracebacks, the pool's semaphores being gone."""
+        deadline = time.monotonic() + _START_S
+        while self._started.value < self.max_workers and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.pool.stop()
         self.pool.join()
 
@@ -139,9 +149,11 @@ def _execute(tool: Tool | None, arguments: dict | None) -> str | ToolResult | No
     return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
 
 
-def _import(modules: list[str]) -> None:
+def _import(modules: list[str], started) -> None:
     for name in modules:
         importlib.import_module(name)
+    with started.get_lock():
+        started.value += 1
 
 
 def _check_picklable(tool: Tool) -> None:

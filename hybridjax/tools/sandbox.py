@@ -10,6 +10,7 @@ Each call starts `prlimit ... bwrap ... [prlimit --nproc] python -I -c CODE` wit
   * the only writable places: a private, empty working directory `/work`, `/tmp` and
     `/dev/shm`, each a tmpfs of at most `max_file_mb` (an interpreter prefix under one of them
     is mounted over it, read-only);
+  * a seccomp filter refusing SysV shared memory and message queues (`sandbox_seccomp`);
   * rlimits on CPU time, address space (per process), file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
   * `max_processes` and `memory_mb` for the whole run, whoever runs it
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shlex
@@ -46,6 +48,7 @@ from hybridjax.tools.sandbox_limits import (
     inner_prlimit,
     kernel_counts_tasks,
 )
+from hybridjax.tools.sandbox_seccomp import ipc_filter
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +125,25 @@ def _under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+@functools.cache
+def _bwrap_disables_userns() -> bool:
+    """Whether this bwrap has `--disable-userns` (bubblewrap 0.8 and later); warns once if not:
+    the code could then make a user namespace and mount a tmpfs no size bounds."""
+    usage = subprocess.run(["bwrap", "--help"], capture_output=True, text=True).stdout
+    if "--disable-userns" in usage:
+        return True
+    log.warning(
+        "python tool: this bwrap lacks --disable-userns (bubblewrap < 0.8): sandboxed code "
+        "can mount file systems of its own, which max_file_mb does not bound"
+    )
+    return False
+
+
 def bwrap_args(limits: Limits) -> list[str]:
     """The bubblewrap command line up to the sandboxed program (see the module docstring)."""
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    if _bwrap_disables_userns():  # no user namespace inside, so no mount of a tmpfs of its own
+        args += ["--unshare-user", "--disable-userns"]
     args += ["--uid", _NOBODY, "--gid", _NOBODY, "--cap-drop", "ALL"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
@@ -177,13 +196,29 @@ def run_python(
         cgroup = RunCgroup.create(limits.max_processes, limits.memory_mb)
         if cgroup is not None:
             stack.callback(cgroup.close)
+        fds: tuple[int, ...] = ()
         if isolation == "bwrap":
             inner = [] if cgroup else inner_prlimit(limits.max_processes)
-            command, cwd = limits.prlimit_args() + bwrap_args(limits) + inner + python, None
+            seccomp, fds = _seccomp(stack)
+            command = limits.prlimit_args() + bwrap_args(limits) + seccomp + inner + python
+            cwd = None
         else:
             cwd = stack.enter_context(tempfile.TemporaryDirectory())
             command = limits.prlimit_args() + python
-        return _run(_joining(cgroup) + command, limits, cwd, cgroup, isolation)
+        return _run(_joining(cgroup) + command, limits, cwd, cgroup, isolation, fds)
+
+
+def _seccomp(stack: contextlib.ExitStack) -> tuple[list[str], tuple[int, ...]]:
+    """bwrap's `--seccomp FD` arguments and the fd to pass (a pipe holding the program of
+    `sandbox_seccomp.ipc_filter`, closed with `stack`); none on an architecture without one."""
+    program = ipc_filter()
+    if program is None:
+        return [], ()
+    read, write = os.pipe()
+    os.write(write, program)  # 72 bytes: the pipe holds them
+    os.close(write)
+    stack.callback(os.close, read)
+    return ["--seccomp", str(read)], (read,)
 
 
 def _joining(cgroup: RunCgroup | None) -> list[str]:
@@ -196,27 +231,36 @@ def _joining(cgroup: RunCgroup | None) -> list[str]:
 
 
 def _run(
-    command: list[str], limits: Limits, cwd: str | None, cgroup: RunCgroup | None, isolation: str
+    command: list[str],
+    limits: Limits,
+    cwd: str | None,
+    cgroup: RunCgroup | None,
+    isolation: str,
+    fds: tuple[int, ...] = (),
 ) -> tuple[int, str, str]:
     env = {"PATH": os.environ.get("PATH", "")}
     proc = subprocess.Popen(
         command,
         cwd=cwd,
         env=env,
+        pass_fds=fds,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
     out, err = _Reader(proc.stdout, limits.max_output), _Reader(proc.stderr, limits.max_output)
-    supervisor = None
-    if cgroup is None:  # what the kernel does not bound, the supervisor does
-        supervisor = Supervisor(
-            proc.pid,
-            max_processes=None if kernel_counts_tasks(None, isolation) else limits.max_processes,
-            memory_mb=limits.memory_mb,
-            overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
-        )
+    # what the kernel does not bound, the supervisor does: without a cgroup, the processes and
+    # their memory; always, the files of the private tmpfs (a cgroup v1 may not count them)
+    supervisor = Supervisor(
+        proc.pid,
+        max_processes=None if kernel_counts_tasks(cgroup, isolation) else limits.max_processes,
+        memory_mb=limits.memory_mb,
+        overhead=2 if isolation == "bwrap" else 0,  # bwrap and the namespace's init
+        tmpfs=_PRIVATE_DIRS if isolation == "bwrap" else (),
+        tmpfs_mb=limits.max_file_mb,
+        count_processes=cgroup is None,
+    )
     try:
         rc = proc.wait(timeout=limits.timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -224,14 +268,13 @@ def _run(
         proc.wait()
         raise TimeoutError(f"code ran longer than {limits.timeout_s} s") from e
     finally:
-        if supervisor is not None:
-            supervisor.stop()
+        supervisor.stop()
         _kill_group(proc.pid)  # children that left the sandbox's init (none can) or `none`
         if cgroup is not None:
             cgroup.kill()  # and those that left the group (`none`: a new session)
         out.join(_DRAIN_S)  # a process that left both (`none`, no cgroup) may hold the
         err.join(_DRAIN_S)  # pipes open for ever: what it writes later is not waited for
-    said = f"sandbox: stopped: {supervisor.reason}" if supervisor and supervisor.reason else ""
+    said = f"sandbox: stopped: {supervisor.reason}" if supervisor.reason else ""
     if out.is_alive() or err.is_alive():
         said = "sandbox: a process that left the sandbox holds its output; not waited for"
     if cgroup is not None and cgroup.out_of_memory():

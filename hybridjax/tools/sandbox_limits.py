@@ -15,9 +15,14 @@ run together) are bounded by the first mechanism this machine and user allow:
   * always, as the backstop: the supervisor (`Supervisor`), a thread that walks the run's
     process tree every `POLL_S` seconds and kills the whole run when its tasks exceed
     `max_processes` or their memory (proportional set sizes, so pages shared after a fork
-    count once) exceeds `memory_mb`. It may overshoot by what a run allocates in one poll, and
-    does not see the sandbox's tmpfs (bounded by their own size); each process also keeps
-    `RLIMIT_AS` of `memory_mb`.
+    count once) exceeds `memory_mb`. Memory no process maps counts too: memory files
+    (`memfd_create`) held open, each counted once, and what the sandbox's private tmpfs hold
+    (their bytes, and `INODE_BYTES` of kernel memory per file: a million empty files cost a
+    gigabyte that no page count shows). With a cgroup the supervisor still counts the tmpfs
+    files, which a cgroup v1 without kernel-memory accounting does not. It may overshoot by
+    what a run allocates in one poll; each process also keeps `RLIMIT_AS` of `memory_mb`.
+    Not counted without a cgroup: pipe and socket buffers (bounded by `max_open_files` per
+    process); SysV shared memory and message queues cannot be made (`sandbox_seccomp`).
 
 `mechanisms(run_cgroup, isolation)` names what bounds a run; the python tool logs it (at INFO)
 when it is built.
@@ -33,6 +38,7 @@ import threading
 import time
 
 POLL_S = 0.02
+INODE_BYTES = 2048  # kernel memory charged per tmpfs file (inode and dentry: 1.2-2.6 kB measured)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _COUNTER = itertools.count()
 
@@ -168,7 +174,8 @@ def mechanisms(run_cgroup: RunCgroup | None, isolation: str) -> dict[str, str]:
     processes = supervisor
     if kernel_counts_tasks(None, isolation):
         processes = "RLIMIT_NPROC in the sandbox's user namespace"
-    return {"processes": processes, "memory": f"{supervisor}: sum of resident memory"}
+    return {"processes": processes,
+            "memory": f"{supervisor}: resident memory, memory files and tmpfs"}  # fmt: skip
 
 
 def kernel_counts_tasks(run_cgroup: RunCgroup | None, isolation: str) -> bool:
@@ -217,17 +224,54 @@ def _tree_by_parents(root: int) -> list[int]:
     return pids
 
 
-def _usage(pids: list[int]) -> tuple[int, int]:
-    """(tasks, bytes) of `pids`: their threads, and their proportional set size (shared pages
-    split between their sharers, so forked children are not counted twice; resident size
-    where /proc/<pid>/smaps_rollup is missing). A process that has exited counts nothing."""
+def _usage(
+    pids: list[int], count_processes: bool = True, tmpfs: tuple[str, ...] = (), tmpfs_mb: int = 0
+) -> tuple[int, int]:
+    """(tasks, bytes) of `pids`: their threads, and (`count_processes`) their proportional
+    set size (shared pages split between their sharers, so forked children are not counted
+    twice; resident size where /proc/<pid>/smaps_rollup is missing) plus the memory files they
+    hold open, and the use of the private tmpfs `tmpfs` (of `tmpfs_mb` each) as their mount
+    namespace sees them. A process that has exited counts nothing."""
     tasks = used = 0
+    memfds: dict[tuple[int, int], int] = {}
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/{pid}/stat") as f:
                 tasks += int(f.read().rsplit(")", 1)[1].split()[17])
-            used += _pss(pid)
-    return tasks, used
+            if count_processes:
+                used += _pss(pid)
+                memfds.update(_memfds(pid))
+    return tasks, used + sum(memfds.values()) + _tmpfs_use(pids, tmpfs, tmpfs_mb)
+
+
+def _memfds(pid: int) -> dict[tuple[int, int], int]:
+    """{(device, inode): bytes} of the memory files (`memfd_create`) `pid` holds open."""
+    held = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return held
+
+
+def _tmpfs_use(pids: list[int], dirs: tuple[str, ...], size_mb: int) -> int:
+    """Bytes and `INODE_BYTES` per file of the tmpfs of `size_mb` at `dirs`, seen from the
+    first of `pids` in another mount namespace than ours (the sandbox's); a directory not
+    (yet) such a tmpfs counts nothing (bwrap mounts them after it enters its namespace)."""
+    ours = os.readlink("/proc/self/ns/mnt")
+    for pid in pids if dirs else []:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/mnt") == ours:
+                continue
+            used = 0
+            for d in dirs:
+                st = os.statvfs(f"/proc/{pid}/root{d}")
+                if st.f_blocks * st.f_frsize <= (size_mb << 20) + _PAGE:
+                    used += (st.f_blocks - st.f_bfree) * st.f_frsize
+                    used += (st.f_files - st.f_ffree) * INODE_BYTES
+            return used
+    return 0
 
 
 def _pss(pid: int) -> int:
@@ -244,21 +288,34 @@ def _pss(pid: int) -> int:
 
 class Supervisor(threading.Thread):
     """Polls the process tree under `pid` every `POLL_S` s; when its tasks exceed
-    `max_processes` + `overhead` (the sandbox's own launcher processes) or its memory (sum of
-    proportional set sizes) exceeds `memory_mb`, kills process group `pid` and says why in
-    `reason`. A limit of None is not checked (a kernel mechanism bounds it exactly)."""
+    `max_processes` + `overhead` (the sandbox's own launcher processes) or its memory exceeds
+    `memory_mb`, kills process group `pid` and says why in `reason`. Memory: the sum of
+    proportional set sizes and held memory files (`count_processes`; off where a cgroup
+    bounds them) and the use of the sandbox's private tmpfs `tmpfs` of `tmpfs_mb` each (see
+    `_usage`). A limit of None is not checked (a kernel mechanism bounds it exactly)."""
 
-    def __init__(self, pid: int, max_processes: int | None, memory_mb: int | None, overhead: int):
+    def __init__(
+        self,
+        pid: int,
+        max_processes: int | None,
+        memory_mb: int | None,
+        overhead: int,
+        tmpfs: tuple[str, ...] = (),
+        tmpfs_mb: int = 0,
+        count_processes: bool = True,
+    ):
         super().__init__(daemon=True)
-        self.pid, self.overhead = pid, overhead
+        self.pid, self.overhead, self.tmpfs, self.tmpfs_mb = pid, overhead, tmpfs, tmpfs_mb
         self.max_processes, self.memory_mb = max_processes, memory_mb
+        self.count_processes = count_processes
         self.reason = ""
         self._done = threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self._done.wait(POLL_S):
-            tasks, used = _usage(_tree(self.pid))
+            tree = _tree(self.pid)
+            tasks, used = _usage(tree, self.count_processes, self.tmpfs, self.tmpfs_mb)
             if self.max_processes is not None and tasks > self.max_processes + self.overhead:
                 self.reason = f"more than max_processes={self.max_processes} processes"
             elif self.memory_mb is not None and used > self.memory_mb << 20:

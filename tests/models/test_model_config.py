@@ -126,3 +126,15 @@ def test_hf_dict_round_trip(config):
 
 def test_head_dim_defaults_to_width_over_heads():
     assert ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2"}).head_dim == 16
+
+
+@pytest.mark.parametrize("value", ["2", 2.5, True, [2, "3"]])
+def test_token_ids_that_are_not_integers_are_named(value):
+    """A config.json's eos_token_id (bos, pad) that is not an integer (or a list of them) is
+    refused in one line naming it, not compared with the vocabulary later as a string."""
+    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 16, "hidden_size": 8,
+          "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "eos_token_id": value}  # fmt: skip
+    with pytest.raises(ValueError, match=r"^eos_token_id must be an integer token id or a list"):
+        ModelConfig.from_hf_dict(hf)
+    assert ModelConfig.from_hf_dict(hf | {"eos_token_id": [2, 3]}).eos_token_id == (2, 3)

@@ -258,10 +258,17 @@ def test_the_smallest_pool_the_check_allows_serves_a_group():
         ("after gen: {tmp}:fn", "(a directory, and not a module name)"),
         ("after gen: {tmp}/broken.py:fn", "broken.py, line 1: "),
         ("after gen: no_such_module_xyz:fn", "'no_such_module_xyz' is not a file or an importable"),
+        (
+            "after gen: {tmp}/failing.py:fn",
+            "importing '{tmp}/failing.py' failed: ModuleNotFoundError",
+        ),
+        ("after gen: {tmp}/exiting.py:fn", "importing '{tmp}/exiting.py' failed: SystemExit: 3"),
     ],
 )
 def test_a_bad_stages_path_is_one_line(entry, needle, tmp_path):
     (tmp_path / "broken.py").write_text("def fn(batch, ctx:\n")
+    (tmp_path / "failing.py").write_text("import no_such_module_xyz\ndef fn(batch, ctx): ...\n")
+    (tmp_path / "exiting.py").write_text("raise SystemExit(3)\n")
     entry = entry.replace("{tmp}", str(tmp_path))
     message = _problems(**{"trainer.stages": (entry,)})
     assert "trainer.stages: " in message and needle.replace("{tmp}", str(tmp_path)) in message
@@ -275,6 +282,12 @@ def test_greedy_samples_under_a_group_estimator_warn_that_advantages_are_zero(ca
     lines = [r.getMessage() for r in caplog.records if "every advantage 0" in r.getMessage()]
     assert len(lines) == 2 and f"{R}.temperature=0 with rollout.n=4" in lines[0]
     assert "do_sample=False" in lines[1] and "'grpo'" in lines[0]
+    caplog.clear()
+    validate(_config(**grpo, **{f"{R}.top_k": 1}), 8)  # greedy by another name
+    assert f"{R}.top_k=1 with rollout.n=4" in caplog.text
+    caplog.clear()
+    validate(_config(**grpo, **{f"{R}.temperature": 1e-30}), 8)  # every update was non-finite
+    assert f"{R}.temperature=1e-30 is near 0" in caplog.text
     caplog.clear()
     validate(_config(**grpo), 8)  # sampled: no warning
     validate(_config(**{f"{R}.temperature": 0.0, f"{R}.n": 4}), 8)  # GAE: a critic's baseline
@@ -299,3 +312,10 @@ def test_an_eos_outside_the_vocabulary_warns_in_one_line(caplog):
         "so no response ends before rollout.response_length; fix the tokenizer's or the "
         "model's eos_token_id (model.override_config.eos_token_id)"
     ]
+
+
+def test_an_integer_beyond_32_bits_is_one_line():
+    """decode_steps_per_call=10**12 passed its check (> 0) and overflowed int32 in the engine."""
+    message = _problems(**{f"{R}.decode_steps_per_call": 10**12})
+    assert f"{R}.decode_steps_per_call: must be below 2**31" in message and "10**" not in message
+    assert "(got 1000000000000)" in message

@@ -85,8 +85,17 @@ def test_a_bug_keeps_its_traceback():
 
 
 def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    """A second signal leaves at once (os._exit): a checkpoint writer stopped mid-save printed
+    its threads' tracebacks at interpreter shutdown ("cannot schedule new futures")."""
+    left = []
+
+    def leave_now(code):  # the process would end here (os._exit)
+        left.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(errors, "_leave_now", leave_now)
     code, stderr = _run(_raise(KeyboardInterrupt()), monkeypatch, capsys)
-    assert code == 130 and stderr == "prog: interrupted\n"
+    assert code == 130 and stderr == "prog: interrupted\n" and left == [130]
 
 
 def test_read_json_names_file_line_and_column(tmp_path):

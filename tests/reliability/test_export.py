@@ -159,6 +159,38 @@ def test_overwrite_refuses_runs_checkpoints_and_their_parents(tmp_path):
     check_export_target(str(run / "hf"), overwrite=True, protected=[str(run)])  # sft's default
 
 
+def test_refusals_stay_on_one_line_whatever_the_file_names(tmp_path, model_and_tokenizer):
+    write_hf_export(*model_and_tokenizer, str(tmp_path / "hf"))
+    (tmp_path / "hf" / "a\nb").write_text("mine")  # a newline in a name
+    (tmp_path / "hf" / os.fsdecode(b"bad\xff")).write_text("mine")  # bytes that are not text
+    _refused(tmp_path / "hf", "did not write ('a\\nb', 'bad\\udcff')")
+
+
+def test_overwrite_refuses_the_models_the_run_reads(tmp_path, model_and_tokenizer):
+    """An earlier export that a run starts from (its model.path) is not replaced: a resumed
+    run reads it again (the reference policy, LoRA's base). Nor is a parent of it."""
+    sft = tmp_path / "exports" / "sft"
+    write_hf_export(*model_and_tokenizer, str(sft))
+    inputs = {"actor_rollout_ref.model.path": str(sft)}
+    _refused(sft, "is actor_rollout_ref.model.path, a model the run reads", inputs=inputs)
+    _refused(tmp_path / "exports", "holds the model of actor_rollout_ref.model.path", inputs=inputs)
+    before = _files(sft)
+    with pytest.raises(ExportError, match="a model the run reads"):
+        write_hf_export(*model_and_tokenizer, str(sft), overwrite=True, inputs=inputs)
+    assert _files(sft) == before
+    check_export_target(str(tmp_path / "exports" / "rl"), overwrite=True, inputs=inputs)
+
+
+def test_a_checkpoint_is_known_by_its_metadata_under_any_name(tmp_path):
+    """A checkpoint reached by another name (a bind mount, a copy renamed) is still one."""
+    ckpt = tmp_path / "mnt" / "step"
+    (ckpt / "state").mkdir(parents=True)
+    (ckpt / "_CHECKPOINT_METADATA").write_text("{}")
+    _refused(ckpt / "hf", "is inside the checkpoint directory")
+    _refused(ckpt / "state", "is inside the checkpoint directory")
+    check_export_target(str(tmp_path / "mnt" / "hf"), overwrite=True)
+
+
 HOLDER = """
 import sys, time
 from hybridjax.checkpointing.run_lock import hold
@@ -217,6 +249,7 @@ def test_export_to_the_parent_of_a_live_run_is_refused_and_the_run_goes_on(tmp_p
     assert "Traceback" not in export.stderr
     assert holder.returncode == 0
     assert sorted(os.listdir(run)) == ["global_step_0.txt", "global_step_1.txt"]
+    assert not (tmp_path / ".parent.lock").exists()  # a refused target gets no lock file beside
 
 
 def test_a_crash_while_writing_leaves_the_old_export(tmp_path, model_and_tokenizer, monkeypatch):

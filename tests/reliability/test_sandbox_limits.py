@@ -33,6 +33,25 @@ HOLD = (
 )
 # issue 48: 2 GB written to /work in 0.9 s
 FILL = "for i in range(2048):\n    open(f'{}/f{{i}}', 'wb').write(b'x' * (1 << 20))"
+# memory no process maps (issue 48's second probe: 600 MB under memory_mb=256 unseen by the
+# supervisor): memory files held open, and empty files (each an inode and a dentry)
+MEMFDS = (
+    "import os\nfds = []\nfor i in range(20):\n    fds.append(os.memfd_create(f'm{i}'))\n"
+    "    for _ in range(15):\n        os.write(fds[-1], b'x' * (1 << 20))\nprint(len(fds))"
+)
+FILES = "n = 0\nwhile True:\n    open(f'/tmp/{n}', 'w').close()\n    n += 1"
+# a user namespace of its own would let the code mount a tmpfs that nothing bounds
+USERNS = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\n"
+    "print('unshared')"
+)
+# SysV shared memory no process has attached: 600 MB held under memory_mb=256 as nobody
+SYSV = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.shmget(0, 64 << 20, 0o1600) < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
+    "print('created')"
+)
 CASES = {  # name: (code, kwargs)
     "runs": ("print(6 * 7)", {}),
     "twenty-children": (SPAWN.format(20), {}),
@@ -42,6 +61,10 @@ CASES = {  # name: (code, kwargs)
     "fill-tmp": (FILL.format("/tmp"), {}),
     "fill-shm": (FILL.format("/dev/shm"), {}),
     "write-root": ("open('/planted', 'w')", {}),
+    "memory-files": (MEMFDS, {"memory_mb": 96, "timeout_s": 20}),
+    "many-empty-files": (FILES, {"memory_mb": 96, "timeout_s": 20}),
+    "user-namespace": (USERNS, {}),
+    "sysv-shared-memory": (SYSV, {}),
 }
 
 
@@ -60,6 +83,10 @@ def check(name: str, rc: int, out: str, err: str) -> None:
         assert rc == 1 and "No space left on device" in err, err
     elif name == "write-root":
         assert rc == 1 and "Read-only file system" in err, err
+    elif name in ("memory-files", "many-empty-files"):  # the cgroup or the supervisor
+        assert rc != 0 and "sandbox: " in err and "memory_mb=96" in err, (rc, out, err)
+    elif name in ("user-namespace", "sysv-shared-memory"):
+        assert rc == 1 and "unshared" not in out and "created" not in out, (rc, out, err)
 
 
 @pytest.mark.parametrize("mechanism", ["best", "supervisor"])
@@ -128,3 +155,28 @@ def test_the_process_tree_is_found_with_or_without_proc_children():
     finally:
         os.killpg(shell.pid, 9)
         shell.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a mount namespace (root)")
+def test_the_tmpfs_count_ignores_a_directory_that_is_not_yet_the_sandboxs_tmpfs():
+    """Before bwrap mounts its tmpfs, /proc/<pid>/root/tmp is the host's /tmp: it counts
+    nothing (it counted the host disk's 100 GB, stopping a run that had just started); once
+    mounted, its files count."""
+    import subprocess
+    import time
+
+    script = "{} sleep 5"
+    for mount, counted in [
+        ("", 0),
+        ("mount -t tmpfs -o size=16m tmpfs /tmp && touch /tmp/a &&", 1),
+    ]:
+        ns = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               script.format(mount)], start_new_session=True)  # fmt: skip
+        try:
+            time.sleep(0.5)
+            pids = sandbox_limits._tree(ns.pid)
+            used = sandbox_limits._tmpfs_use(pids, ("/tmp",), 16)
+            assert used == 0 if not counted else used >= sandbox_limits.INODE_BYTES, used
+        finally:
+            os.killpg(ns.pid, 9)
+            ns.wait()

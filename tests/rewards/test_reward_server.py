@@ -1,6 +1,7 @@
 """Reward servers on localhost, started and stopped here: the same scores as local scoring,
 retries when a server dies, timeouts counted, 4xx for bad requests, the bearer token."""
 
+import contextlib
 import dataclasses
 import os
 
@@ -101,6 +102,8 @@ def test_bad_requests_get_4xx(server):
     assert malformed.status_code == 422 and "JSON" in malformed.text
     missing = httpx.post(f"{server}/score", json={"rows": [{"solution_str": "x"}]}, headers=auth)
     assert missing.status_code == 422 and "data_source" in missing.text
+    nan = httpx.post(f"{server}/score", content=b'{"rows": NaN}', headers=json_type)
+    assert nan.status_code == 422 and "rows" in nan.text  # was a 500 (the NaN echoed back)
     assert httpx.post(f"{server}/score", json={"rows": []}).status_code == 401
     wrong = httpx.post(f"{server}/score", json={"rows": []}, headers={"Authorization": "Bearer x"})
     assert wrong.status_code == 401
@@ -215,3 +218,46 @@ def test_model_server_scores_equal_the_local_forward(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_connections_that_never_finish_their_headers_are_closed():
+    """uvicorn waits for request headers for ever: clients holding half-sent headers (no token
+    needed) used up the server's open files and it refused everyone. Now each is closed
+    `--header_timeout_s` after it opened or after its last answer; whole requests are served."""
+    import socket
+    import time
+
+    process, url = start_local(["--header_timeout_s", "1"])
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        half = socket.create_connection(("127.0.0.1", port), timeout=10)
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: never done
+        again = socket.create_connection(("127.0.0.1", port), timeout=10)
+        again.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, kept alive,
+        assert again.recv(4096).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        with contextlib.suppress(OSError):  # closed while trickling: sending fails
+            for _ in range(6):  # then a second request trickled a byte every 0.5 s
+                again.sendall(b"G")
+                time.sleep(0.5)
+        for sock in (idle, half, again):
+            assert _closed_by_the_server(sock)
+        assert time.monotonic() - start < 8
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _closed_by_the_server(sock) -> bool:
+    """Whether the server ends the connection (what it still sends, the rest of an answer, is
+    read first) before the socket's timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False

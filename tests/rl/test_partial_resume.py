@@ -2,7 +2,8 @@
 are saved with each checkpoint, so a run resumed at any step finishes, and every batch it
 trains equals the uninterrupted run's (staleness 1: every round swaps the weights and
 recomputes the carried sequences, so the recompute is exact), a resumed run's checkpoint resumes
-again the same way, and a resume at the last step says there is nothing left and trains nothing."""
+again the same way, a resume at the last step says there is nothing left and trains nothing, and
+a finished run resumed with more steps trains them."""
 
 from __future__ import annotations
 
@@ -94,3 +95,7 @@ def test_a_partial_rollout_run_resumed_at_every_step_trains_the_same_batches(tmp
         if step == STEPS:
             assert "no steps left: the run is at step 3 and trains 3 steps" in caplog.text
             assert not any(n.startswith("global_step") for n in os.listdir(run))
+            # the finished run extended by two steps: its last step queued nothing ahead, so
+            # the resumed one tops up both batches (it stopped at step 5: "0 prompts in flight")
+            longer = {"trainer.resume_mode": at, "trainer.total_training_steps": STEPS + 2}
+            assert sorted(_fit(_config(data, tmp_path / "longer", **longer))) == [4, 5]

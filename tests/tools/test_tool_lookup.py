@@ -121,3 +121,36 @@ def test_a_planted_module_is_not_imported_by_a_fresh_interpreter(tmp_path):
     )
     assert done.returncode != 0 and not mark.exists()
     assert "ValueError: tools.yaml: tools[0]: class_name 'planted_tools.Evil'" in done.stderr
+
+
+def test_an_allowed_module_that_fails_at_import_is_refused_in_one_line(
+    tmp_path, cwd_on_path, monkeypatch
+):
+    """Its import-time code raising anything (not only ImportError), or exiting, is one line."""
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(listed))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(listed)])
+    for body, error in [("raise RuntimeError('flag defined twice\\nsecond line')", "RuntimeError"),
+                        ("raise SystemExit(3)", "SystemExit")]:  # fmt: skip
+        (listed / "listed_tools.py").write_text(f"class Evil:\n    pass\n{body}\n")
+        sys.modules.pop("listed_tools", None)
+        with pytest.raises(ValueError) as e:
+            load_tools(_config(tmp_path, "listed_tools.Evil"))
+        message = str(e.value)
+        assert "\n" not in message and f"importing 'listed_tools' failed: {error}" in message
+
+
+def test_the_running_program_is_not_imported_again(tmp_path, cwd_on_path, monkeypatch):
+    """`python -m pkg.main` runs pkg/main.py as __main__; `pkg.main.X` would run it again."""
+    listed, mark = tmp_path / "listed", tmp_path / "side_effect"
+    listed.mkdir()
+    _plant(listed, "listed_tools", mark)
+    monkeypatch.setenv("PYTHONPATH", str(listed))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(listed)])
+    main = type(sys)("__main__")
+    main.__file__ = str(listed / "listed_tools.py")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(ValueError, match="'listed_tools' is the running program"):
+        load_tools(_config(tmp_path, "listed_tools.Evil"))
+    assert not mark.exists()

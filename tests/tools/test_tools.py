@@ -224,3 +224,30 @@ def test_gsm8k_recipe_prompts_show_the_tool_and_its_config_loads():
     assert to_row("q", "#### 1", "train", 0)["prompt"][0]["role"] == "user"
     (calc,) = load_tools("configs/tools/calculator.yaml")
     assert calc.name == "calculator" and calc.execute({"expression": "2+3"}) == "5"
+
+
+CLOSED_AT_ONCE = """
+from hybridjax.tools.calculator import CalculatorTool
+from hybridjax.tools.executor import ToolExecutor
+if __name__ == "__main__":
+    for _ in range(5):
+        ToolExecutor([CalculatorTool()], max_workers=4).close()
+    import time
+    time.sleep(1)  # what a killed worker would print arrives by then
+"""
+
+
+@pytest.mark.slow
+def test_an_executor_closed_at_once_prints_no_tracebacks(tmp_path):
+    """Closing right after start-up (as the config check does) killed workers the forkserver
+    was still starting; each printed a multiprocessing traceback (SemLock: no such file)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "closed_at_once.py"
+    script.write_text(CLOSED_AT_ONCE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -115,12 +115,12 @@ def cli_errors(program: str) -> Iterator[None]:
         print(f"{program}: interrupted", file=sys.stderr, flush=True)
         # leave now: the checkpoint writer's threads, stopped in the middle of a save, would
         # print their tracebacks at interpreter shutdown (the last completed checkpoint is
-        # kept); the log is flushed and the run locks' records emptied first
-        from hybridjax.checkpointing.run_lock import release_all
-
+        # kept); the log is flushed and what was registered with `before_leaving` (the run
+        # locks' records) runs first
         for handler in logging.getLogger().handlers:  # the console and the run's log file
             handler.flush()
-        release_all()
+        for release in _BEFORE_LEAVING:
+            release()
         _leave_now(EXIT_INTERRUPTED)
     except Exception as err:
         full = _disk_full(err)
@@ -184,6 +184,17 @@ def _no_closed_loop_tracebacks(hook: Callable[..., Any]) -> Callable[..., None]:
         hook(kind, value, tb)
 
     return excepthook
+
+
+_BEFORE_LEAVING: list[Callable[[], None]] = []
+
+
+def before_leaving(release: Callable[[], None]) -> None:
+    """Registers `release` (no arguments) to run when a second Ctrl-C or SIGTERM makes
+    `cli_errors` leave the process at once, which skips `atexit` (e.g. the run locks' records,
+    `hybridjax.checkpointing.run_lock`). Registering the same function twice runs it once."""
+    if release not in _BEFORE_LEAVING:
+        _BEFORE_LEAVING.append(release)
 
 
 def _leave_now(code: int) -> None:

@@ -28,7 +28,7 @@ import socket
 import tempfile
 import threading
 
-from hybridjax.errors import UserError
+from hybridjax.errors import UserError, before_leaving
 from hybridjax.metrics.console import announce
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ def hold(directory: str, key: str, create: bool = True) -> RunDirectoryLock:
         _write(fd, Holder(os.getpid(), socket.gethostname(), _now()))
         if not _HELD:
             atexit.register(release_all)  # a normal exit empties the record; a kill cannot
+            before_leaving(release_all)  # and so does a second Ctrl-C, which skips atexit
         _HELD[path] = (fd, 1)
     lock = RunDirectoryLock(directory, path)
     try:

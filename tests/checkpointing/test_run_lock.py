@@ -82,6 +82,23 @@ def test_released_on_exit_and_reentrant_in_one_process(tmp_path):
     assert _try_hold(run).returncode == 0
 
 
+def test_a_second_interrupt_empties_the_record_before_leaving(tmp_path):
+    # a second Ctrl-C leaves with os._exit, which skips atexit: the lock registers its release
+    code = textwrap.dedent(f"""
+        import os
+        from hybridjax import errors
+        from hybridjax.checkpointing.run_lock import hold
+        errors._leave_now = lambda code: os._exit(code)
+        with errors.cli_errors("prog"):
+            hold({str(tmp_path / "run")!r}, "k")
+            raise KeyboardInterrupt
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 130 and run.stderr == "prog: interrupted\n", run.stderr
+    assert open(lock_path(str(tmp_path / "run"))).read() == ""
+
+
 def _try_hold(directory) -> subprocess.CompletedProcess:
     code = f"from hybridjax.checkpointing.run_lock import hold; hold({str(directory)!r}, 'k')"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")

@@ -27,4 +27,5 @@ jax=$("$aot/bin/python" -c 'import jax; print(jax.__version__)')
 # XLA's full optimisation, as a user's compile (tests/conftest.py lowers it for the CPU tests)
 HYBRIDJAX_TEST_FULL_OPTIMIZATION=1 exec "$aot/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile -p no:cacheprovider \
   tests/rollout/test_kernel_gpu_compile.py tests/sharding/test_state_layout.py \
-  tests/memory/test_gpu_plan.py tests/memory/test_gpu_targets.py "$@"
+  tests/memory/test_gpu_plan.py tests/memory/test_gpu_targets.py \
+  tests/rewards/test_reward_model_gpu_compile.py "$@"

@@ -28,4 +28,5 @@ jax=$("$aot/bin/python" -c 'import jax; print(jax.__version__)')
 # compile-only GPU programs stay out of the tests' persistent cache (tests/conftest.py)
 HYBRIDJAX_TEST_JAX_CACHE= HYBRIDJAX_TEST_FULL_OPTIMIZATION=1 exec "$aot/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile -p no:cacheprovider \
   tests/rollout/test_kernel_gpu_compile.py tests/sharding/test_state_layout.py \
-  tests/memory/test_gpu_plan.py tests/memory/test_gpu_targets.py "$@"
+  tests/memory/test_gpu_plan.py tests/memory/test_gpu_targets.py \
+  tests/rewards/test_reward_model_gpu_compile.py "$@"

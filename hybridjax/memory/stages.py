@@ -170,7 +170,8 @@ def plan_gen(
 ) -> None:
     """Plans `gen`: the states on the devices while generating (`on_device`) and the decode
     loop's scratch; on compile-only GPUs also the engine's prefill, extend and decode programs
-    (`memory.engine_programs`), the worst of them into `xla_gpu`."""
+    (`memory.engine_programs`), the worst of them into `xla_gpu` with each one's peak and
+    scratch."""
     from hybridjax.memory.engine_programs import engine_memory
     from hybridjax.models.decoder import CausalLM
     from hybridjax.rollout.decode_attention import select_decode_kernel
@@ -194,6 +195,7 @@ def plan_gen(
         worst = max(programs, key=lambda k: program_peak(programs[k]))
         book.xla_gpu["gen"] = programs[worst] | {"peak": rest + program_peak(programs[worst])}
         book.xla_gpu["gen"] |= {f"{k} peak": program_peak(v) for k, v in programs.items()}
+        book.xla_gpu["gen"] |= {f"{k} scratch": v["scratch"] for k, v in programs.items()}
 
 
 def plan_reward(

@@ -111,7 +111,8 @@ def attention(
     result depends only on its own keys, never on the other queries of the call.
 
     `num_blocks` may be traced (a bound that covers every query's position); extra blocks
-    are no-ops. `kv_heads`: K, the third axis of what `read_block` returns. Returns B×T×H×D in q's dtype.
+    are no-ops. `kv_heads`: K, the third axis of what `read_block` returns. Returns B×T×H×D
+    in q's dtype.
     """
     b, t, h, d = q_BxTxHxD.shape
     rows_BxT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))

@@ -162,10 +162,8 @@ def decode_loop(
             model, "decode", record, token[:, None], position[:, None], active[:, None], cache
         )
         out_ex = out_ex.at[:, i].set(jnp.where(active[:, None, None], routed[:, 0], -1))
-        new_tok, lp, thr = sample_tokens(
-            logits[:, 0], uniform_BxK[:, i], batch.temperature, batch.top_k, batch.top_p, use_filter,
-            invariant,
-        )  # fmt: skip
+        sampling = (batch.temperature, batch.top_k, batch.top_p, use_filter, invariant)
+        new_tok, lp, thr = sample_tokens(logits[:, 0], uniform_BxK[:, i], *sampling)
         out_tok = out_tok.at[:, i].set(jnp.where(active, new_tok, -1))
         out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
         out_thr = out_thr.at[:, i].set(jnp.where(active, thr, -jnp.inf))

@@ -48,7 +48,10 @@ def map_rows(fn: Callable, *xs: jax.Array):
     must treat rows independently. Returns `fn`'s outputs (a pytree of R×… arrays) with
     their rows put back: N×…."""
     n = xs[0].shape[0]
-    tiles = -(-n // TILE_ROWS)
+    # at least two steps: XLA removes a loop of one, and its body then fuses with what
+    # surrounds it (XLA:CPU's YNNPACK fusions take a dot and the reductions after it into
+    # one kernel: measured, a one-tile head + log-softmax rounds differently from the loop)
+    tiles = max(-(-n // TILE_ROWS), 2)
 
     def split(x):
         x = jnp.pad(x, [(0, tiles * TILE_ROWS - n)] + [(0, 0)] * (x.ndim - 1))
@@ -87,64 +90,80 @@ def log_softmax(logits: jax.Array) -> jax.Array:
     return map_rows(lambda t: jax.nn.log_softmax(t, axis=-1), rows).reshape(logits.shape)
 
 
-# A key-block reader: (block j, the source row of each query in a tile, R int32) ->
-# (keys R×S×K×D, values R×S×K×D, key positions R×S int32, key valid R×S bool), S = KEY_BLOCK.
+# A key-block reader: (block j, the tile's index g) -> (keys X×S×K×D, values X×S×K×D, key
+# positions X×S int32, key valid X×S bool), S = KEY_BLOCK; X = TILE_ROWS (each query of the
+# tile its own keys: the engine's rows) or 1 (the tile's queries share them: one sequence).
 BlockReader = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
 
 
 def attention(
-    q_BxTxHxD: jax.Array,
-    positions_BxT: jax.Array,
+    q_NxRxHxD: jax.Array,
+    positions_NxR: jax.Array,
     read_block: BlockReader,
     num_blocks: int | jax.Array,
     kv_heads: int,
     sliding_window: int | None = None,
 ) -> jax.Array:
-    """Softmax(q·kᵀ/√D)·v of each query over the keys `read_block` gives, key block by key
-    block (blocks 0 .. num_blocks−1, KEY_BLOCK positions each), H query heads sharing
-    K = H/G key/value heads. A key is seen when valid, at a position ≤ the query's, and
-    (with a window) less than `sliding_window` positions back.
+    """Softmax(q·kᵀ/√D)·v of N tiles of R = TILE_ROWS queries over the keys `read_block` gives
+    each tile, key block by key block (blocks 0 .. num_blocks−1, KEY_BLOCK positions each),
+    H query heads sharing K = H/G key/value heads. A key is seen when valid, at a position
+    ≤ the query's, and (with a window) less than `sliding_window` positions back.
 
     Per query and block (float32): s = Σ_d q·k / √D (a reduction over D), m' = max(m, max s),
     p = exp(s − m'), l' = e^{m−m'}·l + Σ p, o' = e^{m−m'}·o + Σ_s p·v; out = o / l (0 for a
-    query that sees no key). The queries run TILE_ROWS at a time (`map_rows`), so a query's
-    result depends only on its own keys, never on the other queries of the call.
+    query that sees no key). The tiles run one per loop step, so a query's result depends
+    only on its own keys, never on the other queries of the call.
 
     `num_blocks` may be traced (a bound that covers every query's position); extra blocks
-    are no-ops. `kv_heads`: K, the third axis of what `read_block` returns. Returns B×T×H×D
-    in q's dtype.
+    are no-ops, and a tile stops at the block of its last query. `kv_heads`: K, the third
+    axis of what `read_block` returns. Returns N×R×H×D in q's dtype.
     """
-    b, t, h, d = q_BxTxHxD.shape
-    rows_BxT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    _, r, h, d = q_NxRxHxD.shape
+    g = h // kv_heads
 
-    def tile(q_RxHxD, pos_R, row_R):
+    def tile(q_RxHxD, pos_R, index):
+        q_RxKxGxD = q_RxHxD.astype(jnp.float32).reshape(r, kv_heads, g, d)
+
         def block(j, carry):
             m_RxKxG, l_RxKxG, o_RxKxGxD = carry
-            k_RxSxKxD, v_RxSxKxD, k_pos_RxS, k_valid_RxS = read_block(j, row_R)
-            q = q_RxHxD.astype(jnp.float32).reshape(-1, kv_heads, h // kv_heads, d)
-            k = jnp.swapaxes(k_RxSxKxD.astype(jnp.float32), 1, 2)  # R×K×S×D
-            s = jnp.sum(q[:, :, :, None, :] * k[:, :, None], axis=-1) * d**-0.5  # R×K×G×S
-            mask = k_valid_RxS & (k_pos_RxS <= pos_R[:, None])
+            k_XxSxKxD, v_XxSxKxD, k_pos_XxS, k_valid_XxS = read_block(j, index)
+            k = jnp.swapaxes(k_XxSxKxD.astype(jnp.float32), 1, 2)  # X×K×S×D
+            s = jnp.sum(q_RxKxGxD[:, :, :, None, :] * k[:, :, None], axis=-1) * d**-0.5
+            mask = k_valid_XxS & (k_pos_XxS <= pos_R[:, None])  # R×S
             if sliding_window is not None:
-                mask &= pos_R[:, None] - k_pos_RxS < sliding_window
+                mask &= pos_R[:, None] - k_pos_XxS < sliding_window
             mask = mask[:, None, None, :]
             m_new = jnp.maximum(m_RxKxG, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # R×K×G×S
             alpha = jnp.exp(m_RxKxG - m_new)
-            v = jnp.moveaxis(v_RxSxKxD.astype(jnp.float32), 1, 3)  # R×K×D×S
+            v = jnp.moveaxis(v_XxSxKxD.astype(jnp.float32), 1, 3)  # X×K×D×S
             pv = jnp.sum(p[:, :, :, None, :] * v[:, :, None], axis=-1)  # R×K×G×D
             return m_new, alpha * l_RxKxG + jnp.sum(p, axis=-1), alpha[..., None] * o_RxKxGxD + pv
 
-        r = q_RxHxD.shape[0]
-        stats = jnp.full((r, kv_heads, h // kv_heads), NEG_INF, jnp.float32)
-        init = (stats, jnp.zeros_like(stats), jnp.zeros((*stats.shape, d), jnp.float32))
-        _, l_RxKxG, o_RxKxGxD = jax.lax.fori_loop(0, num_blocks, block, init)
+        stats = jnp.full((r, kv_heads, g), NEG_INF, jnp.float32)
+        init = (stats, jnp.zeros_like(stats), jnp.zeros((r, kv_heads, g, d), jnp.float32))
+        # blocks past the tile's last query are no-ops: skipped (causal)
+        stop = jnp.minimum(jnp.max(pos_R) // KEY_BLOCK + 1, num_blocks)
+        _, l_RxKxG, o_RxKxGxD = jax.lax.fori_loop(0, stop, block, init)
         seen = l_RxKxG > 0
         out = jnp.where(seen[..., None], o_RxKxGxD / jnp.where(seen, l_RxKxG, 1.0)[..., None], 0.0)
         return out.reshape(r, h, d).astype(q_RxHxD.dtype)
 
-    flat = (q_BxTxHxD.reshape(b * t, h, d), positions_BxT.reshape(-1), rows_BxT.reshape(-1))
-    return map_rows(tile, *flat).reshape(b, t, h, d)
+    n = q_NxRxHxD.shape[0]
+    steps = max(n, 2)  # a loop of at least two steps (see `map_rows`)
+    pad = lambda x: jnp.pad(x, [(0, steps - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    index = jnp.arange(steps, dtype=jnp.int32)
+    out = jax.lax.map(lambda xs: tile(*xs), (pad(q_NxRxHxD), pad(positions_NxR), index))
+    return out[:n]
+
+
+def _tiles(x_BxTx: jax.Array) -> jax.Array:
+    """B×T×… → (B·T′/R)×R×… with T padded to T′, a multiple of R = TILE_ROWS: each tile
+    holds consecutive tokens of one row."""
+    b, t = x_BxTx.shape[:2]
+    pad = -t % TILE_ROWS
+    x = jnp.pad(x_BxTx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxTx.ndim - 2))
+    return x.reshape(b * (t + pad) // TILE_ROWS, TILE_ROWS, *x.shape[2:])
 
 
 def self_attention(
@@ -158,9 +177,10 @@ def self_attention(
     """`attention` of T tokens over themselves (a padded batch, causal by position): the
     keys are placed by position (positions of valid tokens distinct within a row, as
     `decoder.default_positions` gives), so block j holds positions [j·S, (j+1)·S) as in the
-    engine's pages. Returns B×T×H×D in q's dtype; outputs at invalid queries are garbage."""
+    engine's pages; each tile holds R consecutive queries of one row, which share its keys.
+    Returns B×T×H×D in q's dtype; outputs at invalid queries are garbage."""
     b, t = positions_BxT.shape
-    blocks = -(-t // KEY_BLOCK)
+    blocks = max(-(-t // KEY_BLOCK), 2)  # a loop of at least two steps, as in `map_rows`
     width = blocks * KEY_BLOCK
     rows = jnp.arange(b)[:, None]
     at = jnp.where(valid_BxT, positions_BxT, width)  # invalid tokens: dropped
@@ -171,15 +191,18 @@ def self_attention(
 
     k_by_pos, v_by_pos = place(k_BxTxKxD, 0), place(v_BxTxKxD, 0)
     valid_by_pos = place(valid_BxT, False)
+    per_row = -(-t // TILE_ROWS)
 
-    def read_block(j, row_R):
-        index_S = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)
-        take = lambda x: x[row_R[:, None], index_S[None, :]]  # noqa: E731
-        pos_RxS = jnp.broadcast_to(index_S, (row_R.shape[0], KEY_BLOCK))
-        return take(k_by_pos), take(v_by_pos), pos_RxS, take(valid_by_pos)
+    def read_block(j, index):
+        row, start = index // per_row, j * KEY_BLOCK
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x[row], start, KEY_BLOCK)[None]  # noqa: E731
+        pos_1xS = (start + jnp.arange(KEY_BLOCK))[None]
+        return take(k_by_pos), take(v_by_pos), pos_1xS, take(valid_by_pos)
 
     kv = k_BxTxKxD.shape[2]
-    return attention(q_BxTxHxD, positions_BxT, read_block, blocks, kv, sliding_window)
+    out = attention(_tiles(q_BxTxHxD), _tiles(positions_BxT), read_block, blocks, kv,
+                    sliding_window)  # fmt: skip
+    return out.reshape(b, -1, *out.shape[2:])[:, :t]
 
 
 def paged_attention(
@@ -195,22 +218,32 @@ def paged_attention(
     decode in parity mode): key position p of row b is page `page_table[b, p // page_size]`
     at offset p % page_size of the K×N×S×D pool (or, with `layer`, of layer `layer` of a
     stacked L×K×N×S×D pool), read KEY_BLOCK positions at a time up to the call's last
-    position. Every written position ≤ the query's is valid (the cache's rule). Returns
-    B×T×H×D in q's dtype."""
+    position. Every written position ≤ the query's is valid (the cache's rule). The queries
+    are tiled R at a time across rows, each reading its own keys. Returns B×T×H×D in q's
+    dtype."""
+    b, t, h, d = q_BxTxHxD.shape
     page_size = k_pages.shape[-2]
     width = page_table_BxP.shape[1]
     k_pool = k_pages if layer is None else jax.lax.dynamic_index_in_dim(k_pages, layer, 0, False)
     v_pool = v_pages if layer is None else jax.lax.dynamic_index_in_dim(v_pages, layer, 0, False)
+    n = -(-(b * t) // TILE_ROWS)
+    rows_NxR = jnp.minimum(jnp.arange(n * TILE_ROWS) // t, b - 1).reshape(n, TILE_ROWS)
 
-    def read_block(j, row_R):
+    def read_block(j, index):
+        row_R = rows_NxR[jnp.minimum(index, n - 1)]
         pos_S = j * KEY_BLOCK + jnp.arange(KEY_BLOCK)
         slot_S = jnp.minimum(pos_S // page_size, width - 1)
         page_RxS = page_table_BxP[row_R[:, None], slot_S[None, :]]
         offset_S = pos_S % page_size
         read = lambda pool: jnp.moveaxis(pool[:, page_RxS, offset_S[None, :]], 0, 2)  # noqa: E731
-        pos_RxS = jnp.broadcast_to(pos_S, (row_R.shape[0], KEY_BLOCK))
+        pos_RxS = jnp.broadcast_to(pos_S, (TILE_ROWS, KEY_BLOCK))
         return read(k_pool), read(v_pool), pos_RxS, pos_RxS < width * page_size
 
+    flat = lambda x: jnp.pad(x.reshape(b * t, *x.shape[2:]),  # noqa: E731
+                             [(0, n * TILE_ROWS - b * t)] + [(0, 0)] * (x.ndim - 2))  # fmt: skip
+    q = flat(q_BxTxHxD).reshape(n, TILE_ROWS, h, d)
+    pos = flat(positions_BxT).reshape(n, TILE_ROWS)
     blocks = jnp.max(positions_BxT) // KEY_BLOCK + 1
     kv = k_pages.shape[-4]
-    return attention(q_BxTxHxD, positions_BxT, read_block, blocks, kv, sliding_window)
+    out = attention(q, pos, read_block, blocks, kv, sliding_window)
+    return out.reshape(n * TILE_ROWS, h, d)[: b * t].reshape(b, t, h, d)

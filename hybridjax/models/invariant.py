@@ -23,9 +23,8 @@ with `lax.map`), so every compiled kernel sees the same shape whatever the batch
     needs changes nothing.
 
 Elementwise operations (RoPE, SiLU, residual adds) and gathers are row-invariant as they are.
-Cost: a loop step per tile and per key block instead of one large call, and attention without
-the dot kernels (products summed by XLA's reduction loops); see docs/batch-invariance.md for
-the measured throughput.
+Cost: a loop step per tile and per key block instead of one large call, and a copy of each
+query's keys per block; see docs/batch-invariance.md for the measured throughput.
 """
 
 from __future__ import annotations
@@ -90,9 +89,9 @@ def log_softmax(logits: jax.Array) -> jax.Array:
     return map_rows(lambda t: jax.nn.log_softmax(t, axis=-1), rows).reshape(logits.shape)
 
 
-# A key-block reader: (block j, the tile's index g) -> (keys X×S×K×D, values X×S×K×D, key
-# positions X×S int32, key valid X×S bool), S = KEY_BLOCK; X = TILE_ROWS (each query of the
-# tile its own keys: the engine's rows) or 1 (the tile's queries share them: one sequence).
+# A key-block reader: (block j, the tile's index) -> (keys R×S×K×D, values R×S×K×D, key
+# positions R×S int32, key valid R×S bool), R = TILE_ROWS, S = KEY_BLOCK: each query of the
+# tile its own copy of its keys, so that every caller runs the same R·K small products.
 BlockReader = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
 
 
@@ -109,7 +108,7 @@ def attention(
     H query heads sharing K = H/G key/value heads. A key is seen when valid, at a position
     ≤ the query's, and (with a window) less than `sliding_window` positions back.
 
-    Per query and block (float32): s = Σ_d q·k / √D (a reduction over D), m' = max(m, max s),
+    Per query and block (float32): s = Σ_d q·k / √D, m' = max(m, max s),
     p = exp(s − m'), l' = e^{m−m'}·l + Σ p, o' = e^{m−m'}·o + Σ_s p·v; out = o / l (0 for a
     query that sees no key). The tiles run one per loop step, so a query's result depends
     only on its own keys, never on the other queries of the call.
@@ -126,25 +125,26 @@ def attention(
 
         def block(j, carry):
             m_RxKxG, l_RxKxG, o_RxKxGxD = carry
-            k_XxSxKxD, v_XxSxKxD, k_pos_XxS, k_valid_XxS = read_block(j, index)
-            k = jnp.swapaxes(k_XxSxKxD.astype(jnp.float32), 1, 2)  # X×K×S×D
-            s = jnp.sum(q_RxKxGxD[:, :, :, None, :] * k[:, :, None], axis=-1) * d**-0.5
-            mask = k_valid_XxS & (k_pos_XxS <= pos_R[:, None])  # R×S
+            k_RxSxKxD, v_RxSxKxD, k_pos_RxS, k_valid_RxS = read_block(j, index)
+            k = k_RxSxKxD.astype(jnp.float32)
+            s = jnp.einsum("rkgd,rskd->rkgs", q_RxKxGxD, k) * d**-0.5
+            mask = k_valid_RxS & (k_pos_RxS <= pos_R[:, None])
             if sliding_window is not None:
-                mask &= pos_R[:, None] - k_pos_XxS < sliding_window
+                mask &= pos_R[:, None] - k_pos_RxS < sliding_window
             mask = mask[:, None, None, :]
             m_new = jnp.maximum(m_RxKxG, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # R×K×G×S
             alpha = jnp.exp(m_RxKxG - m_new)
-            v = jnp.moveaxis(v_XxSxKxD.astype(jnp.float32), 1, 3)  # X×K×D×S
-            pv = jnp.sum(p[:, :, :, None, :] * v[:, :, None], axis=-1)  # R×K×G×D
+            pv = jnp.einsum("rkgs,rskd->rkgd", p, v_RxSxKxD.astype(jnp.float32))
             return m_new, alpha * l_RxKxG + jnp.sum(p, axis=-1), alpha[..., None] * o_RxKxGxD + pv
 
         stats = jnp.full((r, kv_heads, g), NEG_INF, jnp.float32)
         init = (stats, jnp.zeros_like(stats), jnp.zeros((r, kv_heads, g, d), jnp.float32))
-        # blocks past the tile's last query are no-ops: skipped (causal)
-        stop = jnp.minimum(jnp.max(pos_R) // KEY_BLOCK + 1, num_blocks)
-        _, l_RxKxG, o_RxKxGxD = jax.lax.fori_loop(0, stop, block, init)
+        # blocks past the tile's last query are no-ops: skipped (causal), by a `cond` in a
+        # loop of static length where `num_blocks` is static (the trainer's, differentiable)
+        stop = jnp.max(pos_R) // KEY_BLOCK + 1
+        step = lambda j, c: jax.lax.cond(j < stop, block, lambda _, c: c, j, c)  # noqa: E731
+        _, l_RxKxG, o_RxKxGxD = jax.lax.fori_loop(0, num_blocks, step, init)
         seen = l_RxKxG > 0
         out = jnp.where(seen[..., None], o_RxKxGxD / jnp.where(seen, l_RxKxG, 1.0)[..., None], 0.0)
         return out.reshape(r, h, d).astype(q_RxHxD.dtype)
@@ -177,7 +177,7 @@ def self_attention(
     """`attention` of T tokens over themselves (a padded batch, causal by position): the
     keys are placed by position (positions of valid tokens distinct within a row, as
     `decoder.default_positions` gives), so block j holds positions [j·S, (j+1)·S) as in the
-    engine's pages; each tile holds R consecutive queries of one row, which share its keys.
+    engine's pages; each tile holds R consecutive queries of one row.
     Returns B×T×H×D in q's dtype; outputs at invalid queries are garbage."""
     b, t = positions_BxT.shape
     blocks = max(-(-t // KEY_BLOCK), 2)  # a loop of at least two steps, as in `map_rows`
@@ -195,9 +195,19 @@ def self_attention(
 
     def read_block(j, index):
         row, start = index // per_row, j * KEY_BLOCK
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x[row], start, KEY_BLOCK)[None]  # noqa: E731
-        pos_1xS = (start + jnp.arange(KEY_BLOCK))[None]
-        return take(k_by_pos), take(v_by_pos), pos_1xS, take(valid_by_pos)
+        # each query its own copy of its row's keys, as the engine reads its pages: with keys
+        # broadcast over the tile XLA rewrites the products into another contraction
+        # (measured: other bits at one kv head per query head, D = 64). Adding a traced zero
+        # keeps the copies apart (XLA does not fold x · 0.0 for floats), cheaper than a gather.
+        zero = index.astype(jnp.float32) * 0.0
+
+        def take(x):
+            block = jax.lax.dynamic_slice_in_dim(x[row], start, KEY_BLOCK)
+            copies = jnp.broadcast_to(block, (TILE_ROWS, *block.shape))
+            return copies if x.dtype == jnp.bool_ else copies + zero.astype(x.dtype)
+
+        pos_RxS = jnp.broadcast_to(start + jnp.arange(KEY_BLOCK), (TILE_ROWS, KEY_BLOCK))
+        return take(k_by_pos), take(v_by_pos), pos_RxS, take(valid_by_pos)
 
     kv = k_BxTxKxD.shape[2]
     out = attention(_tiles(q_BxTxHxD), _tiles(positions_BxT), read_block, blocks, kv,

@@ -65,11 +65,13 @@ def _attention_inputs(dtype, b=3, t=21, h=4, kv=2, d=8, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_over_pages_equals_attention_over_the_sequence_bit_for_bit(dtype):
+@pytest.mark.parametrize("kv, d", [(2, 8), (4, 64)], ids=["gqa", "mha-64"])
+def test_attention_over_pages_equals_attention_over_the_sequence_bit_for_bit(dtype, kv, d):
     """The engine's paged read (shuffled pages of 4 tokens, the pool holding other rows'
     keys too) and the trainer's read by position give the same bits; both are attention
-    (float32 tolerance against the dense reference); left padding changes nothing."""
-    q, k, v, positions, valid = _attention_inputs(dtype)
+    (float32 tolerance against the dense reference); left padding changes nothing. One kv
+    head per query head at D = 64 is where keys shared by a tile gave other bits."""
+    q, k, v, positions, valid = _attention_inputs(dtype, kv=kv, d=d)
     b, t, kv, d = k.shape
     page, width = 4, 6
     rng = np.random.default_rng(1)

@@ -112,9 +112,8 @@ def _logged(run_dir: pathlib.Path) -> dict:
     return [r for r in map(json.loads, lines) if r["step"] == 1][-1]
 
 
-def _sequences(model, rows: int = 8, seed: int = 0):
-    """`rows` quick-start prompts and a sampled response each (the engine-free full-forward
-    sampler of the tests), as the trainer's padded fields."""
+def quickstart_prompts(rows: int = 8) -> list[list[int]]:
+    """The token ids of the first `rows` prompts of the quick start's test split."""
     import pyarrow.parquet as pq
 
     from hybridjax.models.tokenizer import Tokenizer
@@ -122,7 +121,13 @@ def _sequences(model, rows: int = 8, seed: int = 0):
     path = ROOT / "hybridjax" / "assets" / "quickstart"
     tokenizer = Tokenizer.from_pretrained(path / "sft_model")
     table = pq.read_table(path / "data" / "test.parquet").slice(0, rows).to_pylist()
-    prompts = [tokenizer.encode(r["prompt"][-1]["content"]) for r in table]
+    return [tokenizer.encode(r["prompt"][-1]["content"]) for r in table]
+
+
+def _sequences(model, rows: int = 8, seed: int = 0):
+    """`rows` quick-start prompts and a sampled response each (the engine-free full-forward
+    sampler of the tests), as the trainer's padded fields."""
+    prompts = quickstart_prompts(rows)
     p, r = max(map(len, prompts)), 16
     key = jax.random.key(seed)
     ids = np.zeros((rows, p + r), np.int32)
@@ -147,15 +152,17 @@ def _sequences(model, rows: int = 8, seed: int = 0):
     }
 
 
-def batch_invariance(dtype: str, rows: int = 8) -> dict:
+def batch_invariance(dtype: str, rows: int = 8, batch_invariant: bool = False) -> dict:
     """The quick start's model scoring the same `rows` sequences at batch `rows` and at batch
-    1 in `dtype` (parameters and matmuls): `mismatch_metrics` of the two, float32 figures."""
+    1 in `dtype` (parameters and matmuls), in parity mode with `batch_invariant`
+    (`hybridjax.models.invariant`): `mismatch_metrics` of the two, float32 figures."""
     from hybridjax.algorithms.rollout_correction import mismatch_metrics
     from hybridjax.models.hf_io import load_pretrained
     from hybridjax.training.forward import model_log_probs
 
     path = ROOT / "hybridjax" / "assets" / "quickstart" / "sft_model"
-    model = load_pretrained(path, config_overrides={"dtype": dtype, "param_dtype": dtype})
+    overrides = {"dtype": dtype, "param_dtype": dtype, "batch_invariant": batch_invariant}
+    model = load_pretrained(path, config_overrides=overrides)
     fields = _sequences(load_pretrained(path))  # the same sequences for both dtypes
     score = jax.jit(lambda f: model_log_probs(model, f, 1.0)[0])
     together = score(fields)

@@ -196,6 +196,20 @@ def _structure_problems(c: ConfigDict, n_devices: int) -> list[str]:
         f"algorithm.adv_estimator {algo.adv_estimator!r} generates one greedy response per "
         f"prompt: data.train_batch_size ({bsz}) must be divisible by the data-parallel size ({dp})",
     )
+    if a.model.batch_invariant:
+        need(
+            not a.model.use_remove_padding,
+            "actor_rollout_ref.model.batch_invariant scores padded batches (its attention reads "
+            "keys by position), not packed ones: set actor_rollout_ref.model.use_remove_padding"
+            "=False",
+        )
+        generate = dtype_of(a.model.dtype if a.rollout.dtype == "auto" else a.rollout.dtype)
+        need(
+            generate in (dtype_of(a.model.dtype), "float32"),
+            f"actor_rollout_ref.model.batch_invariant needs the engine to compute with the "
+            f"trainer's weights: actor_rollout_ref.rollout.dtype={a.rollout.dtype!r} rounds them "
+            f"below model.dtype={a.model.dtype!r}; use 'auto'",
+        )
     replay = a.actor.router_replay.mode
     need(
         replay == "disabled" or not a.model.use_remove_padding,

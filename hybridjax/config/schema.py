@@ -151,6 +151,11 @@ def declared_config() -> ConfigDict:
             # the LM head fused with log-softmax and entropy, chunk by chunk over positions
             # (hybridjax.models.logprobs): no B×T×V logits in any pass
             use_fused_kernels=True,
+            # parity mode (vLLM's "batch invariant"): the actor's passes and the rollout
+            # engine reduce in one order whatever the batch, so rollout and trainer log-probs
+            # are equal bit for bit (hybridjax.models.invariant, docs/batch-invariance.md);
+            # needs use_remove_padding=False, a dense model, and the unfused head is used
+            batch_invariant=False,
         ),
         actor=dict(
             ppo_mini_batch_size=positive(256),  # in prompts; × rollout.n responses

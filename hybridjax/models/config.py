@@ -167,6 +167,9 @@ class ModelConfig:
     (`decoder.Transformer`);
     after construction it is a bool.
 
+    `batch_invariant` (parity mode) runs projections, norms, attention and the LM head in
+    an order that does not depend on how many rows share a call (`hybridjax.models.invariant`).
+
     `param_dtype` is the dtype parameters are stored in; `dtype` the dtype matmuls run in.
     Attention softmax, RMSNorm statistics and RoPE tables are always computed in float32.
     """
@@ -208,6 +211,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    # parity mode: every row-wise reduction in a fixed order whatever the batch
+    # (`hybridjax.models.invariant`), so engine and trainer log-probs agree bit for bit
+    batch_invariant: bool = False
 
     def __post_init__(self):
         """Raises ValueError for an unknown family or an inconsistent mixture of experts."""
@@ -236,6 +242,11 @@ class ModelConfig:
         if self.scan_layers not in (True, False):
             raise ValueError(
                 f"scan_layers must be True, False or {AUTO_SCAN!r}, got {self.scan_layers!r}"
+            )
+        if self.batch_invariant and self.num_experts:
+            raise ValueError(
+                "batch_invariant does not cover mixture-of-experts models (num_experts="
+                f"{self.num_experts}); set actor_rollout_ref.model.batch_invariant to false"
             )
         if self.scan_layers and self.num_experts:
             raise ValueError(

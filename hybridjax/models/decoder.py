@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybridjax.models import invariant
 from hybridjax.models.attention import SelfAttentionMask, self_attention, stacked_cache
 from hybridjax.models.config import ModelConfig, to_dtype
 from hybridjax.models.moe import MoEMLP
@@ -105,13 +106,17 @@ def apply_rope(x_BxTxHxD: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.A
 
 
 class RMSNorm(nnx.Module):
-    """x / sqrt(mean(x²) + eps) · weight (Zhang & Sennrich 2019), statistics in float32 as HF."""
+    """x / sqrt(mean(x²) + eps) · weight (Zhang & Sennrich 2019), statistics in float32 as HF;
+    per fixed tile of rows with `batch_invariant` (`invariant.rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, batch_invariant=False):
         self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
         self.eps = eps
+        self.batch_invariant = batch_invariant
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.batch_invariant:
+            return invariant.rms_norm(x, self.weight[...], self.eps)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
@@ -139,13 +144,17 @@ class Attention(nnx.Module):
             self.k_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
             self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
         if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs, config.batch_invariant)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs, config.batch_invariant)
         self.config = config
 
     def _project(self, x, name):
         dtype = x.dtype
-        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dtype))
+        w = getattr(self, f"{name}_proj")[...].astype(dtype)
+        if self.config.batch_invariant:
+            y = invariant.matmul(x, w)
+        else:
+            y = jnp.einsum("btd,dhk->bthk", x, w)
         if self.config.attention_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
         return y
@@ -158,6 +167,15 @@ class Attention(nnx.Module):
         v = self._project(x_BxTxD, "v")
         dtype = x_BxTxD.dtype
         o = self.o_proj[...].astype(dtype)
+        if self.config.batch_invariant:  # parity mode: one reduction order, any batch
+            if cache is None:
+                out = invariant.self_attention(
+                    q, k, v, mask.positions, mask.valid, self.config.sliding_window
+                )
+            else:
+                out, cache = cache.attend(layer, q, k, v, positions_BxT, token_mask_BxT)
+            out = out.astype(dtype).reshape(*out.shape[:2], -1)
+            return invariant.matmul(out, o.reshape(-1, o.shape[-1])), cache
         if cache is None:
             # B×K×T×G×Dh against o (K,G,Dh,D): no transpose back to B×T×H×Dh.
             chunks = min(MAX_QUERY_CHUNKS, max(q.shape[1] // MIN_QUERY_CHUNK, 1))
@@ -177,10 +195,14 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        self.batch_invariant = config.batch_invariant
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         down = self.down_proj[...].astype(dt)
+        if self.batch_invariant:  # three tiled matmuls whatever the token count
+            gate = jax.nn.silu(invariant.matmul(x, self.gate_proj[...].astype(dt)))
+            return invariant.matmul(gate * invariant.matmul(x, self.up_proj[...].astype(dt)), down)
         tokens = math.prod(x.shape[:-1])
         if tokens < STACKED_GATE_UP_MIN_TOKENS_PER_WIDTH * x.shape[-1]:
             gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
@@ -202,9 +224,10 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         pd = to_dtype(config.param_dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        args = (config.hidden_size, config.rms_norm_eps, pd, rngs, config.batch_invariant)
+        self.input_layernorm = RMSNorm(*args)
         self.self_attn = Attention(config, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.post_attention_layernorm = RMSNorm(*args)
         self.mlp = MoEMLP(config, rngs) if config.is_moe_layer(layer) else MLP(config, rngs)
 
     def __call__(self, h, positions, token_mask, rope, mask, cache=None, layer=0, replay=None):
@@ -381,7 +404,9 @@ class Transformer(nnx.Module):
         layers = [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
         # scanned: ONE DecoderLayer holding the L layers' parameters stacked (the same draws)
         self.layers = stack_modules(layers) if config.scan_layers else nnx.List(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, pd, rngs, config.batch_invariant
+        )
 
     def __call__(
         self,
@@ -415,7 +440,14 @@ class Transformer(nnx.Module):
         mask = None  # one mask for every layer; with a cache, the cache masks
         if cache is None:
             window = self.config.sliding_window
-            mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window)
+            # parity mode reads the per-token ids only: no dense bias ("blocked" holds none)
+            impl = "blocked" if self.config.batch_invariant else None
+            if self.config.batch_invariant and segments is not None:
+                raise ValueError(
+                    "batch_invariant covers padded batches, not packed ones: set "
+                    "actor_rollout_ref.model.use_remove_padding to false"
+                )
+            mask = SelfAttentionMask.create(positions_BxT, token_mask_BxT, segments, window, impl)
         if self.config.scan_layers and (cache is None or stacked_cache(cache)):
             args = (positions_BxT, token_mask_BxT, rope, mask)
             h, cache = scan_layers(self.layers, h, args, cache)
@@ -474,7 +506,12 @@ class CausalLM(nnx.Module):
         return self.lm_head[...], "dv"
 
     def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
-        """Logits B×T×V in float32 from hidden states."""
+        """Logits B×T×V in float32 from hidden states (per fixed tile of rows with
+        `batch_invariant`, `invariant.matmul`)."""
+        if self.config.batch_invariant:
+            weight, layout = self.head_weight()
+            w = weight.astype(hidden_BxTxD.dtype)
+            return invariant.matmul(hidden_BxTxD, w.T if layout == "vd" else w, jnp.float32)
         if self.config.tie_word_embeddings:
             w = self.model.embed_tokens[...].astype(hidden_BxTxD.dtype)
             out = jnp.einsum("btd,vd->btv", hidden_BxTxD, w, preferred_element_type=jnp.float32)

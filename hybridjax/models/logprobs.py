@@ -62,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjax.algorithms.entropy import entropy_from_logits
+from hybridjax.models import invariant
 from hybridjax.models.decoder import default_positions
 
 # Positions per chunk of the fused head: a chunk's logits are B_local × 256 × V/tp float32
@@ -121,6 +122,9 @@ def token_log_probs(
       threshold_BxT: float32 support thresholds τ in scaled logits (sampling-mask replay,
         see the module docstring; −inf: the whole vocabulary), or None: the whole vocabulary
         everywhere. No gradient flows to it.
+    A model with `config.batch_invariant` (parity mode) takes the unfused path whatever
+    `config` says (B×T×V float32 logits), its head and log-softmax per fixed tile of rows: the
+    rollout engine's computation of the sampled token's log-prob (`sampling.sample_tokens`).
     Raises ValueError on a temperature ≤ 0 or mismatched shapes.
     """
     if temperature <= 0:
@@ -134,7 +138,8 @@ def token_log_probs(
     if threshold_BxT is None:
         threshold_BxT = jnp.zeros(targets_BxT.shape, jnp.float32)  # unused
     threshold_BxT = jax.lax.stop_gradient(threshold_BxT.astype(jnp.float32))
-    if config.use_fused_kernels:
+    parity = getattr(model.config, "batch_invariant", False)
+    if config.use_fused_kernels and not parity:
         weight, layout = model.head_weight()
         w = weight.astype(hidden_BxTxD.dtype)
         split = vocab_split(config.mesh, w.shape[0 if layout == "vd" else 1], targets_BxT.shape[0])
@@ -147,7 +152,10 @@ def token_log_probs(
         keep = (logits_BxTxV >= threshold_BxT[..., None]) | (vocab == targets_BxT[..., None])
         # a finite floor: exp underflows to 0 and 0 · floor stays 0 in the entropy
         logits_BxTxV = jnp.where(keep, logits_BxTxV, jnp.finfo(jnp.float32).min)
-    log_probs = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    if parity:  # the engine's `sampling.sample_tokens` formula, per fixed tile of rows
+        log_probs = invariant.log_softmax(logits_BxTxV)
+    else:
+        log_probs = jax.nn.log_softmax(logits_BxTxV, axis=-1)
     log_probs = jnp.take_along_axis(log_probs, targets_BxT[..., None], axis=-1)[..., 0]
     if not with_entropy:
         return log_probs, None

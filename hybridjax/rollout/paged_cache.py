@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from hybridjax.models import invariant
 from hybridjax.models.attention import attention_mask, dot_product_attention
 from hybridjax.rollout.decode_attention import (
     decode_attention,
@@ -152,6 +153,9 @@ class PagedKVCache:
       decode kernel (`decode_attention.select_decode_kernel`).
     mesh: the generation mesh the decode kernel runs on per device (`decode_attention`), or
       None (one device, or left to the SPMD partitioner).
+    batch_invariant: parity mode (`ModelConfig.batch_invariant`): every mode writes the pages
+      first, then attends to them with `invariant.paged_attention` (the trainer's reduction;
+      no gathered copy, no kernel choice).
     """
 
     k: Pools
@@ -163,6 +167,7 @@ class PagedKVCache:
     k_seq: Pools | None = None
     v_seq: Pools | None = None
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @staticmethod
     def create_pool(config, num_pages: int, page_size: int, dtype=jnp.float32):
@@ -240,7 +245,11 @@ class PagedKVCache:
         new = dataclasses.replace(
             self, k=with_layer(self.k, layer, k_pool), v=with_layer(self.v, layer, v_pool)
         )
-        if self.mode == "prefill":
+        if self.batch_invariant:
+            out = invariant.paged_attention(
+                q, k_pool, v_pool, self.page_table, positions, self.sliding_window, at
+            )
+        elif self.mode == "prefill":
             mask = attention_mask(positions, positions, token_mask, self.sliding_window)
             out = dot_product_attention(q, k, v, mask)
         elif self.k_seq is not None and self.v_seq is not None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybridjax.models import invariant
+
 NEG_INF = -jnp.inf
 
 
@@ -119,6 +121,7 @@ def sample_tokens(
     top_k_B: jax.Array,
     top_p_B: jax.Array,
     use_filter: bool,
+    batch_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token per row, its log-prob and the support's threshold (module docstring).
 
@@ -126,6 +129,8 @@ def sample_tokens(
       logits_BxV: float32 logits. uniform_B: float32 in [0, 1), one per row (`step_uniforms`).
       temperature_B: float32, 0 for greedy. top_k_B: int32. top_p_B: float32.
       use_filter: static; False skips top-k/top-p entirely (no sort).
+      batch_invariant: static; the log-softmax per fixed tile of rows
+        (`invariant.log_softmax`, parity mode), as the trainer computes it.
     Returns:
       tokens_B int32, log_probs_B float32, threshold_B float32 (τ in logits / T; −inf: the
       whole vocabulary).
@@ -141,7 +146,10 @@ def sample_tokens(
         top_p_B = jnp.where(greedy_B, 1.0, top_p_B)
         threshold_B = support_threshold(scaled_BxV, top_k_B, top_p_B)
         scaled_BxV = jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, NEG_INF)
-    log_probs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    if batch_invariant:
+        log_probs_BxV = invariant.log_softmax(scaled_BxV)
+    else:
+        log_probs_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     sampled_B = inverse_cdf_sample(uniform_B, jnp.exp(log_probs_BxV))
     tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B).astype(jnp.int32)
     log_probs_B = jnp.take_along_axis(log_probs_BxV, tokens_B[:, None], axis=-1)[:, 0]

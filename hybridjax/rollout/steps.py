@@ -61,7 +61,10 @@ def prefill(
     tokens), else N×T×0×0."""
     model = nnx.merge(graphdef, state)
     positions_NxT = jnp.broadcast_to(jnp.arange(ids_NxT.shape[1]), ids_NxT.shape)
-    cache = PagedKVCache(k_pools, v_pools, page_table_NxP, "prefill", sliding_window=sliding_window)
+    cache = PagedKVCache(
+        k_pools, v_pools, page_table_NxP, "prefill", sliding_window=sliding_window,
+        batch_invariant=model.config.batch_invariant,
+    )  # fmt: skip
     (_, cache), routed = _run(
         model.model, "__call__", record_routing, ids_NxT, positions_NxT, mask_NxT, cache
     )
@@ -89,8 +92,9 @@ def extend(
     model = nnx.merge(graphdef, state)
     positions_NxT = start_N[:, None] + jnp.arange(ids_NxT.shape[1])[None]
     cache = PagedKVCache(
-        k_pools, v_pools, page_table_NxP, "decode", "jnp", sliding_window=sliding_window
-    )
+        k_pools, v_pools, page_table_NxP, "decode", "jnp", sliding_window=sliding_window,
+        batch_invariant=model.config.batch_invariant,
+    )  # fmt: skip
     (_, cache), routed = _run(
         model.model, "__call__", record_routing, ids_NxT, positions_NxT, mask_NxT, cache
     )
@@ -158,9 +162,8 @@ def decode_loop(
             model, "decode", record, token[:, None], position[:, None], active[:, None], cache
         )
         out_ex = out_ex.at[:, i].set(jnp.where(active[:, None, None], routed[:, 0], -1))
-        new_tok, lp, thr = sample_tokens(
-            logits[:, 0], uniform_BxK[:, i], batch.temperature, batch.top_k, batch.top_p, use_filter
-        )
+        sampling = (batch.temperature, batch.top_k, batch.top_p, use_filter, invariant)
+        new_tok, lp, thr = sample_tokens(logits[:, 0], uniform_BxK[:, i], *sampling)
         out_tok = out_tok.at[:, i].set(jnp.where(active, new_tok, -1))
         out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
         out_thr = out_thr.at[:, i].set(jnp.where(active, thr, -jnp.inf))
@@ -175,10 +178,12 @@ def decode_loop(
         out = (out_tok, out_lp, out_thr, out_ex)
         return (i + 1, cache, token, position, active, n_gen, *out, done)
 
+    invariant = nnx.merge(graphdef, state).config.batch_invariant  # parity mode
     cache = PagedKVCache(
-        k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh
-    )
-    if impl == "jnp" and cache.gathered_bytes() <= MAX_GATHERED_BYTES:
+        k_pools, v_pools, batch.page_table, "decode", impl, sliding_window, mesh=mesh,
+        batch_invariant=invariant,
+    )  # fmt: skip
+    if impl == "jnp" and not invariant and cache.gathered_bytes() <= MAX_GATHERED_BYTES:
         cache = cache.gathered()  # once per call; the steps keep the copy up to date
     out_tok = jnp.full((b, num_steps), -1, jnp.int32)
     out_lp = jnp.zeros((b, num_steps), jnp.float32)

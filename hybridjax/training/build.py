@@ -114,6 +114,7 @@ def _overrides(cfg: ConfigDict) -> dict[str, Any]:
         "remat_policy": model.remat_policy,
         "scan_layers": scan_layers(model.scan_layers),
         "dtype": dtype_of(model.dtype),
+        "batch_invariant": model.batch_invariant,
     }
     return out | dict(model.override_config)
 
@@ -135,8 +136,10 @@ def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
 
 
 def critic_model_config(cfg: ConfigDict, actor: ModelConfig) -> ModelConfig:
-    """The critic's shape: the actor's with one output label and `critic.model.override_config`."""
-    return dataclasses.replace(actor, num_labels=1, **dict(cfg.critic.model.override_config))
+    """The critic's shape: the actor's with one output label and `critic.model.override_config`
+    (never in parity mode: `model.batch_invariant` is about the actor's log-probs)."""
+    overrides = {"num_labels": 1, "batch_invariant": False}
+    return dataclasses.replace(actor, **overrides | dict(cfg.critic.model.override_config))
 
 
 def build_actor(cfg: ConfigDict, config: ModelConfig, mesh, seed: int) -> CausalLM:

@@ -3,7 +3,7 @@ what it costs and what it buys, parity on and off in one run, float32 and bfloat
 
 * cost: tokens/s of rollout (`generate` of 8 quick-start prompts × 4 samples, up to 32
   tokens each, temperature 1; generated tokens / wall time) and of the `old_log_prob` pass
-  (`hybridjax.rl.forward.model_log_probs` over those 32 sequences in one call; response
+  (`hybridjax.training.forward.model_log_probs` over those 32 sequences in one call; response
   tokens / wall time), each the median of `--repeats` timed runs after a warm-up (compiles
   excluded); the ratio on / off;
 * effect: the tokens whose log-prob differs (and max |Δ log p|) between the engine and the
@@ -47,7 +47,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def _fields(prompts, out):
     """The trainer's padded fields of the rollout `out` (rows prompt-major, SAMPLES each)."""
-    from hybridjax.rl.batch import make_batch
+    from hybridjax.training.batch import make_batch
 
     width = max(map(len, prompts))
     rows = [p for p in prompts for _ in range(SAMPLES)]
@@ -70,8 +70,8 @@ def _fields(prompts, out):
 def measure(dtype: str, on: bool, repeats: int) -> dict:
     """Rollout and old_log_prob tokens/s and the engine/trainer gap of one mode."""
     from hybridjax.models.hf_io import load_pretrained
-    from hybridjax.rl.forward import model_log_probs
     from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+    from hybridjax.training.forward import model_log_probs
 
     overrides = {"dtype": dtype, "param_dtype": dtype, "batch_invariant": on}
     model = load_pretrained(MODEL, config_overrides=overrides)

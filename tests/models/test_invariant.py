@@ -17,8 +17,8 @@ from hybridjax.models import invariant
 from hybridjax.models.attention import attention_mask, dot_product_attention
 from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl.batch import make_batch
-from hybridjax.rl.forward import model_log_probs
+from hybridjax.training.batch import make_batch
+from hybridjax.training.forward import model_log_probs
 
 DTYPES = ("float32", "bfloat16")
 MODEL = ModelConfig(

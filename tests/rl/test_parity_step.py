@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridjax.config.checks import ConfigError, validate
+from hybridjax.config.checks import ConfigError
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl import build, step
-from hybridjax.rl.batch import make_batch
+from hybridjax.rl import step
+from hybridjax.rl.checks import validate
 from hybridjax.rl.pipeline import Stage, StepContext
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+from hybridjax.training import build
+from hybridjax.training.batch import make_batch
 from tests.rl.test_trainer_on_policy import GRPO, MODEL, _config, one_pool_run
 
 PARITY = {

@@ -13,9 +13,9 @@ import pytest
 from conftest import ENGINE_CONFIG
 from rollout_testing import TINY, make_model, make_prompts
 
-from hybridjax.rl.batch import make_batch
-from hybridjax.rl.forward import model_log_probs
 from hybridjax.rollout import Engine, SamplingParams, generate
+from hybridjax.training.batch import make_batch
+from hybridjax.training.forward import model_log_probs
 
 # 8 pages of 4 tokens for 4 slots: groups preempt each other and come back on cached pages;
 # 5 prompt tokens per step: the longer prompts are prefilled in chunks (extend calls).

@@ -75,7 +75,7 @@ def packed_attention_mask(
 
 def attention_backend() -> str:
     """The self-attention implementation of full-sequence passes on the platform of the mesh
-    being traced under (`sharding.mesh.platform_of`: compile-only GPUs included), else of
+    being traced under (`hybridjax.platforms.platform_of`: compile-only GPUs included), else of
     `jax.default_backend()`.
 
     * "jnp" on CPU: `grouped_attention` under one dense B×T×T bias built once per forward

@@ -37,7 +37,7 @@ def select_decode_kernel(
     page_size: int = 16,
 ) -> str:
     """The decode kernel for `rollout.attention_impl` = `impl` on `backend` ("cpu", "gpu",
-    "tpu": the platform of the generation mesh's devices, `sharding.mesh.platform_of`), for a
+    "tpu": the platform of the generation mesh's devices, `hybridjax.platforms.platform_of`), for a
     model of `head_dim` and pages of `page_size` tokens.
 
     "auto" → "pallas" on a GPU where the kernel takes the shapes (power-of-two head dim and

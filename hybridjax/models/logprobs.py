@@ -138,7 +138,7 @@ def token_log_probs(
     if threshold_BxT is None:
         threshold_BxT = jnp.zeros(targets_BxT.shape, jnp.float32)  # unused
     threshold_BxT = jax.lax.stop_gradient(threshold_BxT.astype(jnp.float32))
-    parity = getattr(model.config, "batch_invariant", False)
+    parity = getattr(getattr(model, "config", None), "batch_invariant", False)
     if config.use_fused_kernels and not parity:
         weight, layout = model.head_weight()
         w = weight.astype(hidden_BxTxD.dtype)

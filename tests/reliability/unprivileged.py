@@ -42,6 +42,11 @@ def run(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
                               text=True, timeout=timeout_s)  # fmt: skip
     base, prefix = os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)
     roots = [base, prefix, os.path.realpath(REPO)]
+    # import paths outside those (a virtualenv whose packages come through a .pth file from
+    # a directory the unprivileged user cannot read, as in CI's layout phase) are bound too
+    inside = lambda path: any(path == r or path.startswith(r + os.sep) for r in roots)
+    extra = list(dict.fromkeys(os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)))
+    roots += [p for p in extra if not inside(p)]
     top = tempfile.mkdtemp(prefix="unprivileged-", dir="/tmp")
     try:
         os.chmod(top, 0o755)
@@ -51,6 +56,7 @@ def run(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
         moved = lambda path, i: os.path.join(seen[i], os.path.relpath(path, roots[i]))
         python = moved(os.path.realpath(sys.executable), 0)
         sites = [moved(os.path.realpath(p), 1) for p in site.getsitepackages()]
+        sites += [seen[i] for i in range(3, len(roots))]
         preamble = (f"import site, sys\nfor p in {sites!r}: site.addsitedir(p)\n"
                     f"sys.path.insert(0, {seen[2]!r})\n")  # fmt: skip
         binds = " && ".join(f"mount --bind {shlex.quote(r)} {shlex.quote(s)}"

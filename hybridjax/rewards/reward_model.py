@@ -87,8 +87,8 @@ def score_responses(
       ValueError: `micro_batch_size` does not divide B.
     """
     ids_BxL = jnp.concatenate([prompts_BxP, responses_BxR], axis=1)
-    # each mask cast before the concat (as `training.batch.make_batch`): a float-to-int convert after
-    # it, fused into the reduction over the prompt slice, failed in XLA:GPU's Triton emitter
+    # each mask cast before the concat (as `training.batch.make_batch`): a float-to-int convert
+    # after it, fused into the reduction over the prompt slice, failed in XLA:GPU's Triton emitter
     masks = (prompt_mask_BxP.astype(jnp.int32), response_mask_BxR.astype(jnp.int32))
     mask_BxL = jnp.concatenate(masks, axis=1)
     b = ids_BxL.shape[0]

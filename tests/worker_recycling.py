@@ -119,16 +119,22 @@ def pytest_testnodedown(node: Any, error: object | None) -> None:
 def _reap(node: Any) -> None:
     """Waits for a retired worker's process in a daemon thread, so that it does not stay a
     zombie until the run ends (a slow-suite run retires a dozen or more)."""
-    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    popen = _popen(node)
     if popen is not None:
         threading.Thread(target=popen.wait, daemon=True).start()
 
 
+def _popen(node: Any) -> Any:
+    """The worker's process handle (execnet's `subprocess.Popen`), or None if not reachable."""
+    return getattr(getattr(node.gateway, "_io", None), "popen", None)
+
+
 def _exit_signal(node: Any) -> str:
     """'killed by SIGSEGV' from the worker process's exit status, or '' if unknown."""
+    popen = _popen(node)
     try:
-        returncode = node.gateway._io.popen.wait(timeout=10)
-    except Exception:
+        returncode = popen.wait(timeout=10)
+    except Exception:  # (None: no handle)
         return ""
     if returncode is not None and returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"

@@ -175,3 +175,20 @@ def test_a_worker_still_collecting_is_given_work_only_once_it_has_collected():
     sched.add_node_collection(late, collection)
     sched.schedule()
     assert late.sent == [[4, 5]]
+
+
+def test_a_child_process_compiles_as_the_suite_does_on_its_own_devices(monkeypatch):
+    from tests.child_env import child_env
+
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    )
+    env = child_env(devices=2, PYTHONPATH="/x")
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_backend_optimization_level=0",
+        "--xla_force_host_platform_device_count=2",
+    ]
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONPATH"] == "/x"
+    assert child_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"  # one device
+    assert "XLA_FLAGS" not in child_env(as_user=True)  # a user's run: full optimisation
+    assert os.environ["XLA_FLAGS"].endswith("count=8")  # this process's are left as they were

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hybridjax.offline.dpo import DPOConfig, dpo_metrics, pair_losses
+from tests.child_env import child_env
 
 # Two pairs: sequence log-probs (policy, reference) of chosen and rejected, response lengths.
 PC, PR = np.array([-2.0, -5.0], np.float32), np.array([-4.0, -3.0], np.float32)
@@ -137,8 +138,7 @@ def test_arithmetic_example_raises_preference_and_greedy_accuracy(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)  # `experiments` is not installed
-    env.pop("XLA_FLAGS", None)
+    env = child_env(as_user=True, PYTHONPATH=root)  # `experiments` is not installed; one CPU device
     args = ["-m", "experiments.examples.dpo_arithmetic", "--steps", "32", "--results", "r"]
     proc = subprocess.run(
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500

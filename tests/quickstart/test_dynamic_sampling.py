@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = f"--config={ROOT}/configs/quickstart_dapo.py"
 QUICK = ["--config.trainer.val_before_train=False", "--config.trainer.test_freq=-1",
@@ -17,8 +19,7 @@ GROUPS = 16  # data.train_batch_size of the quick start
 
 
 def _train(tmp_path, *flags):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    env = child_env(as_user=True, PYTHONPATH=ROOT)  # one CPU device, as a user's run
     return subprocess.run(
         [sys.executable, "-m", "hybridjax.train", CONFIG, *QUICK, *flags],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,

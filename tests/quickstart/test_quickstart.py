@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VAL_KEY = "val-core/arithmetic/acc/mean@1"
 # The CI variant of `python -m hybridjax.train` (no flags = configs/quickstart.py): fewer steps.
@@ -15,8 +17,7 @@ QUICK_STEPS = 10
 
 
 def _run(args, tmp_path, timeout):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    env = child_env(as_user=True)  # one CPU device, as a user's run
     proc = subprocess.run(
         [sys.executable, "-m", *args],
         cwd=tmp_path,

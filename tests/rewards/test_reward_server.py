@@ -20,6 +20,7 @@ from hybridjax.rewards.remote import TOKEN_ENV, RemoteClient, RemoteConfig, Rewa
 from hybridjax.rewards.reward_model import score_with_model
 from hybridjax.rewards.serve import start_local
 from hybridjax.rl.reward import check_reward_servers
+from tests.child_env import child_env
 
 USER_CODE = """
 import time
@@ -196,10 +197,7 @@ def test_model_server_scores_equal_the_local_forward(tmp_path):
         responses[i, :r], rmask[i, :r] = rng.integers(1, 64, r), 1
     _, expected = score_with_model(model, prompts, pmask, responses, rmask)
 
-    env = os.environ | {
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
+    env = child_env(devices=2)
     process, url = start_local(["--model_path", str(tmp_path / "rm")], env=env)
     try:
         health = httpx.get(f"{url}/health").json()

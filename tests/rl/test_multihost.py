@@ -12,7 +12,6 @@ collectives the runs agree bit for bit, so any difference comes from the host-si
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 import signal
 import socket
@@ -25,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.child_env import child_env
 from tests.rl.tiny_run import REPO, gsm8k_subset, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -63,13 +63,9 @@ def _launch(
 ):
     """Starts the CLI in `processes` processes over 8 CPU devices in all. A process whose
     heartbeats stop for `heartbeat_s` ends the run (a loaded machine can stall one for 30 s)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "JAX_PLATFORMS": "cpu",
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
-    }
+    env = child_env(
+        devices=8 // processes, PYTHONPATH=str(REPO), JAX_DEFAULT_MATMUL_PRECISION="highest"
+    )
     args = [
         sys.executable,
         "-m",

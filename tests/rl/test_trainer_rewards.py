@@ -18,6 +18,7 @@ from hybridjax.models.hf_io import save_pretrained
 from hybridjax.rewards.serve import start_local
 from hybridjax.rl.trainer import RLTrainer
 from hybridjax.training import build
+from tests.child_env import child_env
 from tests.rl.tiny_run import gsm8k_subset, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -114,10 +115,7 @@ def test_served_reward_model_summed_with_the_rule(data, tmp_path):
     shape = build.actor_model_config(config, tokenizer)
     rm = SequenceClassifier(dataclasses.replace(shape, num_labels=1), nnx.Rngs(7))
     save_pretrained(rm, tmp_path / "rm")
-    env = os.environ | {
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    }
+    env = child_env(devices=2)
     process, url = start_local(["--model_path", str(tmp_path / "rm")], env=env)
     try:
         config.reward_model.remote.urls = url

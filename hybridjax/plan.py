@@ -8,11 +8,20 @@ reference. `--target=a100` / `h100` compiles every program of the step with XLA:
 count (docs/gpu-planning.md).
 """
 
+from __future__ import annotations
+
 import logging
+from typing import TYPE_CHECKING
 
 import jax
 
 from hybridjax.memory import planner
+
+if TYPE_CHECKING:
+    from absl import flags
+    from ml_collections import ConfigDict
+
+_CONFIG: flags.FlagHolder[ConfigDict]  # the config file's flag, defined by `cli`
 
 
 def main(argv: list[str]) -> None:

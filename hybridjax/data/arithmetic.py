@@ -29,7 +29,7 @@ import dataclasses
 import os
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -105,9 +105,33 @@ def teacher_response(problem: Problem, rng: random.Random, task: TaskConfig) -> 
     return f"Answer: {problem.answer}"
 
 
+class _Drawn(Protocol):  # what `split_drawn` reads of a problem
+    @property
+    def question(self) -> str: ...
+
+
+DrawnT = TypeVar("DrawnT", bound=_Drawn)
+TaskT = TypeVar("TaskT")
+
+
 def split_problems(
-    seed: int, train_size: int, test_size: int, task: TaskConfig, draw=make_problem
+    seed: int, train_size: int, test_size: int, task: TaskConfig
 ) -> tuple[list[Problem], list[Problem]]:
+    """(train, test) of `task`'s problems (`split_drawn` with `make_problem`).
+
+    Raises:
+      ValueError: the task has too few distinct problems for `test_size`.
+    """
+    return split_drawn(seed, train_size, test_size, task, make_problem)
+
+
+def split_drawn(
+    seed: int,
+    train_size: int,
+    test_size: int,
+    task: TaskT,
+    draw: Callable[[random.Random, TaskT], DrawnT],
+) -> tuple[list[DrawnT], list[DrawnT]]:
     """(train, test): the test problems first, then training problems whose question text is
     not a test question. Deterministic in `seed`. (The operands of a held-out question may
     appear in training in other words: the small task has few distinct `(op, a, b)`.)
@@ -117,7 +141,8 @@ def split_problems(
       ValueError: the task has too few distinct problems for `test_size`.
     """
     rng = random.Random(seed)
-    test, seen = [], set()
+    test: list[DrawnT] = []
+    seen: set[str] = set()
     for _ in range(50 * test_size):
         if len(test) == test_size:
             break
@@ -127,7 +152,7 @@ def split_problems(
             test.append(problem)
     if len(test) < test_size:
         raise ValueError(f"could not draw {test_size} distinct test problems; widen the task")
-    train = []
+    train: list[DrawnT] = []
     while len(train) < train_size:
         problem = draw(rng, task)
         if problem.question not in seen:

@@ -126,12 +126,12 @@ def split_problems(
     seed: int, train_size: int, test_size: int, task: ToolTaskConfig
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, test), deterministic in `seed`: distinct test questions first, then training
-    questions that are not test questions (`arithmetic.split_problems` with this task's draw).
+    questions that are not test questions (`arithmetic.split_drawn` with this task's draw).
 
     Raises:
       ValueError: the task has too few distinct problems for `test_size`.
     """
-    return arithmetic.split_problems(seed, train_size, test_size, task, draw)
+    return arithmetic.split_drawn(seed, train_size, test_size, task, draw)
 
 
 def to_row(problem: Problem, split: str, index: int) -> dict:

@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from hybridjax.data.schema import DataError, check_row, read_table
-from hybridjax.errors import InputFileError
+from hybridjax.errors import ConfigError, InputFileError
 from hybridjax.models.tokenizer import Tokenizer
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -350,7 +350,7 @@ def collate(examples: Sequence[dict], max_prompt_length: int, pad_token_id: int)
         ids = ex["prompt_ids"]
         input_ids[i, max_prompt_length - len(ids) :] = ids
         attention_mask[i, max_prompt_length - len(ids) :] = 1
-    batch = {
+    batch: dict[str, Any] = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32),
@@ -493,14 +493,23 @@ def _dataset(config: DataConfig, tokenizer: Tokenizer, files, max_samples: int =
     )
 
 
+def _pad_id(tokenizer: Tokenizer) -> int:
+    """The id prompts are left-padded with. Raises ConfigError for a tokenizer with neither a
+    pad nor an EOS token."""
+    if tokenizer.pad_token_id is None:
+        raise ConfigError("the tokenizer has neither a pad_token nor an eos_token to pad prompts")
+    return tokenizer.pad_token_id
+
+
 def train_loader(
     config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
 ) -> PromptLoader:
     """The training loader of verl's `data.*` config: shuffled, `drop_last`."""
+    pad = _pad_id(tokenizer)
     return PromptLoader(
         _dataset(config, tokenizer, config.train_files),
         config.train_batch_size,
-        tokenizer.pad_token_id,
+        pad,
         shuffle=config.shuffle,
         seed=config.seed,
         drop_last=True,
@@ -512,10 +521,11 @@ def val_loader(
     config: DataConfig, tokenizer: Tokenizer, share: Callable[[int], slice] | None = None
 ) -> PromptLoader:
     """The validation loader: in file order, every row, the last batch padded (`row_mask`)."""
+    pad = _pad_id(tokenizer)
     return PromptLoader(
         _dataset(config, tokenizer, config.val_files, config.val_max_samples),
         config.resolved_val_batch_size,
-        tokenizer.pad_token_id,
+        pad,
         shuffle=False,
         drop_last=False,
         share=share,

@@ -161,6 +161,7 @@ def self_attention(
             q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask.segment_ids, mask.prefix_ids,
             mask.positions, mask.valid, mask.sliding_window,
         )  # fmt: skip
+    assert mask.bias is not None  # every mask but "blocked" carries its dense bias
     return grouped_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask.bias, query_chunks)
 
 

@@ -27,7 +27,8 @@ Two call paths share one implementation:
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from hybridjax.models.attention import SelfAttentionMask, self_attention, stacke
 from hybridjax.models.config import ModelConfig, to_dtype
 from hybridjax.models.moe import MoEMLP
 
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)  # a module class, kept through a transform
 INIT_STD = 0.02
 # Full-sequence attention on the jnp path splits the queries into up to MAX_QUERY_CHUNKS chunks
 # of at least MIN_QUERY_CHUNK tokens and skips the key blocks above the diagonal
@@ -272,7 +274,7 @@ def _without_layer_axis(variable: nnx.Variable, value: jax.Array) -> nnx.Variabl
     return variable.replace(value, axes=axes[1:])
 
 
-def stack_modules(modules) -> nnx.Module:
+def stack_modules(modules: Sequence[ModuleT]) -> ModuleT:
     """One module of the same structure as each of `modules` whose variables hold theirs stacked
     on a new leading axis (L = len(modules)), `layers` prepended to their `axes` metadata.
 
@@ -291,7 +293,7 @@ def stack_modules(modules) -> nnx.Module:
         path: _with_layer_axis(var, jnp.stack([f[path].get_value() for f in flats]))
         for path, var in flats[0].items()
     }
-    return nnx.merge(graphdef, nnx.from_flat_state(stacked))
+    return cast(ModuleT, nnx.merge(graphdef, nnx.from_flat_state(stacked)))
 
 
 def module_at(stacked: nnx.Module, index) -> nnx.Module:

@@ -32,7 +32,7 @@ import logging
 import math
 import pathlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast, overload
 
 import jax
 import numpy as np
@@ -318,6 +318,30 @@ def _place(array: np.ndarray, axes, shardings: ShardingFn | None) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+@overload
+def load_pretrained(
+    path: str | pathlib.Path,
+    *,
+    kind: Literal["causal_lm"] = "causal_lm",
+    shardings: ShardingFn | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    init_score_head: bool = False,
+    seed: int = 0,
+) -> CausalLM: ...
+
+
+@overload
+def load_pretrained(
+    path: str | pathlib.Path,
+    *,
+    kind: Literal["classifier"],
+    shardings: ShardingFn | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    init_score_head: bool = False,
+    seed: int = 0,
+) -> SequenceClassifier: ...
+
+
 def load_pretrained(
     path: str | pathlib.Path,
     *,
@@ -388,7 +412,7 @@ def load_pretrained(
                 value = INIT_STD * np.random.default_rng(seed).standard_normal(shape)
             axes = var.get_metadata()["axes"]
             var.set_value(_place(value.astype(dtype, copy=False), axes, shardings))
-    return nnx.merge(graphdef, state)
+    return cast(CausalLM | SequenceClassifier, nnx.merge(graphdef, state))
 
 
 # --------------------------------------------------------------------------- writing

@@ -229,7 +229,8 @@ def split_trainable(state: Any) -> tuple[Any, Any]:
     rest when `state` has adapters, else (state, None)."""
     if not has_adapters(state):
         return state, None
-    return nnx.split_state(state, nnx.LoRAParam, ...)
+    trainable, frozen = nnx.split_state(state, nnx.LoRAParam, ...)
+    return trainable, frozen
 
 
 def merge_trainable(trainable: Any, frozen: Any) -> Any:

@@ -38,6 +38,7 @@ response tokens the first r of the R response columns, p ≥ 1, and P + R ≤ ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -191,7 +192,7 @@ def plan(
     prompts = jnp.where(mask[:, :p_cols] > 0, input_ids_BxL[:, :p_cols], -1)
     args = [_pieces(x, d) for x in (p, r, key, prompts)]
     buf, prompt_start, response_start, writes = jax.vmap(
-        lambda *a: _plan_piece(*a, config.row_length)
+        functools.partial(_plan_piece, capacity=config.row_length)
     )(*args)
     return PackPlan(
         buffer=buf,

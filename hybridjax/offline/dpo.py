@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,13 @@ from hybridjax.offline.sft import (
     training_head,
 )
 
+if TYPE_CHECKING:
+    from absl import flags
+
 log = logging.getLogger(__name__)
+# the command line's flags, defined by `cli` (absl parses them before `main` runs)
+_CONFIG: flags.FlagHolder[ConfigDict]
+_OVERWRITE: flags.FlagHolder[bool]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 TRL_METRIC_NAMES = ("loss", "learning_rate", "grad_norm")
@@ -251,14 +257,17 @@ def evaluate(
     graphdef, params, pairs, ref, bs, rows, config: DPOConfig, head: LogProbConfig = FUSED
 ) -> dict[str, float]:
     """`eval_*` metrics over every validation pair."""
-    terms = [[] for _ in range(5)]
+    terms: list[list[np.ndarray]] = [[] for _ in range(5)]
     for idx, n in _batches(len(ref), bs):
         batch = _rows(pairs, idx) | {"ref_logps": np.concatenate([ref[idx, 0], ref[idx, 1]])}
         out = _pair_terms_jit(graphdef, params, loop.place(batch, rows), config, head)
         for acc, value in zip(terms, out, strict=True):
             acc.append(np.asarray(value)[:n])
     arrays = [jnp.asarray(np.concatenate(t)) for t in terms]
-    metrics = dpo_metrics(*arrays, prefix="eval_")
+    loss, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps = arrays
+    metrics = dpo_metrics(
+        loss, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, prefix="eval_"
+    )
     # the policy's own preference (not relative to the reference): log π(y_c) > log π(y_r)
     metrics["eval_logps/accuracies"] = (arrays[3] > arrays[4]).mean(dtype=jnp.float32)
     return {k: float(v) for k, v in metrics.items()}

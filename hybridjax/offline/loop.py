@@ -35,7 +35,9 @@ from hybridjax.compilation_cache import set_compilation_cache
 from hybridjax.errors import ConfigError
 from hybridjax.metrics import Tracking
 from hybridjax.metrics.console import announce
+from hybridjax.models.decoder import CausalLM
 from hybridjax.models.lora import (
+    LoRAModel,
     merge_trainable,
     split_trainable,
 )
@@ -248,7 +250,7 @@ def setup(
     cfg: ConfigDict,
     overwrite: bool,
     load: Callable[[str, Tokenizer, ConfigDict], dict[str, np.ndarray]],
-    build_model: Callable[[ConfigDict, Tokenizer, Mesh], nnx.Module],
+    build_model: Callable[[ConfigDict, Tokenizer, Mesh], CausalLM | LoRAModel],
 ) -> Setup:
     """The export target checked first, then the tokenizer, the mesh, the rows
     (`load(files, tokenizer, cfg.data)`), the step count, the optimizer and the model.

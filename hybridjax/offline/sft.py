@@ -27,7 +27,7 @@ import functools
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,13 @@ from hybridjax.tools.chat import tool_response_text
 from hybridjax.training.build import dtype_of
 from hybridjax.training.forward import response_log_probs
 
+if TYPE_CHECKING:
+    from absl import flags
+
 log = logging.getLogger(__name__)
+# the command line's flags, defined by `cli` (absl parses them before `main` runs)
+_CONFIG: flags.FlagHolder[ConfigDict]
+_OVERWRITE: flags.FlagHolder[bool]
 
 
 def sft_config() -> ConfigDict:
@@ -138,7 +144,18 @@ def check_keys(
 # ---------------------------------------------------------------------------------- data
 
 
-def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, str]]:
+# a response: one assistant turn, or a trajectory of (role, content) messages (`read_rows`)
+Response = str | tuple[tuple[str, str], ...]
+
+
+def _eos_id(tokenizer: Tokenizer) -> int:
+    """The EOS id every response ends with. Raises ConfigError for a tokenizer without one."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("the tokenizer has no eos_token: SFT ends every response with it")
+    return tokenizer.eos_token_id
+
+
+def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, Response]]:
     """(prompt, response) pairs of a parquet or jsonl file.
 
     Raises:
@@ -161,7 +178,7 @@ def read_rows(path: str, prompt_key: str, response_key: str) -> list[tuple[Any, 
             records = pq.read_table(path).to_pylist()
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise InputFileError(f"{path}: not a readable parquet file ({e})") from e
-    rows = []
+    rows: list[tuple[Any, Response]] = []
     for i, record in enumerate(records):
         for key in (prompt_key, response_key):
             if key not in record:
@@ -196,9 +213,7 @@ def _conversation(messages: list, where: str) -> str | tuple[tuple[str, str], ..
     return tuple((m["role"], str(m.get("content", ""))) for m in turns)
 
 
-def response_tokens(
-    tokenizer: Tokenizer, response: str | tuple[tuple[str, str], ...]
-) -> tuple[list[int], list[float]]:
+def response_tokens(tokenizer: Tokenizer, response: Response) -> tuple[list[int], list[float]]:
     """Token ids of a response and their loss mask, the final EOS included.
 
     A string is one assistant turn (mask 1). A trajectory (`read_rows`) is laid out token in,
@@ -207,11 +222,12 @@ def response_tokens(
     it rendered once with the chat template's tool role (`tool_response_text`, mask 0), so the
     model learns its calls and answers, never the tools' responses.
     """
-    eos = tokenizer.eos_token_id
+    eos = _eos_id(tokenizer)
     if isinstance(response, str):
-        ids = tokenizer.encode(response) + [eos]
-        return ids, [1.0] * len(ids)
-    ids, mask = [], []
+        text_ids = tokenizer.encode(response) + [eos]
+        return text_ids, [1.0] * len(text_ids)
+    ids: list[int] = []
+    mask: list[float] = []
     k = 0
     while k < len(response):
         if response[k][0] == "assistant":
@@ -229,7 +245,11 @@ def response_tokens(
 
 
 def tokenize_pairs(
-    pairs: list[tuple[Any, str]], tokenizer: Tokenizer, max_length: int, truncation: str, path=""
+    pairs: list[tuple[Any, Response]],
+    tokenizer: Tokenizer,
+    max_length: int,
+    truncation: str,
+    path: str = "",
 ) -> dict[str, np.ndarray]:
     """Right-padded `input_ids`, `attention_mask`, `loss_mask` (N×max_length, int32/float32).
 
@@ -238,7 +258,7 @@ def tokenize_pairs(
     Raises:
       ValueError: a pair is longer than `max_length` under `truncation="error"` (names the row).
     """
-    eos = tokenizer.eos_token_id
+    eos = _eos_id(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     n = len(pairs)
     ids = np.full((n, max_length), pad, np.int32)
@@ -246,8 +266,9 @@ def tokenize_pairs(
     loss = np.zeros((n, max_length), np.float32)
     prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p, _ in pairs]
     prompt_ids = tokenizer.encode_batch([tokenizer.render_chat(m) for m in prompts])
-    if all(isinstance(r, str) for _, r in pairs):  # one batched call for plain responses
-        encoded = tokenizer.encode_batch([r for _, r in pairs])
+    texts = [r for _, r in pairs if isinstance(r, str)]
+    if len(texts) == n:  # one batched call for plain responses
+        encoded = tokenizer.encode_batch(texts)
         responses = [(r + [eos], [1.0] * (len(r) + 1)) for r in encoded]
     else:
         responses = [response_tokens(tokenizer, r) for _, r in pairs]
@@ -359,7 +380,8 @@ def build_model(cfg: ConfigDict, tokenizer: Tokenizer, mesh) -> CausalLM | LoRAM
     """`model.path` (an HF checkpoint) or a random model shaped by `model.override_config`;
     wrapped in fresh LoRA adapters when `model.lora_rank` > 0."""
     lora = LoRAConfig.from_config(cfg.model, "model")
-    overrides = {"dtype": dtype_of(cfg.model.dtype)} | dict(cfg.model.override_config)
+    overrides: dict[str, Any] = {"dtype": dtype_of(cfg.model.dtype)}
+    overrides |= dict(cfg.model.override_config)
     if cfg.model.path:
         shardings = sharding_fn(mesh, ACTOR_TRAIN_RULES)
         model = load_pretrained(cfg.model.path, shardings=shardings, config_overrides=overrides)
@@ -400,7 +422,7 @@ def run_sft(cfg: ConfigDict, overwrite: bool = False) -> dict[str, Any]:
     graphdef, train, val, rows = run.graphdef, run.train, run.val, run.rows
     bs = cfg.data.train_batch_size
     head = training_head(run.mesh)
-    objective = functools.partial(sft_objective, head=head)
+    objective: loop.LossFn | loop.WithGradients = functools.partial(sft_objective, head=head)
     if cfg.model.use_remove_padding:  # rows of max_length; budget = the padded batch's tokens
         pieces = data_parallel_size(run.mesh)
         packed = packing.PackingConfig(cfg.data.max_length, max(bs // pieces, 1), pieces, False)

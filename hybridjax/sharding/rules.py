@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybridjax.models.decoder import ModuleT
 from hybridjax.sharding.mesh import BATCH_AXES, axis_size
 
 # A rule table: ((logical name, mesh axis | tuple of mesh axes | None), ...). Frozen and hashable.
@@ -193,8 +194,8 @@ def _initializer(model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rul
 
 
 def init_sharded(
-    model_cls: type[nnx.Module], model_config: Any, mesh: Mesh, rules: Rules, seed: int = 0
-) -> nnx.Module:
+    model_cls: type[ModuleT], model_config: Any, mesh: Mesh, rules: Rules, seed: int = 0
+) -> ModuleT:
     """`model_cls(model_config, nnx.Rngs(seed))`, initialised directly in its sharding.
 
     The module is first built abstractly (`nnx.eval_shape`, no memory), its shardings derived from
@@ -207,4 +208,4 @@ def init_sharded(
         graphdef, init = _initializer(model_cls, model_config, mesh, rules)
     except TypeError:  # an unhashable config: build (and compile) without the cache
         graphdef, init = _initializer.__wrapped__(model_cls, model_config, mesh, rules)
-    return nnx.merge(graphdef, init(jax.random.key(seed)))
+    return cast(ModuleT, nnx.merge(graphdef, init(jax.random.key(seed))))

@@ -119,13 +119,16 @@ def _overrides(cfg: ConfigDict) -> dict[str, Any]:
     return out | dict(model.override_config)
 
 
-def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+def actor_model_config(cfg: ConfigDict, tokenizer: Tokenizer | None) -> ModelConfig:
     """The actor's ModelConfig: `config.json` of `model.path` (or, when empty, a random model
-    whose vocabulary and special tokens come from the tokenizer), then `override_config`."""
+    whose vocabulary and special tokens come from the tokenizer, which may be None only when
+    `model.path` is set), then `override_config`."""
     path = cfg.actor_rollout_ref.model.path
     overrides = _overrides(cfg)
     if path:
         return model_config_from_checkpoint(path, **overrides)
+    if tokenizer is None:
+        raise ValueError("a random actor (no model.path) takes its vocabulary from a tokenizer")
     from_tokenizer = {
         "vocab_size": tokenizer.vocab_size,
         "eos_token_id": tokenizer.eos_token_ids or None,

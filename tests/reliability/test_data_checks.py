@@ -5,6 +5,7 @@ the built-in rewards cannot compare fail at load, invalid UTF-8 is located."""
 from __future__ import annotations
 
 import logging
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -117,3 +118,19 @@ def test_a_directory_is_not_a_file(tmp_path, tokenizer):
         DataError, match=r"is a directory, not a parquet file \(it holds d.parquet\)"
     ):
         PromptDataset([str(tmp_path)], tokenizer, 128)
+
+
+def test_a_tokenizer_without_pad_or_eos_is_refused_before_any_data_is_read():
+    """Prompts are left-padded with the pad token (else EOS) and SFT ends each response with
+    EOS: a tokenizer with neither gets one line naming what is missing, not a NumPy error."""
+    from hybridjax.data.dataset import DataConfig, train_loader, val_loader
+    from hybridjax.errors import ConfigError
+    from hybridjax.offline.sft import tokenize_pairs
+
+    bare = types.SimpleNamespace(eos_token_id=None, pad_token_id=None)
+    config = DataConfig(train_files=("missing.parquet",), val_files=("missing.parquet",))
+    for loader in (train_loader, val_loader):
+        with pytest.raises(ConfigError, match="neither a pad_token nor an eos_token"):
+            loader(config, bare)
+    with pytest.raises(ConfigError, match="no eos_token"):
+        tokenize_pairs([("2+2?", "4")], bare, max_length=8, truncation="error")

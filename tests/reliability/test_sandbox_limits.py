@@ -146,12 +146,14 @@ def test_the_process_tree_is_found_with_or_without_proc_children():
     import subprocess
     import time
 
+    from hybridjax import process_tree
+
     shell = subprocess.Popen(["sh", "-c", "sleep 5 & (sleep 5 &); wait"], start_new_session=True)
     try:
         time.sleep(0.3)
-        tree = sandbox_limits._tree(shell.pid)
+        tree = process_tree.descendants(shell.pid)
         assert len(tree) == 2 and tree[0] == shell.pid  # the detached sleep left the tree
-        assert sorted(sandbox_limits._tree_by_parents(shell.pid)) == sorted(tree)
+        assert sorted(process_tree._descendants_by_parents(shell.pid)) == sorted(tree)
     finally:
         os.killpg(shell.pid, 9)
         shell.wait()
@@ -174,7 +176,7 @@ def test_the_tmpfs_count_ignores_a_directory_that_is_not_yet_the_sandboxs_tmpfs(
                                script.format(mount)], start_new_session=True)  # fmt: skip
         try:
             time.sleep(0.5)
-            pids = sandbox_limits._tree(ns.pid)
+            pids = sandbox_limits.descendants(ns.pid)
             used = sandbox_limits._tmpfs_use(pids, ("/tmp",), 16)
             assert used == 0 if not counted else used >= sandbox_limits.INODE_BYTES, used
         finally:

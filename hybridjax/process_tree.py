@@ -8,8 +8,9 @@ to the nearest ancestor marked a *child subreaper* (`prctl(PR_SET_CHILD_SUBREAPE
 
   * every worker process that runs user code (reward functions, `hybridjax.rewards.scoring`;
     tools, `hybridjax.tools.executor`) calls `keep_descendants()` as it starts: it becomes a
-    subreaper, so whatever the user's code starts stays in its tree however it detaches, and
-    when the worker exits (its pool stopping it, a call's timeout, the end of the run) it kills
+    subreaper, so whatever the user's code starts stays in its tree however it detaches (the
+    worker reaps those that exited after each call, `reap_exited_children`), and when the
+    worker exits (its pool stopping it, a call's timeout, the end of the run) it kills
     that tree;
   * the workers' forkserver is a subreaper too (`hybridjax.rewards.forkserver_preload`): the
     orphans of a worker that died without clean-up (SIGKILL, a crash) stay in its tree, and the
@@ -117,6 +118,22 @@ def keep_descendants() -> None:
             kill_descendants(worker)
 
     multiprocessing.util.Finalize(None, _kill_own, exitpriority=100)
+
+
+def reap_exited_children() -> int:
+    """Reaps every child of this process that has exited (without blocking); returns how
+    many. A subreaper inherits the orphans of its tree: each would stay a zombie (a pid of the
+    user's) until it exits. A child the user's code still means to wait for then reads exit
+    code 0 (Python's `subprocess` takes a child already reaped as exited with 0)."""
+    reaped = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped += 1
 
 
 def kill_forkserver_tree_at_exit() -> None:

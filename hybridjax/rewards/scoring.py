@@ -37,7 +37,11 @@ from typing import Any, NoReturn
 import numpy as np
 import pebble
 
-from hybridjax.process_tree import keep_descendants, kill_forkserver_tree_at_exit
+from hybridjax.process_tree import (
+    keep_descendants,
+    kill_forkserver_tree_at_exit,
+    reap_exited_children,
+)
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
@@ -250,8 +254,11 @@ def _load_in_worker(spec: FunctionSpec) -> None:
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
     assert _WORKER_FN is not None, "the worker's initializer loads the function"
-    with _os_exit_raises():
-        return call_rows(_WORKER_FN, rows, batched)
+    try:
+        with _os_exit_raises():
+            return call_rows(_WORKER_FN, rows, batched)
+    finally:
+        reap_exited_children()  # orphans of the function's processes come to this subreaper
 
 
 def quiet_bootstrap_errors(kind, value, tb) -> None:

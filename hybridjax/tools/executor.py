@@ -21,7 +21,7 @@ import time
 
 import pebble
 
-from hybridjax.process_tree import keep_descendants
+from hybridjax.process_tree import keep_descendants, reap_exited_children
 from hybridjax.rewards.scoring import worker_context
 from hybridjax.tools.base import Tool, ToolCall
 from hybridjax.tools.parser import ParseError
@@ -148,7 +148,10 @@ class ToolExecutor:
 
 def _execute(tool: Tool | None, arguments: dict | None) -> str | ToolResult | None:
     """Runs in a worker process (`tool` None: nothing, the pool's warm-up)."""
-    return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
+    try:
+        return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
+    finally:
+        reap_exited_children()  # orphans of the tool's processes come to this subreaper
 
 
 def _import(modules: list[str], started) -> None:

@@ -244,3 +244,23 @@ def test_daemons_of_a_dead_worker_do_not_outlive_the_trainer(tmp_path):
     assert rc.returncode == 0, (tmp_path / "log").read_text()[-2000:]
     pids = [int(open(p).read()) for p in pid_files]
     assert _gone_within(pids, 5.0), f"daemons {pids} outlived the trainer"
+
+
+def test_orphans_that_exit_are_reaped_by_their_worker(tmp_path):
+    """A subreaper worker inherits the orphans of the function's processes: those that exit
+    must not stay zombies (pids of the user's) until the worker stops."""
+    path = tmp_path / "quick.py"
+    path.write_text(
+        "import os\n\ndef compute_score(d, s, g, extra_info=None):\n"
+        "    if s == 'fork' and os.fork() == 0:\n        os.setsid()\n"
+        "        if os.fork() == 0:\n            os._exit(0)\n        os._exit(0)\n"
+        "    if s == 'fork':\n        os.wait()\n    return {'score': 0.0, 'pid': os.getpid()}\n"
+    )
+    manager = RewardManager(RewardConfig(custom_path=str(path), num_workers=1, timeout_s=20.0))
+    worker = int(_score(manager, ["fork"] * 6).extra["pid"][0])
+    time.sleep(0.5)  # the last orphan has exited
+    _score(manager, ["a"])  # the call after reaps it
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        children = f.read().split()
+    manager.close()
+    assert children == [], f"zombies under the worker: {children}"

@@ -27,12 +27,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+# Imported by the workers' forkserver as it starts (named, not imported here: they sit above
+# this module): the reward scoring module, so that replacement workers start in ms, not in the
+# ~0.5 s of a fresh import, and the module that makes the forkserver a subreaper.
+SCORING = "hybridjax.rewards.scoring"
+PRELOAD = "hybridjax.rewards.forkserver_preload"
 _ROUNDS = 1000  # stop passes; each catches the children forked before their parent stopped
 _registered = False
 
@@ -115,6 +122,9 @@ def keep_descendants() -> None:
 
     def _kill_own() -> None:
         if os.getpid() == worker:
+            # pebble's SIGTERM (its pool stopping) would `os._exit` in the middle, leaving
+            # processes stopped and not yet killed; the worker is leaving anyway
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             kill_descendants(worker)
 
     multiprocessing.util.Finalize(None, _kill_own, exitpriority=100)
@@ -134,6 +144,17 @@ def reap_exited_children() -> int:
         if pid == 0:
             return reaped
         reaped += 1
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The `forkserver` context of the worker processes that run user code (reward functions,
+    tools). Its server preloads `SCORING` and `PRELOAD` if it is not yet running (a server
+    some other code started keeps its own preloads), and the calling process kills the
+    server's tree when it exits (`kill_forkserver_tree_at_exit`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", SCORING, PRELOAD])  # no effect once it runs
+    kill_forkserver_tree_at_exit()
+    return context
 
 
 def kill_forkserver_tree_at_exit() -> None:

@@ -10,13 +10,13 @@ dtype, or a magnitude above `MAX_ABS_SCORE`, whose square would overflow the flo
 of the advantage).
 Nothing a reward function does reaches the caller as an exception.
 
-Worker processes come from a `forkserver` context (`worker_context`; JAX's threads make `fork`
-unsafe, `spawn` re-imports the trainer for every replacement) through `pebble.ProcessPool`,
-which kills a worker whose call outlives its timeout and replaces any worker that dies. Each
-worker loads the function once from its `FunctionSpec`; nothing the function starts outlives
-the worker, a daemon that double-forks into a session of its own included
-(`hybridjax.process_tree`). Rows travel as pickles, a cost per call far above the µs of the
-built-in regex checks, which is why trusted built-ins stay on threads (measured by
+Worker processes come from a `forkserver` context (`hybridjax.process_tree.worker_context`;
+JAX's threads make `fork` unsafe, `spawn` re-imports the trainer for every replacement) through
+`pebble.ProcessPool`, which kills a worker whose call outlives its timeout and replaces any
+worker that dies. Each worker loads the function once from its `FunctionSpec`; nothing the
+function starts outlives the worker, a daemon that double-forks into a session of its own
+included (`hybridjax.process_tree`). Rows travel as pickles, a cost per call far above the µs
+of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
 experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md).
 """
 
@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import multiprocessing
 import numbers
 import os
 import sys
@@ -37,15 +36,10 @@ from typing import Any, NoReturn
 import numpy as np
 import pebble
 
-from hybridjax.process_tree import (
-    keep_descendants,
-    kill_forkserver_tree_at_exit,
-    reap_exited_children,
-)
+from hybridjax.process_tree import keep_descendants, reap_exited_children, worker_context
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
-PRELOAD = "hybridjax.rewards.forkserver_preload"  # imported by the workers' forkserver only
 MAX_ABS_SCORE = 1e6  # a larger score is a bug (squares of 1e19 already overflow float32)
 
 
@@ -233,17 +227,6 @@ def _os_exit_raises() -> Iterator[None]:
         yield
     finally:
         os._exit = real
-
-
-def worker_context() -> Any:
-    """The `forkserver` context of the processes that run user code (reward functions, tools).
-    Its server preloads this module (replacement workers start in ms, not in the ~0.5 s of a
-    fresh import) and `PRELOAD`, if it is not yet running; the calling process kills the
-    server's tree when it exits (`hybridjax.process_tree`)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", __name__, PRELOAD])  # no effect once it runs
-    kill_forkserver_tree_at_exit()
-    return context
 
 
 def _load_in_worker(spec: FunctionSpec) -> None:

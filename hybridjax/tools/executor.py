@@ -21,8 +21,7 @@ import time
 
 import pebble
 
-from hybridjax.process_tree import keep_descendants, reap_exited_children
-from hybridjax.rewards.scoring import worker_context
+from hybridjax.process_tree import keep_descendants, reap_exited_children, worker_context
 from hybridjax.tools.base import Tool, ToolCall
 from hybridjax.tools.parser import ParseError
 

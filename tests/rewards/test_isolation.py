@@ -153,7 +153,8 @@ def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
     import multiprocessing.synchronize
     import sys
 
-    from hybridjax.rewards.scoring import PRELOAD, quiet_bootstrap_errors
+    from hybridjax.process_tree import PRELOAD, SCORING
+    from hybridjax.rewards.scoring import quiet_bootstrap_errors
 
     lock = multiprocessing.synchronize.SemLock.__new__(multiprocessing.synchronize.SemLock)
     with pytest.raises(FileNotFoundError) as gone:
@@ -165,7 +166,8 @@ def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
     except FileNotFoundError:
         quiet_bootstrap_errors(*sys.exc_info())
     assert "Traceback" in capsys.readouterr().err
-    assert importlib.util.find_spec(PRELOAD) is not None  # the forkserver's preload exists
+    for name in (PRELOAD, SCORING):  # the forkserver's preloads exist
+        assert importlib.util.find_spec(name) is not None, name
 
 
 DAEMON_CODE = """

@@ -18,8 +18,8 @@ to the nearest ancestor marked a *child subreaper* (`prctl(PR_SET_CHILD_SUBREAPE
     (`kill_forkserver_tree_at_exit`).
 
 Not covered: the owning process itself killed with SIGKILL (nothing runs in it; a run cgroup,
-as the python sandbox's `RunCgroup`, would be needed), and code that raises its own
-subreaper's limits from outside (ptrace, a setuid helper).
+as the python sandbox's `RunCgroup`, would be needed), and a process the worker may not signal
+(a setuid program started by an unprivileged user).
 """
 
 from __future__ import annotations

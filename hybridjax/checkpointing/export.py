@@ -133,7 +133,8 @@ def check_export_target(
     directory, or (with `overwrite`) a directory holding an earlier export and nothing else.
     Never one of the run directories `protected`, a model directory the run reads (`inputs`,
     {config key: path}) or a parent of either, never inside a checkpoint directory, never a
-    directory holding a run lock or checkpoints. Call it before any long work (and again just
+    directory holding a run lock or checkpoints, never a mount point (it cannot be replaced).
+    Call it before any long work (and again just
     before writing). Each refusal is one line naming the path and why.
     """
     shown = directory
@@ -143,6 +144,11 @@ def check_export_target(
     problem = _protected_problem(path, protected, inputs)
     if problem:
         raise ExportError(f"export target {shown} {problem}; choose a directory of its own")
+    if os.path.isdir(path) and os.path.ismount(path):
+        raise ExportError(
+            f"export target {shown} is a mount point: an export replaces its directory whole, "
+            "which a mount point does not allow; export to a new directory inside it"
+        )
     if not os.path.isdir(path) or not os.listdir(path):
         return
     files, checkpoints, truncated = _scan(path)
@@ -215,7 +221,8 @@ def write_hf_export(
     the export must not replace (see `check_export_target`).
 
     Raises:
-      ExportError: the target is refused (`check_export_target`).
+      ExportError: the target is refused (`check_export_target`), or could not be moved aside
+        (unchanged).
       OSError: writing failed (the target is unchanged; the temporary directory is removed).
     """
     check_export_target(directory, overwrite, protected, inputs)
@@ -236,7 +243,12 @@ def write_hf_export(
         if os.path.isdir(directory):
             check_export_target(directory, overwrite, protected, inputs)  # again, just before
             aside = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
-            os.replace(directory, aside)  # an empty directory, or an earlier export
+            try:
+                os.replace(directory, aside)  # an empty directory, or an earlier export
+            except OSError as e:  # e.g. busy (in use as a mount point or a cwd elsewhere)
+                os.rmdir(aside)
+                raise ExportError(f"cannot replace export target {directory}: {e.strerror}; "
+                                  "it is unchanged") from e  # fmt: skip
             os.replace(tmp, directory)
             _remove_export(aside)
         else:

@@ -10,11 +10,13 @@ dtype, or a magnitude above `MAX_ABS_SCORE`, whose square would overflow the flo
 of the advantage).
 Nothing a reward function does reaches the caller as an exception.
 
-Worker processes come from a `forkserver` context (JAX's threads make `fork` unsafe, `spawn`
-re-imports the trainer for every replacement) through `pebble.ProcessPool`, which kills a
-worker whose call outlives its timeout and replaces any worker that dies. Each worker loads the
-function once from its `FunctionSpec`; rows travel as pickles, a cost per call far above the
-µs of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
+Worker processes come from a `forkserver` context (`hybridjax.process_tree.worker_context`;
+JAX's threads make `fork` unsafe, `spawn` re-imports the trainer for every replacement) through
+`pebble.ProcessPool`, which kills a worker whose call outlives its timeout and replaces any
+worker that dies. Each worker loads the function once from its `FunctionSpec`; nothing the
+function starts outlives the worker, a daemon that double-forks into a session of its own
+included (`hybridjax.process_tree`). Rows travel as pickles, a cost per call far above the µs
+of the built-in regex checks, which is why trusted built-ins stay on threads (measured by
 experiments/benchmarks/reward_service.py; the numbers are in docs/benchmarks.md).
 """
 
@@ -25,7 +27,6 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import multiprocessing
 import numbers
 import os
 import sys
@@ -35,10 +36,10 @@ from typing import Any, NoReturn
 import numpy as np
 import pebble
 
+from hybridjax.process_tree import keep_descendants, reap_exited_children, worker_context
 from hybridjax.rewards.registry import default_compute_score, load_custom_reward_function
 
 FAILURES = ("error", "crash", "timeout", "nonfinite")
-PRELOAD = "hybridjax.rewards.forkserver_preload"  # imported by the workers' forkserver only
 MAX_ABS_SCORE = 1e6  # a larger score is a bug (squares of 1e19 already overflow float32)
 
 
@@ -230,13 +231,17 @@ def _os_exit_raises() -> Iterator[None]:
 
 def _load_in_worker(spec: FunctionSpec) -> None:
     global _WORKER_FN
+    keep_descendants()  # what the function starts, daemons too, dies with this worker
     _WORKER_FN = spec.load()
 
 
 def _call_in_worker(rows: list[Row], batched: bool) -> list[Outcome]:
     assert _WORKER_FN is not None, "the worker's initializer loads the function"
-    with _os_exit_raises():
-        return call_rows(_WORKER_FN, rows, batched)
+    try:
+        with _os_exit_raises():
+            return call_rows(_WORKER_FN, rows, batched)
+    finally:
+        reap_exited_children()  # orphans of the function's processes come to this subreaper
 
 
 def quiet_bootstrap_errors(kind, value, tb) -> None:
@@ -279,15 +284,11 @@ class RowScorer:
         if fn is not None:
             self._pool: Any = concurrent.futures.ThreadPoolExecutor(num_workers, "reward")
         else:
-            context = multiprocessing.get_context("forkserver")
-            # Workers fork from a server that already imported this module (its replacements
-            # start in ms, not in the ~0.5 s of a fresh import); no effect once it runs.
-            context.set_forkserver_preload(["__main__", __name__, PRELOAD])
             self._pool = pebble.ProcessPool(
                 max_workers=num_workers,
                 initializer=_load_in_worker,
                 initargs=(spec,),
-                context=context,
+                context=worker_context(),
             )
 
     @property

@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,8 @@ from hybridjax.rollout.batching import (
 )
 from hybridjax.rollout.pages import Prefix, Request
 from hybridjax.rollout.preemption import continuing
+
+log = logging.getLogger(__name__)
 
 KEPT_ROUNDS = 4  # records of the last rounds kept for `state_after` (a save lags by at most 2)
 
@@ -234,16 +237,32 @@ class PartialRollout:
         """Puts the prompts in flight of a checkpoint (`state_after`) back, on an idle stream:
         finished samples wait to be handed over, started ones are queued in the engine as
         preempted sequences (recomputed with the weights current when they are readmitted),
-        groups not yet admitted are queued as new."""
+        groups not yet admitted are queued as new. Groups sampled with other settings than
+        this stream's (`rollout.n`, the length, temperature...: the config changed between
+        the runs) are queued as new with this stream's, with a warning."""
         if self.groups or self._owner or self.engine.preempted:
             raise RuntimeError("load_state needs a stream with nothing in flight")
         sequences = []
         eos, page_size = self.engine.eos_ids, self.engine.config.page_size
+        current = sampling_params(self.rollout, self.seed, 0)
+        changed: set[str] = set()  # sampling settings the config changed since the checkpoint
+        regenerated = 0
         for g in state["groups"]:
-            params = dict(g["params"], stop_token_ids=tuple(g["params"]["stop_token_ids"]))
-            request = Request(tuple(g["prompt"]), SamplingParams(**params), int(g["index"]))
+            params = SamplingParams(
+                **dict(g["params"], stop_token_ids=tuple(g["params"]["stop_token_ids"]))
+            )
+            differ = {f.name for f in dataclasses.fields(params) if f.name != "seed"
+                      and getattr(params, f.name) != getattr(current, f.name)}  # fmt: skip
+            if differ:  # sampled under other settings: generated again under this config's
+                changed |= differ
+                params = dataclasses.replace(current, seed=params.seed)
+            request = Request(tuple(g["prompt"]), params, int(g["index"]))
             row = {key: _from_json(value) for key, value in g["row"].items()}
             group = Group(request, row, g["tokens"], g["log_probs"], g["versions"], g["reasons"])
+            if differ:
+                self.engine.check_request(request)
+                group = Group.fresh(request, row)
+                regenerated += 1
             self.groups[request.index] = group
             self._first_row[request.index] = request.index * self.n
             if not any(group.tokens) and not any(r is not None for r in group.reasons):
@@ -256,6 +275,13 @@ class PartialRollout:
             ]
         self._next_index = int(state["next_index"])
         self.engine.put_back(sequences)
+        if changed:
+            log.warning(
+                "%d prompts in flight in the checkpoint were sampled with other rollout "
+                "settings (%s changed since): they are generated again with this config's",
+                regenerated,
+                ", ".join(sorted(changed)),
+            )
 
     def batch(self, step: int, count: int):
         """`take`, as the step's (RLBatch, HostColumns) and token versions."""

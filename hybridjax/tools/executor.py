@@ -7,7 +7,8 @@ Calls run in a `pebble.ProcessPool` (workers forked from a `forkserver`, as the 
 functions'), never in threads of the trainer: a call still running at its deadline has its
 worker process killed (and replaced), so a tool that loops, sleeps or holds the GIL in a C
 routine (a huge integer power) cannot stall training. Tools travel to the workers as pickles
-(checked when the executor is built); a call costs about a millisecond more than in a thread."""
+(checked when the executor is built); a call costs about a millisecond more than in a thread.
+Nothing a tool starts outlives its worker (`hybridjax.process_tree`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import concurrent.futures
 import dataclasses
 import importlib
 import logging
-import multiprocessing
 import pickle
 import time
 
 import pebble
 
+from hybridjax.process_tree import keep_descendants, reap_exited_children, worker_context
 from hybridjax.tools.base import Tool, ToolCall
 from hybridjax.tools.parser import ParseError
 
@@ -82,7 +83,7 @@ class ToolExecutor:
         self.timeout_s = timeout_s
         self.max_response_length = max_response_length
         self.truncate_side = truncate_side
-        context = multiprocessing.get_context("forkserver")
+        context = worker_context()
         modules = sorted({type(t).__module__ for t in tools})  # imported as each worker starts
         self._started = context.Value("i", 0)  # workers past their start-up
         self.max_workers = max_workers
@@ -146,10 +147,14 @@ class ToolExecutor:
 
 def _execute(tool: Tool | None, arguments: dict | None) -> str | ToolResult | None:
     """Runs in a worker process (`tool` None: nothing, the pool's warm-up)."""
-    return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
+    try:
+        return None if tool is None else tool.execute(arguments)  # type: ignore[arg-type]
+    finally:
+        reap_exited_children()  # orphans of the tool's processes come to this subreaper
 
 
 def _import(modules: list[str], started) -> None:
+    keep_descendants()  # what a tool starts, daemons too, dies with this worker
     for name in modules:
         importlib.import_module(name)
     with started.get_lock():

@@ -10,7 +10,8 @@ Each call starts `prlimit ... bwrap ... [prlimit --nproc] python -I -c CODE` wit
   * the only writable places: a private, empty working directory `/work`, `/tmp` and
     `/dev/shm`, each a tmpfs of at most `max_file_mb` (an interpreter prefix under one of them
     is mounted over it, read-only);
-  * a seccomp filter refusing SysV shared memory and message queues (`sandbox_seccomp`);
+  * a seccomp filter refusing SysV shared memory and message queues, and io_uring
+    (`sandbox_seccomp`);
   * rlimits on CPU time, address space (per process), file size and open files (`prlimit`,
     util-linux; limits are inherited by every child and cannot be raised inside);
   * `max_processes` and `memory_mb` for the whole run, whoever runs it

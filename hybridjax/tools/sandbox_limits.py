@@ -37,6 +37,8 @@ import signal
 import threading
 import time
 
+from hybridjax.process_tree import descendants
+
 POLL_S = 0.02
 INODE_BYTES = 2048  # kernel memory charged per tmpfs file (inode and dentry: 1.2-2.6 kB measured)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -197,33 +199,6 @@ def inner_prlimit(max_processes: int) -> list[str]:
     return ["prlimit", f"--nproc={max_processes}", "--"]
 
 
-def _tree(root: int) -> list[int]:
-    """`root` and its descendants (through /proc/<pid>/task/<tid>/children, or the parent
-    pids of every process where the kernel lacks CONFIG_PROC_CHILDREN)."""
-    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
-        return _tree_by_parents(root)
-    pids, i = [root], 0
-    while i < len(pids):
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pids[i]}/task"):
-                with open(f"/proc/{pids[i]}/task/{tid}/children") as f:
-                    pids += [int(p) for p in f.read().split()]
-        i += 1
-    return pids
-
-
-def _tree_by_parents(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{name}/stat") as f:
-            children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
-    pids, i = [root], 0
-    while i < len(pids):
-        pids += children.get(pids[i], [])
-        i += 1
-    return pids
-
-
 def _usage(
     pids: list[int], count_processes: bool = True, tmpfs: tuple[str, ...] = (), tmpfs_mb: int = 0
 ) -> tuple[int, int]:
@@ -314,7 +289,7 @@ class Supervisor(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(POLL_S):
-            tree = _tree(self.pid)
+            tree = descendants(self.pid)
             tasks, used = _usage(tree, self.count_processes, self.tmpfs, self.tmpfs_mb)
             if self.max_processes is not None and tasks > self.max_processes + self.overhead:
                 self.reason = f"more than max_processes={self.max_processes} processes"

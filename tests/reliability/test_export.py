@@ -266,3 +266,34 @@ def test_a_crash_while_writing_leaves_the_old_export(tmp_path, model_and_tokeniz
         write_hf_export(model, tokenizer, str(target), overwrite=True)
     assert _files(target) == before
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # the partial export was removed
+
+
+def test_a_mount_point_is_refused_and_a_busy_target_is_one_line(
+    tmp_path, model_and_tokenizer, monkeypatch
+):
+    """An earlier export that is a mount point cannot be moved aside (EBUSY): it was a
+    traceback, with an empty `.hf.replaced-*` left beside it (issue 48's third probe, X26)."""
+    model, tokenizer = model_and_tokenizer
+    target = tmp_path / "hf"
+    write_hf_export(model, tokenizer, str(target))
+    before = _files(target)
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(target) or real_ismount(p))
+    with pytest.raises(ExportError, match=r"hf is a mount point: .* inside it$"):
+        write_hf_export(model, tokenizer, str(target), overwrite=True)
+    monkeypatch.setattr(os.path, "ismount", real_ismount)
+    real_replace = os.replace
+
+    def busy(src, dst):
+        if str(src) == str(target):
+            raise OSError(16, "Device or resource busy")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(
+        ExportError,
+        match=r"cannot replace export target .*hf: Device or resource busy; it is unchanged$",
+    ):
+        write_hf_export(model, tokenizer, str(target), overwrite=True)
+    assert _files(target) == before
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # nothing left beside it

@@ -52,6 +52,14 @@ SYSV = (
     "if libc.shmget(0, 64 << 20, 0o1600) < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
     "print('created')"
 )
+# io_uring: operations that no seccomp filter sees, a leading source of kernel exploits
+# (issue 48's third probe: allowed)
+IO_URING = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "params = ctypes.create_string_buffer(120)\n"
+    "if libc.syscall(425, 8, params) < 0:\n    raise OSError(ctypes.get_errno(), 'io_uring')\n"
+    "print('created')"
+)
 CASES = {  # name: (code, kwargs)
     "runs": ("print(6 * 7)", {}),
     "twenty-children": (SPAWN.format(20), {}),
@@ -65,6 +73,7 @@ CASES = {  # name: (code, kwargs)
     "many-empty-files": (FILES, {"memory_mb": 96, "timeout_s": 20}),
     "user-namespace": (USERNS, {}),
     "sysv-shared-memory": (SYSV, {}),
+    "io-uring": (IO_URING, {}),
 }
 
 
@@ -85,7 +94,7 @@ def check(name: str, rc: int, out: str, err: str) -> None:
         assert rc == 1 and "Read-only file system" in err, err
     elif name in ("memory-files", "many-empty-files"):  # the cgroup or the supervisor
         assert rc != 0 and "sandbox: " in err and "memory_mb=96" in err, (rc, out, err)
-    elif name in ("user-namespace", "sysv-shared-memory"):
+    elif name in ("user-namespace", "sysv-shared-memory", "io-uring"):
         assert rc == 1 and "unshared" not in out and "created" not in out, (rc, out, err)
 
 
@@ -146,12 +155,14 @@ def test_the_process_tree_is_found_with_or_without_proc_children():
     import subprocess
     import time
 
+    from hybridjax import process_tree
+
     shell = subprocess.Popen(["sh", "-c", "sleep 5 & (sleep 5 &); wait"], start_new_session=True)
     try:
         time.sleep(0.3)
-        tree = sandbox_limits._tree(shell.pid)
+        tree = process_tree.descendants(shell.pid)
         assert len(tree) == 2 and tree[0] == shell.pid  # the detached sleep left the tree
-        assert sorted(sandbox_limits._tree_by_parents(shell.pid)) == sorted(tree)
+        assert sorted(process_tree._descendants_by_parents(shell.pid)) == sorted(tree)
     finally:
         os.killpg(shell.pid, 9)
         shell.wait()
@@ -174,7 +185,7 @@ def test_the_tmpfs_count_ignores_a_directory_that_is_not_yet_the_sandboxs_tmpfs(
                                script.format(mount)], start_new_session=True)  # fmt: skip
         try:
             time.sleep(0.5)
-            pids = sandbox_limits._tree(ns.pid)
+            pids = sandbox_limits.descendants(ns.pid)
             used = sandbox_limits._tmpfs_use(pids, ("/tmp",), 16)
             assert used == 0 if not counted else used >= sandbox_limits.INODE_BYTES, used
         finally:

@@ -153,7 +153,8 @@ def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
     import multiprocessing.synchronize
     import sys
 
-    from hybridjax.rewards.scoring import PRELOAD, quiet_bootstrap_errors
+    from hybridjax.process_tree import PRELOAD, SCORING
+    from hybridjax.rewards.scoring import quiet_bootstrap_errors
 
     lock = multiprocessing.synchronize.SemLock.__new__(multiprocessing.synchronize.SemLock)
     with pytest.raises(FileNotFoundError) as gone:
@@ -165,4 +166,103 @@ def test_a_worker_started_after_its_pool_shut_down_leaves_quietly(capsys):
     except FileNotFoundError:
         quiet_bootstrap_errors(*sys.exc_info())
     assert "Traceback" in capsys.readouterr().err
-    assert importlib.util.find_spec(PRELOAD) is not None  # the forkserver's preload exists
+    for name in (PRELOAD, SCORING):  # the forkserver's preloads exist
+        assert importlib.util.find_spec(name) is not None, name
+
+
+DAEMON_CODE = """
+import os, signal, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    path = extra_info
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # a daemon: fork, new session, fork again, the middle process leaves
+        os.setsid()
+        if os.fork() == 0:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+            os.write(writer, b"x")
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(child, 0)
+    os.read(reader, 1)  # the daemon has written its pid
+    if solution_str == "die":
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker dies with its daemon alive
+    return 1.0
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(_alive, pids))
+
+
+def test_daemons_a_reward_function_starts_do_not_outlive_the_pool(tmp_path):
+    """A function that double-forks a `setsid` sleeper: the sleeper is gone once the pool is
+    closed (it was reparented to init and ran on after the run, case K22 of issue 48)."""
+    path = tmp_path / "daemon.py"
+    path.write_text(DAEMON_CODE)
+    manager = RewardManager(RewardConfig(custom_path=str(path), num_workers=2, timeout_s=20.0))
+    pid_files = [str(tmp_path / f"pid{i}") for i in range(2)]
+    result = manager(["a", "a"], ["s"] * 2, ["a"] * 2, pid_files, np.ones(2, int), 1)
+    np.testing.assert_array_equal(result.scores, [1, 1])
+    pids = [int(open(p).read()) for p in pid_files]
+    assert all(map(_alive, pids))
+    manager.close()
+    assert _gone_within(pids, 5.0), [p for p in pids if _alive(p)]
+
+
+def test_daemons_of_a_dead_worker_do_not_outlive_the_trainer(tmp_path):
+    """A worker killed with its daemons alive (SIGKILL: no clean-up runs in it), then the
+    trainer leaving without closing its pool: the daemons still go with the run."""
+    import subprocess
+    import sys
+
+    (tmp_path / "daemon.py").write_text(DAEMON_CODE)
+    pid_files = [str(tmp_path / f"pid{i}") for i in range(2)]
+    script = (
+        "import numpy as np, os, signal\n"
+        "from hybridjax.rewards import RewardConfig, RewardManager\n"
+        "if __name__ == '__main__':\n"
+        f"    m = RewardManager(RewardConfig(custom_path={str(tmp_path / 'daemon.py')!r},"
+        " num_workers=1, timeout_s=20.0))\n"
+        f"    r = m(['a', 'die'], ['s'] * 2, ['a'] * 2, {pid_files!r}, np.ones(2, int), 1)\n"
+        "    assert r.scores.tolist() == [1, 0], r\n"
+    )
+    with open(tmp_path / "log", "w") as log:  # not a pipe: a daemon would hold it open
+        rc = subprocess.run([sys.executable, "-c", script], stdout=log, stderr=log, timeout=120)
+    assert rc.returncode == 0, (tmp_path / "log").read_text()[-2000:]
+    pids = [int(open(p).read()) for p in pid_files]
+    assert _gone_within(pids, 5.0), f"daemons {pids} outlived the trainer"
+
+
+def test_orphans_that_exit_are_reaped_by_their_worker(tmp_path):
+    """A subreaper worker inherits the orphans of the function's processes: those that exit
+    must not stay zombies (pids of the user's) until the worker stops."""
+    path = tmp_path / "quick.py"
+    path.write_text(
+        "import os\n\ndef compute_score(d, s, g, extra_info=None):\n"
+        "    if s == 'fork' and os.fork() == 0:\n        os.setsid()\n"
+        "        if os.fork() == 0:\n            os._exit(0)\n        os._exit(0)\n"
+        "    if s == 'fork':\n        os.wait()\n    return {'score': 0.0, 'pid': os.getpid()}\n"
+    )
+    manager = RewardManager(RewardConfig(custom_path=str(path), num_workers=1, timeout_s=20.0))
+    worker = int(_score(manager, ["fork"] * 6).extra["pid"][0])
+    time.sleep(0.5)  # the last orphan has exited
+    _score(manager, ["a"])  # the call after reaps it
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        children = f.read().split()
+    manager.close()
+    assert children == [], f"zombies under the worker: {children}"

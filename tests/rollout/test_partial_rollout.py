@@ -191,3 +191,24 @@ def test_the_prompts_in_flight_resume_from_their_record_as_if_never_stopped(eos_
         np.testing.assert_array_equal(versions, v2)
         np.testing.assert_allclose(log_probs, lp2, atol=1e-6)
     assert resumed.groups.keys() == stream.groups.keys() == {5}
+
+
+def test_prompts_in_flight_sampled_with_other_settings_are_generated_again(eos_model, caplog):
+    """A run resumed with another `rollout.n` (or length, temperature...) than its checkpoint's
+    prompts in flight were sampled with: those prompts are generated again with this config's
+    settings, with a warning (issue 48's third probe, P12b: n=2 → 4)."""
+    rollout = dict(n=2, do_sample=True, temperature=1.0, response_length=8)
+    engine = Engine(eos_model, ENGINE_CONFIG)
+    stream = PartialRollout(engine, rollout, 0, 0, None, threshold=1)
+    stream.add(_prompts(make_prompts()[:6]), step=1)
+    stream.take(step=1, count=1)
+    record = json.loads(json.dumps(stream.state_after(1)))
+    assert any(sum(map(len, g["tokens"])) for g in record["groups"])  # some started
+    engine = Engine(eos_model, ENGINE_CONFIG)
+    resumed = PartialRollout(engine, dict(rollout, n=4), 0, 0, None, threshold=1)
+    with caplog.at_level("WARNING"):
+        resumed.load_state(record)
+    assert "5 prompts in flight" in caplog.text and "(n changed since)" in caplog.text, caplog.text
+    got, rows, _ = resumed.take(step=2, count=2)
+    assert rows.responses.shape[0] == 2 * 4
+    assert all(len(g.tokens) == 4 for g in resumed.groups.values())

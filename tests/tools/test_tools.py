@@ -1,11 +1,13 @@
 """Tools: the calculator, the Hermes parser, the executor's error handling, the Python sandbox,
 verl's tool config file and the chat rendering of tool responses."""
 
+import os
 import time
 
 import pytest
 from tool_fixtures import Failing, Long, Slow
 
+from hybridjax import process_tree
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.tools import ParseError, ToolCall, ToolExecutor, get_parser, load_tools
 from hybridjax.tools.calculator import CalculatorTool, evaluate
@@ -251,3 +253,19 @@ def test_an_executor_closed_at_once_prints_no_tracebacks(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=env, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_daemon_a_tool_starts_does_not_outlive_the_executor():
+    """As a reward function's (issue 48, K22): the tool's worker keeps the daemon in its tree
+    and kills it when the executor stops it."""
+    from tool_fixtures import Daemon
+
+    executor = ToolExecutor([Daemon()], timeout_s=20.0, max_workers=1)
+    (result,) = executor.run([ToolCall("daemon", {})])
+    pid = int(result.text)
+    assert os.path.exists(f"/proc/{pid}")
+    executor.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and process_tree.running(pid):
+        time.sleep(0.05)
+    assert not process_tree.running(pid), f"daemon {pid} outlived the executor"

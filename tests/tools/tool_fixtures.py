@@ -35,3 +35,22 @@ class BigPower(Tool):
 
     def execute(self, arguments):
         return str(len(str(7 ** (10**9))))
+
+
+class Daemon(Tool):
+    """Starts a daemon (fork, new session, fork again) that sleeps; returns its pid."""
+
+    default_schema = {"type": "function", "function": {"name": "daemon"}}
+
+    def execute(self, arguments):
+        import os
+
+        reader, writer = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(writer, str(os.getpid()).encode())
+                time.sleep(600)
+            os._exit(0)
+        os.wait()
+        return os.read(reader, 32).decode()

@@ -36,14 +36,13 @@ from hybridjax.rewards import RewardConfig
 from hybridjax.rewards.guard import RewardFailureGuard
 from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rl import checks, step
-from hybridjax.rl.async_rollout import RolloutAhead
 from hybridjax.rl.evaluation import validate
 from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rl.nan_guard import NanGuard
-from hybridjax.rl.partial_rollout import PartialRollout
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
+from hybridjax.rl.rollout_thread import RolloutThread, warn_partial_dropped
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
@@ -156,7 +155,20 @@ class RLTrainer:
             self.pool_batch_shardings.get("reward_model"),
             build.build_judge(cfg, judge_mesh, t.seed),
         )
-        self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
+        self.thread = None  # the rollout thread (trainer.rollout_mode one_step_off / async)
+        if t.rollout_mode != "sync":
+            self.thread = RolloutThread(
+                cfg,
+                self.sampler,
+                self.engine,
+                self.reward,
+                self.train_loader,
+                self.total_steps,
+                self.batch_sharding,
+                self.tokenizer.pad_token_id,
+            )
+        self.rollout_ahead = None if self.thread is None else self.thread.ahead
+        self.partial = None if self.thread is None else self.thread.partial
         self.weights.rollout_ahead = self.rollout_ahead
         if self.rollout_ahead is not None:
             self._update_weights(0)  # the thread's first weights
@@ -210,101 +222,23 @@ class RLTrainer:
         version = self.global_step if version is None else version
         return self.weights.update(self.actor_state.params, version)
 
-    # --------------------------------------------------------- placement and asynchrony (issue 16)
-
-    def _rollout_ahead(self) -> RolloutAhead | None:
-        """The rollout thread of `trainer.rollout_mode` one_step_off / async (see async_rollout)."""
-        t = self.cfg.trainer
-        self.partial = None
-        if t.rollout_mode == "sync":
-            return None
-        lag = 1 if t.rollout_mode == "one_step_off" else t.staleness_threshold
-
-        def generate(prompts, n):
-            batch, host, greedy = self.sampler.sample(prompts, n)
-            return (prompts, batch, host, greedy), len(host.response_lengths)
-
-        set_weights = lambda params, version: self.engine.update_weights(params)  # noqa: E731
-        if t.partial_rollout:  # carried tokens lag one round more (hybridjax.rl.partial_rollout)
-            generate, set_weights, lag = self._partial_rollout()
-
-        def score(output, n):  # while the actor trains the step before
-            _, batch, host, greedy = output
-            greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
-            return self.reward.submit(batch, host, n), greedy_scoring
-
-        self._data_states = []  # loader state before each batch drawn ahead, oldest first
-        self._prompts_in_flight = 0  # partial rollouts: queued, not yet handed to a step
-
-        def next_prompts():
-            self._data_states = self._data_states[-lag:] + [self.train_loader.get_state()]
-            if self.partial is None:
-                return next(self.train_loader)
-            # partial rollouts queue one batch ahead, so that freed slots take its prompts
-            # while the batch's long tail runs: each request tops the prompts in flight up to
-            # this step's batch and the next one's (this step's alone at the last step),
-            # counted from those a checkpoint put back (none after a run's last step)
-            size = self.cfg.data.train_batch_size
-            last = self.rollout_ahead.requested == self.total_steps
-            batches = []
-            while self._prompts_in_flight + len(batches) * size < size * (1 if last else 2):
-                batches.append(next(self.train_loader))
-            self._prompts_in_flight += len(batches) * size - size  # this step takes `size`
-            return batches
-
-        return RolloutAhead(generate, set_weights, next_prompts, lag, self.total_steps, score)
-
-    def _partial_rollout(self):
-        """(generate, set_weights, lag) of the rollout thread with `trainer.partial_rollout`:
-        one `PartialRollout` round per step, requested one step ahead (on demand with
-        staleness_threshold 1: a carried token lags one version more than a fresh one)."""
-        if jax.process_count() > 1:
-            raise ValueError("trainer.partial_rollout runs in one process; unset it")
-        t = self.cfg.trainer
-        self.partial = partial = PartialRollout(
-            self.engine,
-            self.cfg.actor_rollout_ref.rollout,
-            t.seed,
-            self.tokenizer.pad_token_id,
-            self.batch_sharding,
-            t.staleness_threshold,
-            kv=t.partial_rollout_kv,
-        )
-
-        size = self.cfg.data.train_batch_size
-
-        def generate(batches, n):
-            for prompts in batches:
-                partial.add(prompts, n)
-            prompts, batch, host, versions = partial.batch(n, size)
-            return (prompts, batch, host, None), versions
-
-        return generate, partial.set_weights, min(1, t.staleness_threshold - 1)
-
     def _can_score_ahead(self) -> bool:
         """Whether the rollout thread starts scoring each batch right after generating it, so
         the rule functions (and a reward model on its own pool) score batch k+1 while step k
-        trains: with a rollout ahead, when the pipeline's `reward` stage is the default one and
-        directly follows `gen` (no stage in between may change the batch), and a reward model
-        on devices has a pool other than the actor's (else its forward would share the devices
-        of the actor's update). The scores are the same either way."""
-        if self.rollout_ahead is None or "reward" not in self.pipeline.names:
+        trains: when the pipeline's `reward` stage is the default one and directly follows
+        `gen` (no stage in between may change the batch), and a reward model on devices has a
+        pool other than the actor's (else its forward would share the devices of the actor's
+        update). The scores are the same either way."""
+        names = self.pipeline.names
+        if "reward" not in names:
             return False
-        i = self.pipeline.names.index("reward")
+        i = names.index("reward")
         default = self.pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
-        after_gen = i > 0 and self.pipeline.names[i - 1] == "gen"
+        after_gen = i > 0 and names[i - 1] == "gen"
         model_apart = self.models.reward_model is None or "reward_model" in (
             self.pool_batch_shardings
         )
         return default and after_gen and model_apart
-
-    def _data_state(self) -> Any:
-        """The loader state after the last trained batch: batches drawn ahead of training are
-        drawn again after a restore."""
-        ahead = self.rollout_ahead.requested - self.global_step if self.rollout_ahead else 0
-        if ahead > 0:
-            return self._data_states[-ahead]
-        return self.train_loader.get_state()
 
     def sampling(self, step: int, validate: bool = False, gen_batch: int = 0) -> SamplingParams:
         """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic
@@ -343,16 +277,12 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         sampling = self.sampling(self.global_step, validate=True)
-        if self.rollout_ahead is None:
+        if self.thread is None:
             return self._validate(sampling)
-        with self.rollout_ahead.engine_lock:  # waits for the batch being generated
+        with self.thread.engine_paused():  # the batch being generated first; partial ones wait
             params = self.weights.generation_params(self.actor_state.params)[0]
-            if self.partial is None:
-                self.engine.update_weights(params)  # each request sets its own
-                return self._validate(sampling)
-            with self.partial.paused():  # sequences in flight wait, then come back
-                self.engine.update_weights(params)
-                return self._validate(sampling)
+            self.engine.update_weights(params)  # each request sets its own
+            return self._validate(sampling)
 
     def _validate(self, sampling: SamplingParams) -> dict[str, Any]:
         return validate(
@@ -379,7 +309,11 @@ class RLTrainer:
         """Checkpoints the current step (asynchronously; refused if any value is non-finite)."""
         meta = {
             "global_step": self.global_step,
-            "data": self._data_state(),
+            "data": (
+                self.train_loader.get_state()
+                if self.thread is None
+                else self.thread.data_state(self.global_step)
+            ),
             "nan_consecutive": self.nan_guard.consecutive,
             "nan_total": self.nan_guard.total,
         }
@@ -418,16 +352,10 @@ class RLTrainer:
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
-        if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
-            with self.rollout_ahead.engine_lock:
-                self.partial.load_state(meta["partial_rollout"])
-            self._prompts_in_flight = len(self.partial.groups)
-        elif in_flight := len(meta.get("partial_rollout", {}).get("groups", [])):
-            log.warning(
-                "the checkpoint of step %d holds %d prompts in flight of a partial-rollout run; "
-                "with trainer.partial_rollout off they are not trained (the data order goes on "
-                "after them)", step, in_flight,
-            )  # fmt: skip
+        if self.thread is not None:  # partial rollouts: the prompts in flight
+            self.thread.load_partial(meta, step)
+        else:
+            warn_partial_dropped(meta, step)
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (
             meta["nan_consecutive"],
@@ -534,8 +462,8 @@ class RLTrainer:
         }
 
     def close(self) -> None:
-        if self.rollout_ahead is not None:
-            self.rollout_ahead.close()
+        if self.thread is not None:
+            self.thread.close()
         self.checkpointer.close()
         self.reward.close()
         if self.run_lock is not None:

@@ -255,11 +255,11 @@ class RLTrainer:
         prompts = next(self.train_loader) if self.rollout_ahead is None else None
         state = step.StepState(self.models, self.kl_coef)
         preemptions = self.engine.num_preemptions
-        state, metrics, ctx = step.train_step(state, prompts, self.deps, n)
+        state, metrics, sampled, reward = step.train_step(state, prompts, self.deps, n)
         self.models, self.kl_coef = state.models, state.kl_coef
-        self.policy_versions, self.token_versions = ctx.policy_versions, ctx.token_versions
+        self.policy_versions, self.token_versions = sampled.policy_versions, sampled.token_versions
         self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
-        self.reward_guard.count(ctx.reward, n)  # raises before a checkpoint of failed steps
+        self.reward_guard.count(reward, n)  # raises before a checkpoint of failed steps
         metrics |= {
             "training/global_step": float(n),
             "training/epoch": float(epoch),

@@ -16,9 +16,11 @@ from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.data.dataset import PromptLoader
+from hybridjax.rl import step
 from hybridjax.rl.async_rollout import RolloutAhead
 from hybridjax.rl.generation import Sampler
 from hybridjax.rl.partial_rollout import PartialRollout
+from hybridjax.rl.pipeline import Pipeline
 from hybridjax.rl.reward import RewardStage
 from hybridjax.rollout import Engine
 
@@ -149,3 +151,44 @@ def warn_partial_dropped(meta: dict[str, Any], step: int) -> None:
             "with trainer.partial_rollout off they are not trained (the data order goes on "
             "after them)", step, in_flight,
         )  # fmt: skip
+
+
+def can_score_ahead(pipeline: Pipeline, reward_model_apart: bool) -> bool:
+    """Whether the rollout thread may start scoring each batch right after generating it, so
+    the rule functions (and a reward model on its own pool) score batch k+1 while step k
+    trains: when `pipeline`'s `reward` stage is the default one and directly follows `gen` (no
+    stage in between may change the batch), and a reward model on devices has a pool other
+    than the actor's (`reward_model_apart`; else its forward would share the devices of the
+    actor's update). The scores are the same either way."""
+    names = pipeline.names
+    if "reward" not in names:
+        return False
+    i = names.index("reward")
+    default = pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
+    return default and i > 0 and names[i - 1] == "gen" and reward_model_apart
+
+
+def checkpoint_problems(
+    meta: dict[str, Any], loader_state: dict[str, Any], partial: bool
+) -> list[str]:
+    """How a checkpoint's `meta` does not fit this run: its data-iterator state against the
+    loader's (`loader_state`), and with partial rollouts resumed (`partial`) its prompts in
+    flight."""
+    saved = meta.get("data", {})
+    keys = {
+        "num_rows": "rows after filtering: data.train_files, data.filter_overlong_prompts",
+        "batch_size": "data.train_batch_size",
+        "seed": "data.seed",
+    }
+    problems = [
+        f"data iterator {key}: {saved.get(key)} in the checkpoint, {loader_state[key]} with "
+        f"this config ({why})"
+        for key, why in keys.items()
+        if saved.get(key) != loader_state[key]
+    ]
+    if partial and "partial_rollout" not in meta:
+        problems.append(
+            "trainer.partial_rollout: the checkpoint has no prompts in flight (saved "
+            "without partial rollouts, or by an older version)"
+        )
+    return problems

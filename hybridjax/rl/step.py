@@ -279,6 +279,7 @@ def train_step(
         batch, models = user.before(ADV, batch, models)  # the scores are collected by now
         if user.runs(ADV):  # token rewards (KL penalty), advantages, returns
             batch, kl_coef = adv(batch, kl_coef, deps, rec)
+            user.show(kl_coef=kl_coef)
         batch, models = user.before(UPDATE_CRITIC, batch, models)
         if user.runs(UPDATE_CRITIC):
             models = place(models, UPDATE_CRITIC.uses)

@@ -1,7 +1,5 @@
-"""The RL trainer: builds the run once, then loops `step.train_step` and checkpoints.
-
-    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
-        → reshard
+"""The RL trainer: builds the run once, then loops `step.train_step` (its stages in order:
+`step.STAGES`) and checkpoints.
 
 At construction the config is checked (`hybridjax.rl.checks`) and resolved
 (`hybridjax.config.run.resolve`), the models, the rollout engine, the reward stage and the
@@ -20,34 +18,31 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.checkpointing.run_lock import hold_run_directory
 from hybridjax.config.run import resolve, resolve_dtypes
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
 from hybridjax.metrics.console import announce
-from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig
 from hybridjax.rewards.guard import RewardFailureGuard
 from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rl import checks, step
 from hybridjax.rl.evaluation import validate
-from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
-from hybridjax.rl.multi_turn import MultiTurn
+from hybridjax.rl.generation import build_rollout, sampling_params
 from hybridjax.rl.nan_guard import NanGuard
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
-from hybridjax.rl.rollout_thread import RolloutThread, warn_partial_dropped
-from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
-from hybridjax.sharding import (
-    ACTOR_GENERATE_RULES,
-    state_shardings,
+from hybridjax.rl.rollout_thread import (
+    RolloutThread,
+    can_score_ahead,
+    checkpoint_problems,
+    warn_partial_dropped,
 )
+from hybridjax.rollout import SamplingParams
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share
 from hybridjax.training import build
 from hybridjax.training.offload import offload_configs
@@ -119,31 +114,9 @@ class RLTrainer:
             run.role_meshes,
             self.role_stage_cfgs.get("critic"),
         )
-        rollout = cfg.actor_rollout_ref.rollout
-        gen_shardings = state_shardings(
-            self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
-        )
-        # one generation replica per host: the engine's host loop sees only local arrays
-        engine_mesh = local_mesh(self.meshes.generate)
-        self.weights = RolloutWeights(
-            gen_shardings, to_dtype(rollout.dtype), engine_mesh, self.placement.co_located
-        )
-        params = self.weights.generation_params(self.actor_state.params)[0]
-        engine_config = RolloutConfig.from_config(rollout)
-        self.engine = Engine(
-            nnx.merge(self.actor_graphdef, params), engine_config, mesh=engine_mesh
-        )
-        self.weights.engine = self.engine
-        self.multi_turn = MultiTurn.from_config(rollout.multi_turn, self.tokenizer)
-        self.sampler = Sampler(
-            self.engine,
-            rollout,
-            t.seed,
-            self.tokenizer.pad_token_id,
-            self.batch_sharding,
-            self.train_loader.rows.start or 0,  # this process's share of every batch
-            self.multi_turn,
-            needs_reward_baseline(cfg.algorithm.adv_estimator),
+        first_row = self.train_loader.rows.start or 0  # this process's share of every batch
+        self.weights, self.engine, self.sampler, self.multi_turn = build_rollout(
+            cfg, run, self.models, self.tokenizer, first_row
         )
         judge_mesh = local_mesh(run.role_meshes.get("reward_model", self.meshes.generate))
         self.reward = RewardStage.from_config(
@@ -172,7 +145,8 @@ class RLTrainer:
         self.weights.rollout_ahead = self.rollout_ahead
         if self.rollout_ahead is not None:
             self._update_weights(0)  # the thread's first weights
-            self.rollout_ahead.score_enabled = self._can_score_ahead()
+            apart = self.models.reward_model is None or "reward_model" in run.pool_batch_shardings
+            self.rollout_ahead.score_enabled = can_score_ahead(self.pipeline, apart)
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
         )
@@ -221,24 +195,6 @@ class RLTrainer:
         as policy `version`, default the last step); returns bytes moved."""
         version = self.global_step if version is None else version
         return self.weights.update(self.actor_state.params, version)
-
-    def _can_score_ahead(self) -> bool:
-        """Whether the rollout thread starts scoring each batch right after generating it, so
-        the rule functions (and a reward model on its own pool) score batch k+1 while step k
-        trains: when the pipeline's `reward` stage is the default one and directly follows
-        `gen` (no stage in between may change the batch), and a reward model on devices has a
-        pool other than the actor's (else its forward would share the devices of the actor's
-        update). The scores are the same either way."""
-        names = self.pipeline.names
-        if "reward" not in names:
-            return False
-        i = names.index("reward")
-        default = self.pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
-        after_gen = i > 0 and names[i - 1] == "gen"
-        model_apart = self.models.reward_model is None or "reward_model" in (
-            self.pool_batch_shardings
-        )
-        return default and after_gen and model_apart
 
     def sampling(self, step: int, validate: bool = False, gen_batch: int = 0) -> SamplingParams:
         """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic
@@ -298,6 +254,11 @@ class RLTrainer:
         )
 
     # ------------------------------------------------------------------------------ checkpoints
+
+    def _meta_problems(self, meta: dict) -> list[str]:
+        """How a checkpoint's data-iterator state (and prompts in flight) misfit this run."""
+        partial = self.partial is not None and not self.checkpointer.read_only
+        return checkpoint_problems(meta, self.train_loader.get_state(), partial)
 
     def _state_tree(self) -> dict[str, Any]:
         tree = {"actor": build.checkpointed(self.actor_state), "kl_coef": self.kl_coef}
@@ -364,28 +325,6 @@ class RLTrainer:
         self._update_weights()
         announce(log, f"resumed from step {step} of {self.cfg.trainer.default_local_dir}")
         return step
-
-    def _meta_problems(self, meta: dict) -> list[str]:
-        """How a checkpoint's data-iterator state does not fit this run's loader."""
-        saved, mine = meta.get("data", {}), self.train_loader.get_state()
-        keys = {
-            "num_rows": "rows after filtering: data.train_files, data.filter_overlong_prompts",
-            "batch_size": "data.train_batch_size",
-            "seed": "data.seed",
-        }
-        problems = [
-            f"data iterator {key}: {saved.get(key)} in the checkpoint, {mine[key]} with this "
-            f"config ({why})"
-            for key, why in keys.items()
-            if saved.get(key) != mine[key]
-        ]
-        resumes = self.partial is not None and not self.checkpointer.read_only
-        if resumes and "partial_rollout" not in meta:
-            problems.append(
-                "trainer.partial_rollout: the checkpoint has no prompts in flight (saved "
-                "without partial rollouts, or by an older version)"
-            )
-        return problems
 
     # ------------------------------------------------------------------------------ the loop
 

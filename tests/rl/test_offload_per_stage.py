@@ -1,8 +1,8 @@
 """Offloaded model states are on the devices only in the stages that use them (`Stage.uses`;
 `step.place_offloaded` before each stage `train_step` calls): each stage of the default PPO
-step with a reference, a teacher and a critic, every offload key on, sees exactly its own states in device memory; the bytes and the
-moves are counted; a state no key names never moves; a stage that declares nothing moves
-nothing."""
+step with a reference, a teacher and a critic, every offload key on, sees exactly its own
+states in device memory; the bytes and the moves are counted; a state no key names never
+moves; a stage that declares nothing moves nothing."""
 
 from __future__ import annotations
 

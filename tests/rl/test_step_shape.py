@@ -51,9 +51,11 @@ def test_train_step_calls_every_default_stage_in_the_diagrams_order():
 
 
 def test_the_docs_list_the_stages_in_their_order():
+    arrows = [w for name in DIAGRAM for w in (name, "→")][:-1]
     page = (REPO / "docs" / "architecture.md").read_text()
-    listed = page.split("<!-- stages -->")[1].split("<!-- /stages -->")[0]
-    assert listed.split() == [w for name in DIAGRAM for w in (name, "→")][:-1]
+    assert page.split("<!-- stages -->")[1].split("<!-- /stages -->")[0].split() == arrows
+    docstring = step.__doc__.split("\n\n")[1]  # the module's own copy, below its first line
+    assert docstring.split() == arrows
 
 
 def test_train_step_reads_top_to_bottom_on_two_screens():

@@ -187,6 +187,8 @@ def reshard(models: Models, deps: StepDeps, n: int, rec: Record) -> None:
     """Re-lays the actor's weights out for generation (the hybrid engine), as policy version
     `n`; timed as `timing_s/reshard`, its bytes in `perf/reshard_bytes`."""
     with timed(rec.timing, "reshard"):
+        if (engine := deps.weights.engine) is None:
+            raise ValueError("reshard: the rollout weights have no engine to set")
         nbytes = deps.weights.update(models.actor_state.params, n)
-        jax.block_until_ready(deps.weights.engine.state)
+        jax.block_until_ready(engine.state)
         rec.metrics["perf/reshard_bytes"] = float(nbytes)

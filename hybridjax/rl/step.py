@@ -175,7 +175,28 @@ def configured_pipeline(cfg: ConfigDict) -> Pipeline:
     Raises:
       PipelineError: a bad entry, or a stage reading a field no earlier stage writes.
     """
-    return apply_entries(default_pipeline(cfg), cfg.trainer.stages)
+    return check_order(apply_entries(default_pipeline(cfg), cfg.trainer.stages))
+
+
+def check_order(pipeline: Pipeline) -> Pipeline:
+    """`pipeline`, checked (`Pipeline.check`), its default stages in `train_step`'s order (with
+    DAPO, `sleep` after `filter_groups`): `train_step` runs each only at its own place.
+
+    Raises:
+      PipelineError: a stage reads a field no earlier stage writes, or an edit moved a default
+        stage.
+    """
+    pipeline.check()
+    names = [s.name for s in pipeline.stages if any(s is d for d in DEFAULTS)]
+    rank = {s.name: float(i) for i, s in enumerate(STAGES)}
+    if FILTER_GROUPS.name in names:
+        rank[SLEEP.name] = rank[FILTER_GROUPS.name] + 0.5
+    if names != sorted(names, key=rank.__getitem__):
+        raise PipelineError(
+            f"the default stages run in the step's order ({', '.join(sorted(names, key=rank.get))}"
+            f"), not as placed here ({pipeline}): add your own stage instead of moving one"
+        )
+    return pipeline
 
 
 def config_problems(cfg: ConfigDict) -> list[str]:

@@ -80,7 +80,7 @@ class RLTrainer:
                     "trainer.stages edits the default pipeline; with a pipeline given, add "
                     f"those stages to it in Python instead ({list(cfg.trainer.stages)})"
                 )
-            pipeline.check()
+            step.check_order(pipeline)
         self.pipeline = pipeline or step.configured_pipeline(cfg)
         check_reward_servers(cfg)  # fails fast, before any model is loaded
         data = dataclasses.replace(

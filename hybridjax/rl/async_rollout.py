@@ -22,8 +22,8 @@ corrected by the rollout importance weights π_old / π_rollout when
 decoupled preset, chosen because both passes already exist in the step and the clip then bounds
 the update against the current policy, not against a stale one.
 
-The trainer replaces the pipeline's `gen` stage by one that takes the batch from the thread.
-Where the pipeline allows it (`RLTrainer._can_score_ahead`), the thread also starts scoring
+The step's `gen` stage takes the batch from the thread (`hybridjax.rl.rollout_thread` wires it).
+Where the pipeline allows it (`rollout_thread.can_score_ahead`), the thread also starts scoring
 each batch right after generating it (`score`), so rewards of batch k+1 are computed while step
 k trains.
 With `trainer.partial_rollout` (`hybridjax.rl.partial_rollout`) each request is one round of a
@@ -91,7 +91,7 @@ class RolloutAhead:
     def __init__(
         self,
         generate: Callable[[Any, int], tuple[Any, int]],
-        set_weights: Callable[[Any], None],
+        set_weights: Callable[[Any, int], None],
         next_prompts: Callable[[], Any],
         lag: int,
         total_steps: int,

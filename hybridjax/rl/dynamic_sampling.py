@@ -1,9 +1,9 @@
-"""DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2) as the `filter_groups` stage.
+"""DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2): the `filter_groups` stage.
 
-Placed after `reward`. A group (the responses sharing a uid) whose metric has no spread (every
-response right, or every one wrong) gives GRPO no signal; the stage drops those groups and runs
-the stages before it (`gen`, `reward`, and any user stage there) again on the next batches of
-prompts until `data.train_batch_size` groups are kept, then keeps the first
+After `reward`. A group (the responses sharing a uid) whose metric has no spread (every
+response right, or every one wrong) gives GRPO no signal; the stage drops those groups and has
+the step sample again (`gen`, `reward`, and any user stage between them: `resample`) on the
+next batches of prompts until `data.train_batch_size` groups are kept, then keeps the first
 `data.train_batch_size` of them, so the later stages see the usual static shape. Keys, as
 verl's `algorithm.filter_groups`:
 
@@ -24,34 +24,38 @@ generation batch's. Host sync: the scores and the batch go to the host to select
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from ml_collections import ConfigDict
 
+from hybridjax.rewards.manager import RewardResult
 from hybridjax.rl.generation import HostColumns, put_global
-from hybridjax.rl.pipeline import Stage, StepContext
 from hybridjax.training.batch import RLBatch
 
 METRICS = ("score", "acc", "seq_reward")  # always available; reward-function keys too
 
 
-def metric_values(name: str, batch: RLBatch, ctx: StepContext) -> np.ndarray:
-    """(B,) float values of `algorithm.filter_groups.metric` for the rows of `batch`.
+def metric_values(name: str, batch: RLBatch, result: RewardResult | None) -> np.ndarray:
+    """(B,) float values of `algorithm.filter_groups.metric` for the rows of `batch`, scored
+    with `result` (the rule reward's; None: a user's stage replaced the reward).
 
     Raises:
       ValueError: the reward function returned no such key (the message lists the valid ones).
     """
-    result = ctx.reward
-    if name in result.extra:
-        return np.asarray(result.extra[name], np.float64)
-    if name in ("score", "acc"):
+    extra = {} if result is None else result.extra
+    if name in extra:
+        return np.asarray(extra[name], np.float64)
+    if name in ("score", "acc") and result is not None:
         return np.asarray(result.scores, np.float64)
     if name == "seq_reward":
         scores = jax.device_get(batch.token_level_scores * batch.response_mask)
         return np.asarray(scores, np.float64).sum(-1)
     raise ValueError(
         f"algorithm.filter_groups.metric {name!r} is not a value of the reward; valid: "
-        f"{', '.join(sorted(set(METRICS) | set(result.extra)))}"
+        f"{', '.join(sorted(set(METRICS) | set(extra)))}"
     )
 
 
@@ -98,53 +102,48 @@ def _take(parts: list[tuple[RLBatch, HostColumns, np.ndarray]], groups: int, sha
     return batch, HostColumns(**columns)
 
 
-def filter_groups(batch: RLBatch, ctx: StepContext) -> RLBatch:
-    """DAPO's dynamic sampling (see the module docstring).
+def filter_groups(
+    batch: RLBatch,
+    host: HostColumns,
+    reward: RewardResult | None,
+    spec: ConfigDict,
+    wanted: int,
+    sharding: NamedSharding,
+    resample: Callable[[int], tuple[RLBatch, HostColumns, RewardResult | None]],
+) -> tuple[RLBatch, HostColumns, dict[str, float]]:
+    """DAPO's dynamic sampling (see the module docstring) of the scored generation batch
+    `batch` (its host columns and reward result): keeps `wanted` groups, calling
+    `resample(k)` for generation batch k = 1, 2, ... of the step (scored) while too few vary.
+    `spec` is `algorithm.filter_groups`; the kept rows go to `sharding`.
 
+    Returns:
+      (the batch of `wanted` groups, its host columns, the `train/num_*` metrics).
     Raises:
-      RuntimeError: `max_num_gen_batches` batches did not give `data.train_batch_size` groups.
+      RuntimeError: `max_num_gen_batches` batches did not give `wanted` groups.
     """
-    spec, wanted = ctx.config.algorithm.filter_groups, ctx.config.data.train_batch_size
-    regenerate = ctx.pipeline.before(NAME)  # gen, reward and any stage between them
-    parts, kept, dropped = [], 0, 0
+    parts: list[tuple[RLBatch, HostColumns, np.ndarray]] = []
+    kept, dropped, batches = 0, 0, 1
     while True:
         uid = np.asarray(jax.device_get(batch.uid))
-        keep_B = varied_groups(metric_values(spec.metric, batch, ctx), uid)
+        keep_B = varied_groups(metric_values(spec.metric, batch, reward), uid)
         kept += len(np.unique(uid[keep_B]))
         dropped += len(np.unique(uid[~keep_B]))
-        parts.append((batch, ctx.host, keep_B))
+        parts.append((batch, host, keep_B))
         if kept >= wanted:
             break
-        if 0 < spec.max_num_gen_batches <= ctx.gen_batches:
+        if 0 < spec.max_num_gen_batches <= batches:
             raise RuntimeError(
-                f"algorithm.filter_groups: {ctx.gen_batches} generation batches kept {kept} of "
+                f"algorithm.filter_groups: {batches} generation batches kept {kept} of "
                 f"the {wanted} groups a step needs (algorithm.filter_groups.max_num_gen_batches "
                 f"= {spec.max_num_gen_batches}): the prompts may be too hard or too easy for "
                 "the model. Raise the cap, or set it to 0 for no cap."
             )
-        # the same timers, metrics and models; fresh prompts, rows and scores
-        more = dataclasses.replace(ctx, prompts=next(ctx.deps.train_loader), host=None)
-        batch = regenerate.run(more)
-        ctx.host, ctx.greedy, ctx.reward, ctx.gen_batches, ctx.models = (
-            more.host,
-            more.greedy,
-            more.reward,
-            more.gen_batches,
-            more.models,  # as the regenerated stages left them
-        )
-    batch, ctx.host = _take(parts, wanted, ctx.deps.run.batch_sharding)
-    ctx.metrics |= {
-        "train/num_gen_batches": float(ctx.gen_batches),
+        batch, host, reward = resample(batches)  # fresh prompts, rows and scores
+        batches += 1
+    batch, host = _take(parts, wanted, sharding)
+    metrics = {
+        "train/num_gen_batches": float(batches),
         "train/num_kept_groups": float(kept),
         "train/num_dropped_groups": float(dropped),
     }
-    return batch
-
-
-NAME = "filter_groups"
-FILTER_GROUPS = Stage(
-    NAME,
-    filter_groups,
-    reads=("uid", "token_level_scores", "response_mask"),
-    writes=("uid",),
-)
+    return batch, host, metrics

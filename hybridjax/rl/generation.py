@@ -21,13 +21,21 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
+from ml_collections import ConfigDict
 
+from hybridjax.algorithms.advantages import needs_reward_baseline
+from hybridjax.config.run import RunConfig
+from hybridjax.models.config import to_dtype
+from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rl.multi_turn import MultiTurn
-from hybridjax.rollout import Engine, SamplingParams, generate
-from hybridjax.sharding.hosts import allgather, to_local
+from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+from hybridjax.sharding import ACTOR_GENERATE_RULES, state_shardings
+from hybridjax.sharding.hosts import allgather, local_mesh, to_local
 from hybridjax.sharding.pools import sync_weights
 from hybridjax.training.batch import RLBatch, make_batch
+from hybridjax.training.build import Models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,3 +312,34 @@ class RolloutWeights:
         else:
             self.rollout_ahead.publish(out, version)
         return nbytes
+
+
+def build_rollout(
+    cfg: ConfigDict, run: RunConfig, models: Models, tokenizer: Tokenizer, first_index: int
+) -> tuple[RolloutWeights, Engine, Sampler, MultiTurn | None]:
+    """The run's rollout: `RolloutWeights` (the actor's generation layout on the rollout pool),
+    the paged `Engine` built on them (one generation replica per host: its host loop sees only
+    local arrays), the `Sampler` of the step's batches (`first_index`: this process's first
+    row of every batch) and the multi-turn tools (None without `rollout.multi_turn`)."""
+    rollout, params = cfg.actor_rollout_ref.rollout, models.actor_state.params
+    generate_mesh = run.meshes.generate
+    shardings = state_shardings(params, generate_mesh, ACTOR_GENERATE_RULES)
+    engine_mesh = local_mesh(generate_mesh)
+    weights = RolloutWeights(
+        shardings, to_dtype(rollout.dtype), engine_mesh, run.placement.co_located
+    )
+    model = nnx.merge(models.actor_graphdef, weights.generation_params(params)[0])
+    engine = Engine(model, RolloutConfig.from_config(rollout), mesh=engine_mesh)
+    weights.engine = engine
+    multi_turn = MultiTurn.from_config(rollout.multi_turn, tokenizer)
+    sampler = Sampler(
+        engine,
+        rollout,
+        cfg.trainer.seed,
+        tokenizer.pad_token_id,
+        run.batch_sharding,
+        first_index,
+        multi_turn,
+        needs_reward_baseline(cfg.algorithm.adv_estimator),
+    )
+    return weights, engine, sampler, multi_turn

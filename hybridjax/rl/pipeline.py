@@ -1,10 +1,14 @@
-"""The RL step as a pipeline of named stages that users extend without editing the trainer.
+"""The stages of the RL step as data: the `Stage` declaration (name, batch fields read and
+written, model states used), the `Pipeline` of a run (the config's default stages plus the
+user's), and what a step reads (`StepDeps`), changes (`StepState`) and shows a user's stage
+(`StepContext`).
 
-A `Stage` is a function `fn(batch, ctx) -> batch` with a name and the `RLBatch` fields it reads
-and writes. The name is also its timer: the pipeline reports the stage's wall time, device work
-included, as `timing_s/<name>`. `ctx` is the step's `StepContext` (the step number, the models,
-the config, the host columns of the batch, the metrics). The default pipelines are built from
-the config in `hybridjax.rl.step`; a user changes one from Python::
+`hybridjax.rl.step.train_step` calls the default stages itself, in its own order; a pipeline
+says which of them a run has and where the user's stages go. A user's stage is a function
+`fn(batch, ctx) -> batch` (the name is also its timer, `timing_s/<name>`); `Hooks` runs the
+user's stages at the step's named points: those placed before a default stage run right
+before it, one that replaces a default stage runs where it would have. A user changes a
+pipeline from Python::
 
     from hybridjax.rl import stage
 
@@ -14,13 +18,14 @@ the config in `hybridjax.rl.step`; a user changes one from Python::
     trainer = RLTrainer(cfg, pipeline=default_pipeline(cfg).insert_after("reward", zero_banned))
 
 or from the config: `trainer.stages = ("after reward: my_stages.py:zero_banned",)` (see
-`configured_pipeline`). A pipeline is checked before it runs: every field a stage reads must be
+`apply_entries`). A pipeline is checked before it runs: every field a stage reads must be
 written by an earlier stage, or the error names both.
 
-A stage may start work and let a later stage finish it: it returns `Deferred(finish)`, and
-`finish(batch, ctx) -> batch` runs, timed under the starting stage's name, right before the
-first later stage that reads one of the starting stage's `writes` (or at the end). The reward
-stage uses this so scoring overlaps the log-prob and value passes.
+A user's stage may start work and let a later stage finish it: it returns `Deferred(finish)`,
+and `finish(batch, ctx) -> batch` runs, timed under the starting stage's name, right before the
+first later stage that reads one of the starting stage's `writes` (or at the end of the step).
+The default `reward` stage is finished the same way, so scoring overlaps the log-prob and value
+passes.
 """
 
 from __future__ import annotations
@@ -31,12 +36,25 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
+from ml_collections import ConfigDict
 
+from hybridjax.config.run import RunConfig
+from hybridjax.data.dataset import PromptLoader
+from hybridjax.models.tokenizer import Tokenizer
+from hybridjax.rewards.manager import RewardResult
+from hybridjax.rl.async_rollout import RolloutAhead
+from hybridjax.rl.generation import HostColumns, RolloutWeights, Sampler
+from hybridjax.rl.multi_turn import MultiTurn
+from hybridjax.rl.reward import RewardStage
+from hybridjax.sharding import OffloadConfig
 from hybridjax.training.batch import RLBatch
+from hybridjax.training.build import Models
+from hybridjax.training.passes import StageConfig
 from hybridjax.user_code import CodeNotFound, load_module
 
 BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RLBatch))
@@ -60,13 +78,18 @@ class PipelineError(ValueError):
     """A pipeline is malformed: an unknown stage or field, or a field read before it is written."""
 
 
+# a user's stage: `fn(batch, ctx) -> RLBatch | Deferred` (`batch` is None before `gen`)
+StageFn = Callable[[Any, "StepContext"], Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A named step of the pipeline (see the module docstring).
+    """A named stage of the step (see the module docstring).
 
     Attributes:
       name: unique within a pipeline; also the timer `timing_s/<name>`.
-      fn: `fn(batch, ctx) -> RLBatch | Deferred` (`batch` is None before the first stage).
+      fn: a user's stage function `fn(batch, ctx) -> RLBatch | Deferred`; None for the default
+        stages, which `hybridjax.rl.step.train_step` calls itself.
       reads, writes: `RLBatch` field names.
       uses: the model states it reads (`MODEL_STATES`; `hybridjax.training.offload`): offloaded
         ones are on the devices while it runs and the other offloaded ones in host memory;
@@ -74,7 +97,7 @@ class Stage:
     """
 
     name: str
-    fn: Callable[[Any, Any], Any]
+    fn: StageFn | None
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     uses: tuple[str, ...] | None = None
@@ -100,7 +123,7 @@ def stage(
     reads: Iterable[str] = (),
     writes: Iterable[str] = (),
     uses: Iterable[str] | None = None,
-) -> Callable[[Callable], Stage]:
+) -> Callable[[StageFn], Stage]:
     """Decorator making a `Stage` of `fn(batch, ctx)`; the name defaults to the function's."""
     used = None if uses is None else tuple(uses)
     return lambda fn: Stage(name or fn.__name__, fn, tuple(reads), tuple(writes), used)
@@ -110,62 +133,118 @@ def stage(
 class Deferred:
     """Work a stage started; `finish(batch, ctx) -> batch` completes it (module docstring)."""
 
-    finish: Callable[[RLBatch, Any], RLBatch]
+    finish: Callable[[RLBatch, StepContext], RLBatch]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDeps:
+    """What a step reads and never changes, built once by the trainer.
+
+    Attributes:
+      run: the resolved run config (`hybridjax.config.run.RunConfig`: the ConfigDict, roles,
+        shardings, the `StageConfig` of each pool).
+      pipeline: the stages this run's step has (the module docstring).
+      sampler: samples the step's batch (the sync `gen`).
+      rollout_ahead: the rollout thread (`trainer.rollout_mode` one_step_off / async) that
+        `gen` takes the batch from; None: `gen` samples with `sampler`.
+      weights: re-lays the actor's weights into the engine (`reshard`).
+      reward: scores responses (`reward`).
+      tokenizer: the actor's tokenizer.
+      train_loader: the prompt loader (DAPO's dynamic sampling draws more batches).
+      replicated: a replicated sharding on the actor's training mesh (scalar metrics).
+      multi_turn: tools of multi-turn rollouts, or None.
+      offload: `fsdp_config.*_offload` per role (`place_offloaded` before each stage).
+      n_devices, peak_flops: what `perf/*` metrics are computed from, with the actor's shape.
+    """
+
+    run: RunConfig
+    pipeline: Pipeline
+    sampler: Sampler
+    rollout_ahead: RolloutAhead | None
+    weights: RolloutWeights
+    reward: RewardStage
+    tokenizer: Tokenizer
+    train_loader: PromptLoader
+    replicated: NamedSharding
+    multi_turn: MultiTurn | None
+    offload: Mapping[str, OffloadConfig]
+    n_devices: int
+    peak_flops: float
+
+    @property
+    def config(self) -> ConfigDict:
+        """The run's ConfigDict (user stages read their keys here)."""
+        return self.run.cfg
+
+    @property
+    def stage_cfg(self) -> StageConfig:
+        """The `StageConfig` of the passes on the actor's pool."""
+        return self.run.stage_cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """What a step changes: the models (weights and optimizer states) and the adaptive KL
+    coefficient (a float32 scalar on the devices)."""
+
+    models: Models
+    kl_coef: jax.Array
+
+
+@dataclasses.dataclass
+class Record:
+    """A step's timers (seconds per name) and metrics (device scalars or host floats, pulled
+    to the host at the end of the step), which the stages add to and never read."""
+
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def count(self, key: str, value: Any) -> None:
+        """Adds `value` to the running sum `metrics[key]` (bytes moved, skipped steps)."""
+        self.metrics[key] = self.metrics.get(key, 0.0) + value
 
 
 @dataclasses.dataclass
 class StepContext:
-    """What a stage may use besides the batch, for one step.
+    """What a user's stage sees besides the batch, for one step (`Hooks` keeps it current).
 
     Attributes:
       step: the RL step (1-based).
-      deps: what the step reads and never changes (`hybridjax.rl.step.StepDeps`: the config,
-        the engine, the reward stage, the tokenizer, the loader, the shardings); None in toy
-        pipelines that need none of it.
-      models: the run's models (`hybridjax.training.build.Models`); a stage that changes them
-        (an update, an offload) replaces this field, and the step returns it.
-      kl_coef: the adaptive KL coefficient (float32 scalar on the devices); `adv` replaces it.
+      deps: what the step reads and never changes (`StepDeps`: the config, the engine, the
+        reward stage, the tokenizer, the loader, the shardings); None in toy pipelines.
+      models: the run's models; a user's stage that changes them replaces this field.
+      kl_coef: the adaptive KL coefficient (float32 scalar on the devices).
       prompts: this step's batch of prompts from the data loader (what `gen` samples from).
       host: per-row host columns of the batch (data source, ground truth, lengths, ...).
       greedy: (batch, host) of one greedy response per prompt, when an estimator needs it.
-      reward: the rule-based reward's `RewardResult` (per-row scores and extras).
+      reward: the rule-based reward's `RewardResult` (per-row scores and extras), once scored.
       metrics: this step's metrics (device arrays or floats), pulled to the host at the end.
       timing: seconds per stage name.
-      pipeline: the pipeline running this step.
-      gen_batches: generation batches sampled so far this step (each gets its own seed).
-      scoring: (PendingScores, greedy PendingScores or None) of this step's batch, started by
-        the rollout thread as soon as it generated the batch (None: the `reward` stage starts
-        them).
-      policy_versions: per row, the policy version that generated it (rollout ahead only;
-        with partial rollouts its oldest token's).
-      token_versions: with partial rollouts, the version of each response token (B×R int64,
-        -1 past the end).
     """
 
     step: int
-    deps: Any = None
-    models: Any = None
-    kl_coef: Any = None
+    deps: StepDeps | None = None
+    models: Models | None = None
+    kl_coef: jax.Array | None = None
     prompts: dict[str, Any] | None = None
-    host: Any = None
-    greedy: Any = None
-    reward: Any = None
+    host: HostColumns | None = None
+    greedy: tuple[RLBatch, HostColumns] | None = None
+    reward: RewardResult | None = None
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
-    pipeline: Pipeline | None = None
-    gen_batches: int = 0
-    scoring: Any = None
-    policy_versions: Any = None
-    token_versions: Any = None
 
     @property
-    def config(self):
+    def config(self) -> ConfigDict:
         """The run's ConfigDict (`deps.config`)."""
+        if self.deps is None:
+            raise ValueError("ctx.config: this step context has no deps (a toy pipeline)")
         return self.deps.config
 
     @property
-    def stage_config(self):
+    def stage_config(self) -> StageConfig:
         """The actor pool's `StageConfig` (`deps.stage_cfg`)."""
+        if self.deps is None:
+            raise ValueError("ctx.stage_config: this step context has no deps (a toy pipeline)")
         return self.deps.stage_cfg
 
 
@@ -212,10 +291,6 @@ class Pipeline:
         i = self._index(name)
         return Pipeline(self.stages[:i] + self.stages[i + 1 :])
 
-    def before(self, name: str) -> Pipeline:
-        """The stages before `name` (e.g. what to run again for another generation batch)."""
-        return Pipeline(self.stages[: self._index(name)])
-
     def check(self, given: Iterable[str] = ()) -> None:
         """Raises PipelineError if a stage reads a field that neither `given` nor an earlier
         stage writes, naming the stage, the field and the stage that writes it (if any)."""
@@ -231,68 +306,117 @@ class Pipeline:
                     )
             written |= set(s.writes)
 
-    def run(self, ctx: StepContext, batch: RLBatch | None = None) -> RLBatch:
-        """Runs every stage on `batch` (None: the first stage makes it); each stage's time,
-        including its device work (a sync at its end), goes to `ctx.timing[name]`."""
-        return Runner(self, ctx).finish(batch)
+    def run(self, ctx: StepContext, batch: RLBatch | None = None) -> RLBatch | None:
+        """Runs every stage, all of them user stages (`fn` set), on `batch` (None: the first
+        stage makes it); each stage's time, including its device work (a sync at its end),
+        goes to `ctx.timing[name]`.
+
+        Raises:
+          PipelineError: a default stage (no `fn`: `train_step` runs those) is in it.
+        """
+        hooks = Hooks(self, (), ctx)
+        batch, _ = hooks.finish(batch, ctx.models)
+        return batch
 
 
-class Runner:
-    """Runs a pipeline's stages in order for one step, at the named points of the function
-    that drives it (`hybridjax.rl.step.train_step`): `runner(STAGE, batch)` runs the stages
-    not run yet up to the one named `STAGE.name` (the default stage, or the edit that
-    replaced it, with the user's stages placed before it), and nothing when the pipeline has
-    no stage of that name (the config left it out, or an edit removed it); `finish` runs the
-    rest and completes the deferred work (module docstring). `before(stage, ctx)`, if given,
-    runs before each stage, outside its timer (the step places offloaded states there)."""
+Placer = Callable[[Models, tuple[str, ...]], Models]
+
+
+class Hooks:
+    """The user's stages of a pipeline, run at the named points of `train_step` (module
+    docstring): `before(X, ...)` runs those placed before the default stage `X` (after the
+    default stage before it, or in place of one removed or replaced); `finish` runs those
+    after the last default stage, then every deferred piece of work.
+
+    Args:
+      pipeline: the run's pipeline.
+      defaults: the default stages (`hybridjax.rl.step.STAGES`); the others are the user's.
+      ctx: what the user's stages see; the step keeps it current (`show`).
+      place: `(models, uses) -> models`, the offloaded states `uses` names on the devices and
+        the others in host memory, before each user stage that declares `uses`.
+
+    Raises:
+      PipelineError: a stage without `fn` that is not a default stage.
+    """
 
     def __init__(
         self,
         pipeline: Pipeline,
+        defaults: Collection[Stage],
         ctx: StepContext,
-        before: Callable[[Stage, StepContext], None] | None = None,
+        place: Placer | None = None,
     ):
-        self.pipeline, self.ctx, self.before = pipeline, ctx, before
-        self._next = 0  # index of the first stage not run yet
+        self.ctx, self.place = ctx, place
+        self.on = {s.name for s in pipeline.stages if any(s is d for d in defaults)}
+        self._before: dict[str, list[Stage]] = {}
+        waiting: list[Stage] = []
+        for s in pipeline.stages:
+            if s.name in self.on:
+                self._before[s.name], waiting = waiting, []
+            elif s.fn is None:
+                raise PipelineError(
+                    f"stage {s.name!r} has no function: a default stage runs only in its own "
+                    "place (hybridjax.rl.step.train_step)"
+                )
+            else:
+                waiting.append(s)
+        self._after = waiting
         self._pending: list[tuple[Stage, Deferred]] = []
-        ctx.pipeline = pipeline
 
-    def __call__(self, point: Stage, batch: RLBatch | None) -> RLBatch | None:
-        names = self.pipeline.names
-        if point.name not in names:
-            return batch
-        return self._run_until(names.index(point.name) + 1, batch)
+    def runs(self, point: Stage) -> bool:
+        """Whether the default stage `point` runs (the config has it; no edit removed it)."""
+        return point.name in self.on
 
-    def finish(self, batch: RLBatch | None) -> RLBatch:
-        """Runs the stages left, then finishes every deferred piece of work."""
-        batch = self._run_until(len(self.pipeline.stages), batch)
-        return _finish(self._pending, self.ctx, batch, None)
+    def show(self, **fields: Any) -> None:
+        """Sets `fields` of what the user's stages see (host columns, the reward, ...)."""
+        self.ctx = dataclasses.replace(self.ctx, **fields)
 
-    def _run_until(self, end: int, batch):
+    def defer(self, owner: Stage, work: Deferred) -> None:
+        """Work `owner` started, finished before the first later reader of `owner.writes`."""
+        self._pending.append((owner, work))
+
+    def before(
+        self, point: Stage, batch: RLBatch | None, models: Models
+    ) -> tuple[RLBatch | None, Models]:
+        """Runs the user's stages placed before `point`, then finishes the deferred work
+        `point` reads; returns the batch and the models as they left them."""
+        self.ctx.models = models
+        for s in self._before.get(point.name, ()):
+            batch = self._run(s, batch)
+        return self._finish(batch, point.reads), self.ctx.models
+
+    def finish(
+        self, batch: RLBatch | None, models: Models | None
+    ) -> tuple[RLBatch | None, Models | None]:
+        """Runs the user's stages after the last default stage, then every deferred piece of
+        work; returns the batch and the models."""
+        self.ctx.models = models
+        for s in self._after:
+            batch = self._run(s, batch)
+        return self._finish(batch, None), self.ctx.models
+
+    def _run(self, s: Stage, batch: RLBatch | None) -> RLBatch | None:
         ctx = self.ctx
-        for s in self.pipeline.stages[self._next : end]:
-            batch = _finish(self._pending, ctx, batch, s.reads)
-            if self.before is not None:
-                self.before(s, ctx)
-            with timed(ctx.timing, s.name):
-                out = s.fn(batch, ctx)
-                if isinstance(out, Deferred):
-                    self._pending.append((s, out))
-                else:
-                    batch = jax.block_until_ready(out)
-                    jax.block_until_ready(ctx.metrics)
-        self._next = max(self._next, end)
+        batch = self._finish(batch, s.reads)
+        if self.place is not None and s.uses is not None and ctx.models is not None:
+            ctx.models = self.place(ctx.models, s.uses)
+        assert s.fn is not None  # (checked in __init__)
+        with timed(ctx.timing, s.name):
+            out = s.fn(batch, ctx)
+            if isinstance(out, Deferred):
+                self._pending.append((s, out))
+                return batch
+            jax.block_until_ready(ctx.metrics)
+            return jax.block_until_ready(out)
+
+    def _finish(self, batch, reads: Iterable[str] | None):
+        """Finishes the deferred work whose stage writes one of `reads` (None: all of it)."""
+        for s, deferred in list(self._pending):
+            if reads is None or set(reads) & set(s.writes):
+                self._pending.remove((s, deferred))
+                with timed(self.ctx.timing, s.name):
+                    batch = jax.block_until_ready(deferred.finish(batch, self.ctx))
         return batch
-
-
-def _finish(pending, ctx: StepContext, batch, reads: Iterable[str] | None):
-    """Finishes the deferred work whose stage writes one of `reads` (None: all of it)."""
-    for s, deferred in list(pending):
-        if reads is None or set(reads) & set(s.writes):
-            pending.remove((s, deferred))
-            with timed(ctx.timing, s.name):
-                batch = jax.block_until_ready(deferred.finish(batch, ctx))
-    return batch
 
 
 # ------------------------------------------------------------------------- trainer.stages

@@ -1,63 +1,70 @@
-"""One RL step, `train_step(state, prompts, deps) -> (state, metrics)`, stage after stage:
+"""One RL step, `train_step(state, prompts, deps, n)`, in the order it runs:
 
-    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
-        → reshard
+    gen → sleep → reward → filter_groups → old_log_prob → ref → teacher → values → adv
+        → update_critic → update_actor → reshard → onload
 
-`train_step` reads as that line; each stage is a function below, in the same order, that takes
-the batch and the step's `StepContext` (its typed, read-only `StepDeps` and the models and KL
-coefficient it may replace) and returns the batch. The stages a run has are its pipeline
-(`default_pipeline(cfg)` plus the `trainer.stages` edits, or one given from Python):
-`train_step` runs the pipeline's stages at its named points, so a user stage placed after
-`reward` runs right after it, and a replaced stage runs in place of the default. Stages that
-a config does not need are left out when the pipeline is built (their point runs nothing):
-`old_log_prob` unless the actor update is off-policy (`build.recompute_old_log_prob`), `ref`
-without a KL term, `teacher` without on-policy distillation (`actor_rollout_ref.distillation`),
-`values` and `update_critic` without a critic, `onload` (the last stage) with no offload
-key set, `filter_groups` (DAPO's dynamic sampling) unless
-`algorithm.filter_groups.enable`, `sleep` (the engine's KV pool and own weights released
-after the rollout, `hybridjax.training.residency`) unless `rollout.free_cache_engine`. With an
-estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt greedily and
-`reward` scores it. Which algorithm runs is the
-registries' business.
+`train_step` is that order: each of its lines calls one stage function below with what the
+stage reads and takes back what it changes (the batch, the models, the KL coefficient); the
+stages add their timers (`timing_s/<stage>`) and metrics to the step's `Record`. `STAGES` is
+the same list as data: `default_pipeline(cfg)` keeps the stages a config runs, and the
+`trainer.stages` edits place the user's stages between them (`pipeline.Hooks`: a user's stage
+placed after `reward` runs right after it, one that replaces `ref` runs instead of it). Left
+out when the pipeline is built: `old_log_prob` unless the actor update is off-policy
+(`build.recompute_old_log_prob`), `ref` without a KL term, `teacher` without on-policy
+distillation (`actor_rollout_ref.distillation`), `values` and `update_critic` without a
+critic, `filter_groups` (DAPO's dynamic sampling) unless `algorithm.filter_groups.enable`,
+`sleep` (the engine's KV pool and own weights released after the rollout,
+`hybridjax.training.residency`) unless `rollout.free_cache_engine`, and `onload` with no
+offload key set. With DAPO, `sleep` runs after `filter_groups`, which samples more batches.
+With an estimator that asks for a reward baseline (ReMax) `gen` also decodes each prompt
+greedily and `reward` scores it. Which algorithm runs is the registries' business.
 
-Each device stage calls a jitted pass of `hybridjax.training.passes`, compiled once per process
-and shared by every trainer (graph definitions and `StageConfig` static). `reward` starts
-scoring and returns at once; the pipeline finishes it before `adv`, the first stage that reads
-`token_level_scores`, so scoring overlaps the log-prob and value passes.
+Before each stage that uses model states (`Stage.uses`), `place_offloaded` puts the offloaded
+ones it uses on the devices and the others in host memory. Each device stage calls a jitted
+pass of `hybridjax.training.passes`, compiled once per process and shared by every trainer
+(graph definitions and `StageConfig` static). `reward` starts scoring and returns at once; the
+scores are collected right before the first stage that reads `token_level_scores` (`adv`, or
+DAPO's filter, or a user's stage), so scoring overlaps the log-prob and value passes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from hybridjax.algorithms.advantages import ADV_ESTIMATORS, needs_reward_baseline
-from hybridjax.config.run import RunConfig
 from hybridjax.metrics import compute_data_metrics, compute_perf_metrics
-from hybridjax.models.tokenizer import Tokenizer
-from hybridjax.rl.async_rollout import RolloutAhead, staleness_metrics
-from hybridjax.rl.dynamic_sampling import FILTER_GROUPS
+from hybridjax.rewards.manager import RewardResult
 from hybridjax.rl.evaluation import generation_samples
-from hybridjax.rl.generation import RolloutWeights, Sampler
-from hybridjax.rl.multi_turn import MultiTurn, multi_turn_metrics
+from hybridjax.rl.generation import HostColumns
+from hybridjax.rl.host_stages import (
+    Sampled,
+    Scoring,
+    filter_groups,
+    gen,
+    onload,
+    place_offloaded,
+    reshard,
+    sleep,
+    start_reward,
+)
 from hybridjax.rl.pipeline import (
     MODEL_STATES,
     Deferred,
+    Hooks,
     Pipeline,
     PipelineError,
-    Runner,
+    Record,
     Stage,
     StepContext,
+    StepDeps,
+    StepState,
     apply_entries,
     timed,
 )
-from hybridjax.rl.reward import RewardStage
-from hybridjax.sharding import OffloadConfig, load_to_device, offload_to_host
 from hybridjax.sharding.layout import jit_keeping_state
 from hybridjax.sharding.mesh import pass_mesh
 from hybridjax.sharding.pools import move_rows
@@ -65,15 +72,20 @@ from hybridjax.sharding.roles import Roles
 from hybridjax.training import passes
 from hybridjax.training.batch import RLBatch
 from hybridjax.training.build import Models, recompute_old_log_prob
-from hybridjax.training.offload import (
-    any_offload,
-    misplaced,
-    move_states,
-    offload_configs,
-    offloaded_states,
-)
-from hybridjax.training.passes import StageConfig
-from hybridjax.training.residency import free_cache_engine, sleep_engine
+from hybridjax.training.offload import any_offload, offload_configs
+from hybridjax.training.residency import free_cache_engine
+
+__all__ = [
+    "STAGES",
+    "Sampled",
+    "Scoring",
+    "StepContext",
+    "StepDeps",
+    "StepState",
+    "default_pipeline",
+    "place_offloaded",
+    "train_step",
+]
 
 _old_log_prob = jax.jit(passes.compute_old_log_prob, static_argnums=(0, 3))
 _ref_log_prob = jax.jit(passes.compute_ref_log_prob, static_argnums=(0, 3))
@@ -87,30 +99,74 @@ data_metrics = jax.jit(compute_data_metrics, static_argnums=1)
 
 ROLLOUT = ("prompts", "responses", "response_mask", "attention_mask", "position_ids", "uid")
 GENERATED = (*ROLLOUT, "rollout_log_probs", "rollout_logit_threshold", "routed_experts")
+# the top-k log-probs and ids with distillation.topk
+TEACHER_OUTPUTS = ("teacher_log_prob", "teacher_topk_log_probs", "teacher_topk_ids")
+
+# The stages, in `train_step`'s order (`tests/rl/test_step_shape.py` checks it, and that the
+# docs and the memory planner list them so). `uses`: the model states a stage reads; an
+# offloaded one is on the devices only while a stage that uses it runs (`place_offloaded`).
+# `gen` uses none (the rollout has its own weights), so every offloaded state leaves for it;
+# stages that declare nothing leave them where they are.
+GEN = Stage("gen", None, writes=GENERATED, uses=())
+SLEEP = Stage("sleep", None)
+REWARD = Stage("reward", None, reads=ROLLOUT, writes=("token_level_scores",))
+REWARD_WITH_BASELINE = dataclasses.replace(
+    REWARD, writes=("token_level_scores", "reward_baselines")
+)  # the same stage, for an estimator with a reward baseline (ReMax)
+FILTER_GROUPS = Stage(
+    "filter_groups", None, reads=("uid", "token_level_scores", "response_mask"), writes=("uid",)
+)
+OLD_LOG_PROB = Stage(
+    "old_log_prob",
+    None,
+    reads=ROLLOUT,
+    writes=("old_log_probs", "rollout_is_weights", "response_mask", "routed_experts"),
+    uses=("actor",),
+)
+REF = Stage("ref", None, reads=ROLLOUT, writes=("ref_log_prob",), uses=("ref",))
+TEACHER = Stage("teacher", None, reads=ROLLOUT, writes=TEACHER_OUTPUTS, uses=("teacher",))
+VALUES = Stage("values", None, reads=ROLLOUT, writes=("values",), uses=("critic",))
+ADV = Stage(
+    "adv",
+    None,
+    reads=(*ROLLOUT, "token_level_scores"),
+    writes=("token_level_rewards", "advantages", "returns"),
+)
+UPDATE_CRITIC = Stage(
+    "update_critic", None, reads=("values", "returns"), uses=("critic", "critic_optimizer")
+)
+UPDATE_ACTOR = Stage(
+    "update_actor", None, reads=(*ROLLOUT, "advantages"), uses=("actor", "actor_optimizer")
+)
+RESHARD = Stage("reshard", None, uses=("actor",))
+# every offloaded state back on the devices for what runs between steps
+ONLOAD = Stage("onload", None, uses=MODEL_STATES)
+STAGES = (GEN, SLEEP, REWARD, FILTER_GROUPS, OLD_LOG_PROB, REF, TEACHER, VALUES, ADV,
+          UPDATE_CRITIC, UPDATE_ACTOR, RESHARD, ONLOAD)  # fmt: skip
+DEFAULTS = (*STAGES, REWARD_WITH_BASELINE)
 
 
 def default_pipeline(cfg: ConfigDict) -> Pipeline:
-    """The step for `cfg` (see the module docstring), before `trainer.stages` edits."""
+    """The stages of `STAGES` that `cfg` runs (the module docstring), before `trainer.stages`
+    edits; with DAPO, `sleep` after `filter_groups`."""
     algo, roles = cfg.algorithm, Roles.from_config(cfg)
-    offload = any_offload(offload_configs(cfg))
-    baseline = needs_reward_baseline(algo.adv_estimator)
-    critic, sleep = roles.critic, free_cache_engine(cfg)
-    return Pipeline([
-        GEN,
-        SLEEP if sleep and not algo.filter_groups.enable else None,
-        REWARD_WITH_BASELINE if baseline else REWARD,
-        FILTER_GROUPS if algo.filter_groups.enable else None,
-        SLEEP if sleep and algo.filter_groups.enable else None,  # it generates more batches
-        OLD_LOG_PROB if recompute_old_log_prob(cfg) else None,
-        REF if roles.reference else None,
-        TEACHER if roles.teacher else None,
-        VALUES if critic else None,
-        ADV,
-        UPDATE_CRITIC if critic else None,
-        UPDATE_ACTOR,
-        RESHARD,
-        ONLOAD if offload else None,
-    ])  # fmt: skip
+    dapo = algo.filter_groups.enable
+    runs = {
+        SLEEP: free_cache_engine(cfg),
+        FILTER_GROUPS: dapo,
+        OLD_LOG_PROB: recompute_old_log_prob(cfg),
+        REF: roles.reference,
+        TEACHER: roles.teacher,
+        VALUES: roles.critic,
+        UPDATE_CRITIC: roles.critic,
+        ONLOAD: any_offload(offload_configs(cfg)),
+    }
+    stages = [s for s in STAGES if runs.get(s, True) and not (dapo and s is SLEEP)]
+    if needs_reward_baseline(algo.adv_estimator):
+        stages[stages.index(REWARD)] = REWARD_WITH_BASELINE
+    if dapo and runs[SLEEP]:  # after the last generation batch
+        stages.insert(stages.index(FILTER_GROUPS) + 1, SLEEP)
+    return Pipeline(stages)
 
 
 def configured_pipeline(cfg: ConfigDict) -> Pipeline:
@@ -119,7 +175,28 @@ def configured_pipeline(cfg: ConfigDict) -> Pipeline:
     Raises:
       PipelineError: a bad entry, or a stage reading a field no earlier stage writes.
     """
-    return apply_entries(default_pipeline(cfg), cfg.trainer.stages)
+    return check_order(apply_entries(default_pipeline(cfg), cfg.trainer.stages))
+
+
+def check_order(pipeline: Pipeline) -> Pipeline:
+    """`pipeline`, checked (`Pipeline.check`), its default stages in `train_step`'s order (with
+    DAPO, `sleep` after `filter_groups`): `train_step` runs each only at its own place.
+
+    Raises:
+      PipelineError: a stage reads a field no earlier stage writes, or an edit moved a default
+        stage.
+    """
+    pipeline.check()
+    names = [s.name for s in pipeline.stages if any(s is d for d in DEFAULTS)]
+    rank = {s.name: float(i) for i, s in enumerate(STAGES)}
+    if FILTER_GROUPS.name in names:
+        rank[SLEEP.name] = rank[FILTER_GROUPS.name] + 0.5
+    if names != sorted(names, key=rank.__getitem__):
+        raise PipelineError(
+            f"the default stages run in the step's order ({', '.join(sorted(names, key=rank.get))}"
+            f"), not as placed here ({pipeline}): add your own stage instead of moving one"
+        )
+    return pipeline
 
 
 def config_problems(cfg: ConfigDict) -> list[str]:
@@ -152,370 +229,255 @@ def config_problems(cfg: ConfigDict) -> list[str]:
     return problems
 
 
-@dataclasses.dataclass(frozen=True)
-class StepDeps:
-    """What a step reads and never changes, built once by the trainer.
-
-    Attributes:
-      run: the resolved run config (`hybridjax.config.run.RunConfig`: the ConfigDict, roles,
-        shardings, the `StageConfig` of each pool).
-      pipeline: the stages this run's step has (see the module docstring).
-      sampler: samples the step's batch (the sync `gen`).
-      rollout_ahead: the rollout thread (`trainer.rollout_mode` one_step_off / async) that
-        `gen` takes the batch from; None: `gen` samples with `sampler`.
-      weights: re-lays the actor's weights into the engine (`reshard`).
-      reward: scores responses (`reward`).
-      tokenizer: the actor's tokenizer.
-      train_loader: the prompt loader (DAPO's dynamic sampling draws more batches).
-      replicated: a replicated sharding on the actor's training mesh (scalar metrics).
-      multi_turn: tools of multi-turn rollouts, or None.
-      offload: `fsdp_config.*_offload` per role (`place_offloaded` before each stage).
-      n_devices, peak_flops: what `perf/*` metrics are computed from, with the actor's shape.
-    """
-
-    run: RunConfig
-    pipeline: Pipeline
-    sampler: Sampler
-    rollout_ahead: RolloutAhead | None
-    weights: RolloutWeights
-    reward: RewardStage
-    tokenizer: Tokenizer
-    train_loader: Any
-    replicated: NamedSharding
-    multi_turn: MultiTurn | None
-    offload: Mapping[str, OffloadConfig]
-    n_devices: int
-    peak_flops: float
-
-    @property
-    def config(self) -> ConfigDict:
-        """The run's ConfigDict (user stages read their keys here)."""
-        return self.run.cfg
-
-    @property
-    def stage_cfg(self) -> StageConfig:
-        """The `StageConfig` of the passes on the actor's pool."""
-        return self.run.stage_cfg
-
-
-@dataclasses.dataclass(frozen=True)
-class StepState:
-    """What a step changes: the models (weights and optimizer states) and the adaptive KL
-    coefficient (a float32 scalar on the devices)."""
-
-    models: Models
-    kl_coef: jax.Array
-
-
 def train_step(
     state: StepState, prompts: dict[str, Any] | None, deps: StepDeps, n: int
-) -> tuple[StepState, dict[str, Any], StepContext]:
+) -> tuple[StepState, dict[str, Any], Sampled, RewardResult | None]:
     """RL step `n` on `prompts` (None: `gen` takes the batch the rollout thread sampled).
 
     Returns:
       (the new state, the step's metrics as host floats (timers `timing_s/<stage>`, `perf/*`,
-      the stages' metrics, `nan_skipped`: skipped non-finite optimizer steps), the step's
-      context (host columns, prompts, reward result)).
+      the stages' metrics, `nan_skipped`: skipped non-finite optimizer steps), the trained
+      batch as sampled (host columns, prompts, policy versions), the rule reward's result).
     Host sync: each stage waits for its device work; metrics are pulled once at the end.
     """
-    ctx = StepContext(n, deps, state.models, state.kl_coef, prompts)
-    # each line: the user's stages before it, then the stage; before each, the offloaded model
-    # states it uses go to the devices and the others to host memory (`place_offloaded`)
-    at = Runner(deps.pipeline, ctx, place_offloaded)
-    with timed(ctx.timing, "step"):
-        batch = at(GEN, None)  # rollout.n responses per prompt (+ greedy ones for ReMax)
-        batch = at(SLEEP, batch)  # KV pool freed until the next gen (DAPO: after its filter)
-        batch = at(REWARD, batch)  # starts scoring; finished before the first reader (adv)
-        batch = at(FILTER_GROUPS, batch)  # DAPO: generate again until groups vary
-        batch = at(OLD_LOG_PROB, batch)  # π_old (off-policy updates only)
-        batch = at(REF, batch)  # π_ref (a KL term)
-        batch = at(TEACHER, batch)  # π_teacher (on-policy distillation)
-        batch = at(VALUES, batch)  # V(s) (a critic)
-        batch = at(ADV, batch)  # token rewards (KL penalty), advantages, returns
-        batch = at(UPDATE_CRITIC, batch)
-        batch = at(UPDATE_ACTOR, batch)
-        batch = at(RESHARD, batch)  # the new actor weights into the rollout engine
-        batch = at(ONLOAD, batch)  # offloaded states back on the devices between steps
-        batch = at.finish(batch)  # the user's stages after the last point
-        ctx.metrics |= data_metrics(batch, deps.run.roles.critic)
-        metrics = {k: float(v) for k, v in jax.device_get(ctx.metrics).items()}  # host sync
-    return StepState(ctx.models, ctx.kl_coef), metrics | _step_metrics(ctx), ctx
+    models, kl_coef, rec = state.models, state.kl_coef, Record()
+    view = StepContext(n, deps, models, kl_coef, prompts, metrics=rec.metrics, timing=rec.timing)
+    place = lambda models, uses: place_offloaded(models, uses, deps.offload, rec)
+    user = Hooks(deps.pipeline, DEFAULTS, view, place)  # the user's stages, before each stage
+    dapo, scoring = user.runs(FILTER_GROUPS), None
+
+    def sample(prompts, k: int, models: Models):
+        """gen → (sleep) → reward, the scoring left running: generation batch k of the step."""
+        nonlocal scoring
+        batch, models = user.before(GEN, None, models)
+        models = place(models, GEN.uses)  # every offloaded state to host: the engine has its own
+        sampled = gen(prompts, deps, n, rec, k)  # rollout.n responses per prompt (+ greedy ones)
+        user.show(prompts=sampled.prompts, host=sampled.host, greedy=sampled.greedy, reward=None)
+        batch = sampled.batch
+        if user.runs(SLEEP) and not dapo:  # the KV pool freed until the next gen
+            batch, models = user.before(SLEEP, batch, models)
+            sleep(models, deps, rec)
+        batch, models = user.before(REWARD, batch, models)
+        if user.runs(REWARD):  # scored in threads; collected before the first reader
+            scoring = start_reward(batch, sampled, deps, n, rec)
+            user.defer(REWARD, Deferred(scoring.finish))
+        return batch, sampled, models
+
+    def resample(k: int) -> tuple[RLBatch, HostColumns, RewardResult | None]:
+        """DAPO's next generation batch, scored."""
+        nonlocal models
+        batch, sampled, models = sample(next(deps.train_loader), k, models)
+        batch, models = user.before(FILTER_GROUPS, batch, models)
+        return batch, sampled.host, scoring and scoring.result
+
+    with timed(rec.timing, "step"):
+        batch, sampled, models = sample(prompts, 0, models)
+        if dapo:  # generate again until groups vary
+            batch, models = user.before(FILTER_GROUPS, batch, models)
+            reward = scoring and scoring.result
+            batch, host = filter_groups(batch, sampled.host, reward, deps, rec, resample)
+            sampled = dataclasses.replace(sampled, host=host)
+            user.show(host=host)
+            if user.runs(SLEEP):
+                batch, models = user.before(SLEEP, batch, models)
+                sleep(models, deps, rec)
+        batch, models = user.before(OLD_LOG_PROB, batch, models)
+        if user.runs(OLD_LOG_PROB):  # π_old (off-policy updates only)
+            models = place(models, OLD_LOG_PROB.uses)
+            batch = old_log_prob(batch, models, deps, rec)
+        batch, models = user.before(REF, batch, models)
+        if user.runs(REF):  # π_ref (a KL term)
+            models = place(models, REF.uses)
+            batch = ref_log_prob(batch, models, deps, rec)
+        batch, models = user.before(TEACHER, batch, models)
+        if user.runs(TEACHER):  # π_teacher (on-policy distillation)
+            models = place(models, TEACHER.uses)
+            batch = teacher_log_prob(batch, models, deps, rec)
+        batch, models = user.before(VALUES, batch, models)
+        if user.runs(VALUES):  # V(s) (a critic)
+            models = place(models, VALUES.uses)
+            batch = values(batch, models, deps, rec)
+        batch, models = user.before(ADV, batch, models)  # the scores are collected by now
+        if user.runs(ADV):  # token rewards (KL penalty), advantages, returns
+            batch, kl_coef = adv(batch, kl_coef, deps, rec)
+            user.show(kl_coef=kl_coef)
+        batch, models = user.before(UPDATE_CRITIC, batch, models)
+        if user.runs(UPDATE_CRITIC):
+            models = place(models, UPDATE_CRITIC.uses)
+            models = update_critic(batch, models, deps, n, rec)
+        batch, models = user.before(UPDATE_ACTOR, batch, models)
+        if user.runs(UPDATE_ACTOR):
+            models = place(models, UPDATE_ACTOR.uses)
+            models = update_actor(batch, models, deps, n, rec)
+        batch, models = user.before(RESHARD, batch, models)
+        if user.runs(RESHARD):  # the new actor weights into the rollout engine
+            models = place(models, RESHARD.uses)
+            reshard(models, deps, n, rec)
+        batch, models = user.before(ONLOAD, batch, models)
+        if user.runs(ONLOAD):  # every offloaded state back on the devices between steps
+            models = onload(models, deps, rec)
+        batch, models = user.finish(batch, models)  # the user's stages after the last
+        rec.metrics |= data_metrics(batch, deps.run.roles.critic)
+        metrics = {k: float(v) for k, v in jax.device_get(rec.metrics).items()}  # host sync
+    reward = scoring and scoring.result
+    metrics |= _step_metrics(rec, deps, sampled, reward)
+    return StepState(models, kl_coef), metrics, sampled, reward
 
 
-def _step_metrics(ctx: StepContext) -> dict[str, Any]:
+def _step_metrics(
+    rec: Record, deps: StepDeps, sampled: Sampled, reward: RewardResult | None
+) -> dict[str, Any]:
     """The timers, `perf/*` and `train/generations` of a finished step."""
-    d, host = ctx.deps, ctx.host
-    metrics = {f"timing_s/{k}": v for k, v in ctx.timing.items()}
-    if not d.weights.co_located:
-        metrics["timing_s/update_weights"] = d.weights.sync_time
-    epochs = d.stage_cfg.actor_update.ppo_epochs
+    metrics: dict[str, Any] = {f"timing_s/{k}": v for k, v in rec.timing.items()}
+    if not deps.weights.co_located:
+        metrics["timing_s/update_weights"] = deps.weights.sync_time
+    epochs = deps.stage_cfg.actor_update.ppo_epochs
+    host = sampled.host
     seq_lens = host.prompt_lengths + host.response_lengths
     metrics |= compute_perf_metrics(
-        seq_lens, ctx.timing, d.n_devices, d.run.actor_model, epochs, d.peak_flops
+        seq_lens, rec.timing, deps.n_devices, deps.run.actor_model, epochs, deps.peak_flops
     )
-    if k := d.config.trainer.log_train_generations:
-        scores = ctx.reward.scores  # (no filter_groups: these rows are ctx.prompts')
-        metrics["train/generations"] = generation_samples(d.tokenizer, ctx.prompts, host, scores, k)
+    if (k := deps.config.trainer.log_train_generations) and reward is not None:
+        # (no filter_groups: these rows are the sampled prompts')
+        metrics["train/generations"] = generation_samples(
+            deps.tokenizer, sampled.prompts, host, reward.scores, k
+        )
     return metrics
 
 
-# ------------------------------------------------------------------------- host stages
-
-
-def place_offloaded(stage: Stage, ctx: StepContext) -> None:
-    """Before `stage`: the offloaded model states it uses (`Stage.uses`) on the devices, the
-    other offloaded ones in host memory (`offload.misplaced`); timed as `timing_s/offload` and
-    `timing_s/onload`, their bytes (summed over devices) in `perf/offload_bytes` and
-    `perf/onload_bytes`. Nothing for a stage that declares no uses, or with no offload key.
-    Host sync: waits for the copies."""
-    offloaded = offloaded_states(ctx.deps.offload)
-    if stage.uses is None or not offloaded:
-        return
-    away, back = misplaced(ctx.models, offloaded, stage.uses)
-    for names, move, name in ((away, offload_to_host, "offload"), (back, load_to_device, "onload")):
-        if names:
-            with timed(ctx.timing, name):
-                ctx.models, nbytes = move_states(ctx.models, names, move)
-            key = f"perf/{name}_bytes"
-            ctx.metrics[key] = ctx.metrics.get(key, 0.0) + float(nbytes)
-
-
-def _sleep(batch, ctx: StepContext):
-    """Releases the engine's KV pool (and its own weights) until the next rollout."""
-    engine = ctx.deps.weights.engine
-    ctx.metrics["perf/sleep_bytes"] = float(sleep_engine(engine, ctx.models.actor_state.params))
-    return batch
-
-
-def _gen(batch, ctx: StepContext):
-    """Samples `rollout.n` responses per prompt of `ctx.prompts` (and, when the estimator asks
-    for a baseline, one greedy response per prompt into `ctx.greedy`), or with a rollout
-    thread takes the batch it sampled for this step (the stage's time is then the wait; the
-    thread's generation time is `timing_s/rollout_gen`, the staleness `async/staleness_*`);
-    sets `ctx.host`. With `rollout.multi_turn` the responses are multi-turn trajectories with
-    tools (adds the `multi_turn/*` metrics)."""
-    d = ctx.deps
-    if d.rollout_ahead is None:
-        batch, ctx.host, ctx.greedy = d.sampler.sample(ctx.prompts, ctx.step, ctx.gen_batches)
-        ctx.gen_batches += 1
-    else:
-        rollout = d.rollout_ahead.take(ctx.step, ctx.timing)
-        ctx.timing["rollout_gen"] = rollout.timing["gen"]
-        ctx.timing["wait_update"] = rollout.timing["wait_update"]
-        ctx.policy_versions, ctx.token_versions = rollout.versions, rollout.token_versions
-        ctx.metrics |= staleness_metrics(rollout.versions, ctx.step, rollout.token_versions)
-        ctx.prompts, batch, ctx.host, ctx.greedy = rollout.output
-        ctx.scoring = rollout.scoring
-    if d.multi_turn is not None:
-        h = ctx.host
-        ctx.metrics |= multi_turn_metrics(h.num_turns, h.tool_calls, h.tool_errors, h.row_mask)
-    return batch
-
-
-def _reward(batch, ctx: StepContext, baseline: bool = False):
-    """Starts scoring (rule functions in threads, the reward model queued on the device), or
-    takes the scoring the rollout thread started as soon as it generated the batch
-    (`ctx.scoring`); the finish fills `token_level_scores` (and `reward_baselines`: each
-    prompt's greedy score)."""
-    reward = ctx.deps.reward
-    if ctx.scoring is not None:
-        pending, greedy = ctx.scoring
-    else:
-        pending = reward.submit(batch, ctx.host, ctx.step)
-        greedy = reward.submit(*ctx.greedy, ctx.step) if baseline else None
-
-    def finish(batch, ctx: StepContext):
-        token_scores, ctx.reward = reward.collect(pending)
-        metrics = dict(ctx.reward.metrics)
-        moved = metrics.pop("perf/transfer_bytes", None)  # a reward model on its own pool
-        ctx.metrics |= metrics
-        if moved is not None:
-            _count_transfer(ctx, moved)
-        batch = batch.replace(token_level_scores=token_scores)
-        if greedy is not None:
-            n = ctx.stage_config.group_size
-            batch = batch.replace(reward_baselines=reward.baselines(greedy, n))
-        return batch
-
-    return Deferred(finish)
-
-
-def _reshard(batch, ctx: StepContext):
-    """Re-lays the actor's weights out for generation (the hybrid engine), as policy version
-    `ctx.step`."""
-    weights = ctx.deps.weights
-    nbytes = weights.update(ctx.models.actor_state.params, ctx.step)
-    jax.block_until_ready(weights.engine.state)
-    ctx.metrics["perf/reshard_bytes"] = float(nbytes)
-    return batch
-
-
 # ------------------------------------------------------------------------- device stages
+# Each is timed as `timing_s/<stage>`, device work included (host sync at its end).
 
 
-def _old_log_prob_stage(batch, ctx: StepContext):
-    m = ctx.models
-    with pass_mesh(ctx.deps.run.meshes.train):
-        batch, metrics = _old_log_prob(
-            m.actor_graphdef, m.actor_state.params, batch, ctx.stage_config
-        )
-    ctx.metrics |= metrics
-    return batch
+def old_log_prob(batch: RLBatch, models: Models, deps: StepDeps, rec: Record) -> RLBatch:
+    """π_old of the sampled tokens (`old_log_probs`, and the rollout correction's weights)."""
+    with timed(rec.timing, "old_log_prob"), pass_mesh(deps.run.meshes.train):
+        graphdef, params = models.actor_graphdef, models.actor_state.params
+        batch, metrics = _old_log_prob(graphdef, params, batch, deps.stage_cfg)
+        rec.metrics |= metrics
+        return _wait(batch, rec)
 
 
-def _to_pool(rows, sharding, ctx: StepContext):
+def ref_log_prob(batch: RLBatch, models: Models, deps: StepDeps, rec: Record) -> RLBatch:
+    """π_ref of the sampled tokens (`ref_log_prob`): the frozen copy, or with LoRA the actor
+    with its adapters off; on the reference's pool."""
+    with timed(rec.timing, "ref"):
+        rows, sc = _rows_for("ref", batch, deps, rec)
+        with pass_mesh(_train_mesh("ref", deps)):
+            out = _ref_log_prob(models.actor_graphdef, models.reference(), rows, sc)
+        return _wait(_back("ref", batch, deps, rec, ref_log_prob=out.ref_log_prob), rec)
+
+
+def teacher_log_prob(batch: RLBatch, models: Models, deps: StepDeps, rec: Record) -> RLBatch:
+    """The distillation teacher's log-probs of the sampled tokens (`TEACHER_OUTPUTS`), on its
+    pool (`placement.teacher`).
+
+    Raises:
+      ValueError: the models have no teacher.
+    """
+    if models.teacher is None:
+        raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
+    with timed(rec.timing, "teacher"):
+        graphdef, params = models.teacher
+        rows, sc = _rows_for("teacher", batch, deps, rec)
+        with pass_mesh(_train_mesh("teacher", deps)):
+            out = _teacher_log_prob(graphdef, params, rows, sc)
+        outputs = {f: getattr(out, f) for f in TEACHER_OUTPUTS if getattr(out, f) is not None}
+        return _wait(_back("teacher", batch, deps, rec, **outputs), rec)
+
+
+def values(batch: RLBatch, models: Models, deps: StepDeps, rec: Record) -> RLBatch:
+    """The critic's V(s) per response token (`values`), on the critic's pool."""
+    with timed(rec.timing, "values"):
+        rows, sc = _rows_for("critic", batch, deps, rec)
+        with pass_mesh(_train_mesh("critic", deps)):
+            out = _values(models.critic_graphdef, models.critic_state.params, rows, sc)
+        return _wait(_back("critic", batch, deps, rec, values=out.values), rec)
+
+
+def adv(
+    batch: RLBatch, kl_coef: jax.Array, deps: StepDeps, rec: Record
+) -> tuple[RLBatch, jax.Array]:
+    """Token rewards (the KL penalty), advantages and returns; the new adaptive KL coefficient."""
+    with timed(rec.timing, "adv"):
+        batch, kl_coef, metrics = _advantage(batch, kl_coef, deps.stage_cfg)
+        rec.metrics |= metrics
+        return _wait(batch, rec), kl_coef
+
+
+def update_critic(batch: RLBatch, models: Models, deps: StepDeps, n: int, rec: Record) -> Models:
+    """The critic's PPO value update on its pool; returns the models with its new state."""
+    with timed(rec.timing, "update_critic"):
+        rows, sc = _rows_for("critic", batch, deps, rec, "values", "returns")
+        with pass_mesh(_train_mesh("critic", deps)):
+            state, metrics, nan = _update_critic(
+                models.critic_graphdef, models.critic_state, rows, _rng(deps, n), sc
+            )
+        if "critic" in deps.run.pool_batch_shardings:  # scalars, summed with the actor's
+            metrics, nan = jax.device_put((metrics, nan), deps.replicated)
+        _record_update(rec, metrics, nan)
+        return dataclasses.replace(models, critic_state=_wait(state, rec))
+
+
+def update_actor(batch: RLBatch, models: Models, deps: StepDeps, n: int, rec: Record) -> Models:
+    """The actor's policy update, from step `trainer.critic_warmup + 1` on (the critic warms
+    up first); returns the models with its new state."""
+    with timed(rec.timing, "update_actor"):
+        if n <= deps.config.trainer.critic_warmup:
+            return models
+        with pass_mesh(deps.run.meshes.train):
+            state, metrics, nan = _update_actor(
+                models.actor_graphdef, models.actor_state, batch, _rng(deps, n), deps.stage_cfg
+            )
+        _record_update(rec, metrics, nan)
+        return dataclasses.replace(models, actor_state=_wait(state, rec))
+
+
+def _wait(out, rec: Record):
+    """`out` and the step's metrics so far, computed (the stage's time includes its work)."""
+    jax.block_until_ready(rec.metrics)
+    return jax.block_until_ready(out)
+
+
+def _rng(deps: StepDeps, n: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(deps.config.trainer.seed), n)
+
+
+def _record_update(rec: Record, metrics, nan_skipped) -> None:
+    """Adds an update's metrics and its count of skipped non-finite optimizer steps."""
+    rec.metrics |= metrics
+    rec.count("nan_skipped", nan_skipped)
+
+
+def _to_pool(rows, sharding, rec: Record):
     """`rows` moved into `sharding` (another pool's batch axes): device to device, timed as
     `timing_s/transfer` (within the stage's own time) and counted in `perf/transfer_bytes`.
     Host sync: waits for the copy, which the next pass needs anyway."""
-    with timed(ctx.timing, "transfer"):
+    with timed(rec.timing, "transfer"):
         moved, nbytes = move_rows(rows, sharding)
         jax.block_until_ready(moved)
-    _count_transfer(ctx, nbytes)
+    rec.count("perf/transfer_bytes", nbytes)
     return moved
 
 
-def _count_transfer(ctx: StepContext, nbytes: float) -> None:
-    """Adds `nbytes` copied between pools to the step's `perf/transfer_bytes`."""
-    ctx.metrics["perf/transfer_bytes"] = ctx.metrics.get("perf/transfer_bytes", 0.0) + nbytes
-
-
-def _rows_for(role: str, batch, ctx: StepContext, *fields: str):
+def _rows_for(role: str, batch: RLBatch, deps: StepDeps, rec: Record, *fields: str):
     """(the batch a `role` pass reads, its `StageConfig`): on the actor's pool `batch` itself;
     on the role's own pool a batch of the rollout fields and `fields`, moved there."""
-    sharding = ctx.deps.run.pool_batch_shardings.get(role)
+    sharding = deps.run.pool_batch_shardings.get(role)
     if sharding is None:
-        return batch, ctx.stage_config
+        return batch, deps.stage_cfg
     rows = RLBatch(**{f: getattr(batch, f) for f in (*ROLLOUT, *fields)})
-    return _to_pool(rows, sharding, ctx), ctx.deps.run.stage_config_of(role)
+    return _to_pool(rows, sharding, rec), deps.run.stage_config_of(role)
 
 
-def _train_mesh(role: str, ctx: StepContext):
+def _train_mesh(role: str, deps: StepDeps):
     """The training mesh a `role` pass runs on: its own pool's, else the actor's."""
-    run = ctx.deps.run
-    return run.role_meshes.get(role, run.meshes.train)
+    return deps.run.role_meshes.get(role, deps.run.meshes.train)
 
 
-def _back(role: str, batch, ctx: StepContext, **outputs):
+def _back(role: str, batch: RLBatch, deps: StepDeps, rec: Record, **outputs) -> RLBatch:
     """`batch` with the per-token `outputs` of a `role` pass, moved back to the actor's pool
     when the role has its own."""
-    if role in ctx.deps.run.pool_batch_shardings:
-        outputs = _to_pool(outputs, ctx.deps.run.batch_sharding, ctx)
+    if role in deps.run.pool_batch_shardings:
+        outputs = _to_pool(outputs, deps.run.batch_sharding, rec)
     return batch.replace(**outputs)
-
-
-def _ref_stage(batch, ctx: StepContext):
-    m = ctx.models  # the frozen copy, or with LoRA the actor with its adapters off
-    rows, sc = _rows_for("ref", batch, ctx)
-    with pass_mesh(_train_mesh("ref", ctx)):
-        out = _ref_log_prob(m.actor_graphdef, m.reference(), rows, sc)
-    return _back("ref", batch, ctx, ref_log_prob=out.ref_log_prob)
-
-
-def _teacher_stage(batch, ctx: StepContext):
-    """The distillation teacher's log-probs of the sampled tokens, on its pool
-    (`placement.teacher`)."""
-    if ctx.models.teacher is None:
-        raise ValueError("the teacher stage runs without a teacher model (distillation.enabled)")
-    graphdef, params = ctx.models.teacher
-    rows, sc = _rows_for("teacher", batch, ctx)
-    with pass_mesh(_train_mesh("teacher", ctx)):
-        out = _teacher_log_prob(graphdef, params, rows, sc)
-    outputs = {f: getattr(out, f) for f in TEACHER_OUTPUTS if getattr(out, f) is not None}
-    return _back("teacher", batch, ctx, **outputs)
-
-
-def _values_stage(batch, ctx: StepContext):
-    m = ctx.models
-    rows, sc = _rows_for("critic", batch, ctx)
-    with pass_mesh(_train_mesh("critic", ctx)):
-        out = _values(m.critic_graphdef, m.critic_state.params, rows, sc)
-    return _back("critic", batch, ctx, values=out.values)
-
-
-def _adv_stage(batch, ctx: StepContext):
-    batch, ctx.kl_coef, metrics = _advantage(batch, ctx.kl_coef, ctx.stage_config)
-    ctx.metrics |= metrics
-    return batch
-
-
-def _rng(ctx: StepContext) -> jax.Array:
-    return jax.random.fold_in(jax.random.key(ctx.config.trainer.seed), ctx.step)
-
-
-def _record_update(ctx: StepContext, metrics, nan_skipped) -> None:
-    """Adds an update's metrics and its count of skipped non-finite optimizer steps."""
-    ctx.metrics |= metrics
-    ctx.metrics["nan_skipped"] = ctx.metrics.get("nan_skipped", 0) + nan_skipped
-
-
-def _update_critic_stage(batch, ctx: StepContext):
-    m = ctx.models
-    rows, sc = _rows_for("critic", batch, ctx, "values", "returns")
-    with pass_mesh(_train_mesh("critic", ctx)):
-        state, metrics, nan = _update_critic(m.critic_graphdef, m.critic_state, rows, _rng(ctx), sc)
-    if "critic" in ctx.deps.run.pool_batch_shardings:  # scalars, summed with the actor's
-        metrics, nan = jax.device_put((metrics, nan), ctx.deps.replicated)
-    ctx.models = dataclasses.replace(m, critic_state=state)
-    _record_update(ctx, metrics, nan)
-    return batch
-
-
-def _update_actor_stage(batch, ctx: StepContext):
-    """The actor update, from step `trainer.critic_warmup + 1` on (the critic warms up first)."""
-    if ctx.step <= ctx.config.trainer.critic_warmup:
-        return batch
-    m = ctx.models
-    with pass_mesh(ctx.deps.run.meshes.train):
-        state, metrics, nan = _update_actor(
-            m.actor_graphdef, m.actor_state, batch, _rng(ctx), ctx.stage_config
-        )
-    ctx.models = dataclasses.replace(m, actor_state=state)
-    _record_update(ctx, metrics, nan)
-    return batch
-
-
-# `uses`: the model states a stage reads; an offloaded one is on the devices only while a stage
-# that uses it runs (`place_offloaded`). `gen` uses none (the rollout has its own weights), so
-# every offloaded state leaves for it; stages that declare nothing leave them where they are
-GEN = Stage("gen", _gen, writes=GENERATED, uses=())
-SLEEP = Stage("sleep", _sleep)
-REWARD = Stage("reward", _reward, reads=ROLLOUT, writes=("token_level_scores",))
-REWARD_WITH_BASELINE = Stage(
-    "reward",
-    lambda b, ctx: _reward(b, ctx, baseline=True),
-    reads=ROLLOUT,
-    writes=("token_level_scores", "reward_baselines"),
-)
-OLD_LOG_PROB = Stage(
-    "old_log_prob",
-    _old_log_prob_stage,
-    reads=ROLLOUT,
-    writes=("old_log_probs", "rollout_is_weights", "response_mask", "routed_experts"),
-    uses=("actor",),
-)
-REF = Stage("ref", _ref_stage, reads=ROLLOUT, writes=("ref_log_prob",), uses=("ref",))
-# the top-k log-probs and ids with distillation.topk
-TEACHER_OUTPUTS = ("teacher_log_prob", "teacher_topk_log_probs", "teacher_topk_ids")
-TEACHER = Stage("teacher", _teacher_stage, reads=ROLLOUT, writes=TEACHER_OUTPUTS, uses=("teacher",))
-VALUES = Stage("values", _values_stage, reads=ROLLOUT, writes=("values",), uses=("critic",))
-ADV = Stage(
-    "adv",
-    _adv_stage,
-    reads=(*ROLLOUT, "token_level_scores"),
-    writes=("token_level_rewards", "advantages", "returns"),
-)
-UPDATE_CRITIC = Stage(
-    "update_critic",
-    _update_critic_stage,
-    reads=("values", "returns"),
-    uses=("critic", "critic_optimizer"),
-)
-UPDATE_ACTOR = Stage(
-    "update_actor",
-    _update_actor_stage,
-    reads=(*ROLLOUT, "advantages"),
-    uses=("actor", "actor_optimizer"),
-)
-RESHARD = Stage("reshard", _reshard, uses=("actor",))
-# every offloaded state back on the devices for what runs between steps (its `uses` does it)
-ONLOAD = Stage("onload", lambda batch, ctx: batch, uses=MODEL_STATES)

@@ -1,7 +1,5 @@
-"""The RL trainer: builds the run once, then loops `step.train_step` and checkpoints.
-
-    gen → reward → old_log_prob → ref → teacher → values → adv → update_critic → update_actor
-        → reshard
+"""The RL trainer: builds the run once, then loops `step.train_step` (its stages in order:
+`step.STAGES`) and checkpoints.
 
 At construction the config is checked (`hybridjax.rl.checks`) and resolved
 (`hybridjax.config.run.resolve`), the models, the rollout engine, the reward stage and the
@@ -20,35 +18,31 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from hybridjax.algorithms.advantages import needs_reward_baseline
 from hybridjax.checkpointing import Checkpointer, StopRequest, split_checkpoint_path
 from hybridjax.checkpointing.run_lock import hold_run_directory
 from hybridjax.config.run import resolve, resolve_dtypes
 from hybridjax.data.dataset import DataConfig, train_loader, val_loader
 from hybridjax.metrics import Tracking, measure_peak_flops, num_compiles
 from hybridjax.metrics.console import announce
-from hybridjax.models.config import to_dtype
 from hybridjax.rewards import RewardConfig
 from hybridjax.rewards.guard import RewardFailureGuard
 from hybridjax.rewards.registry import check_data_sources
 from hybridjax.rl import checks, step
-from hybridjax.rl.async_rollout import RolloutAhead
 from hybridjax.rl.evaluation import validate
-from hybridjax.rl.generation import RolloutWeights, Sampler, sampling_params
-from hybridjax.rl.multi_turn import MultiTurn
+from hybridjax.rl.generation import build_rollout, sampling_params
 from hybridjax.rl.nan_guard import NanGuard
-from hybridjax.rl.partial_rollout import PartialRollout
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
-from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
-from hybridjax.sharding import (
-    ACTOR_GENERATE_RULES,
-    state_shardings,
+from hybridjax.rl.rollout_thread import (
+    RolloutThread,
+    can_score_ahead,
+    checkpoint_problems,
+    warn_partial_dropped,
 )
+from hybridjax.rollout import SamplingParams
 from hybridjax.sharding.hosts import any_process, is_main, local_mesh, share
 from hybridjax.training import build
 from hybridjax.training.offload import offload_configs
@@ -86,7 +80,7 @@ class RLTrainer:
                     "trainer.stages edits the default pipeline; with a pipeline given, add "
                     f"those stages to it in Python instead ({list(cfg.trainer.stages)})"
                 )
-            pipeline.check()
+            step.check_order(pipeline)
         self.pipeline = pipeline or step.configured_pipeline(cfg)
         check_reward_servers(cfg)  # fails fast, before any model is loaded
         data = dataclasses.replace(
@@ -120,31 +114,9 @@ class RLTrainer:
             run.role_meshes,
             self.role_stage_cfgs.get("critic"),
         )
-        rollout = cfg.actor_rollout_ref.rollout
-        gen_shardings = state_shardings(
-            self.actor_state.params, self.meshes.generate, ACTOR_GENERATE_RULES
-        )
-        # one generation replica per host: the engine's host loop sees only local arrays
-        engine_mesh = local_mesh(self.meshes.generate)
-        self.weights = RolloutWeights(
-            gen_shardings, to_dtype(rollout.dtype), engine_mesh, self.placement.co_located
-        )
-        params = self.weights.generation_params(self.actor_state.params)[0]
-        engine_config = RolloutConfig.from_config(rollout)
-        self.engine = Engine(
-            nnx.merge(self.actor_graphdef, params), engine_config, mesh=engine_mesh
-        )
-        self.weights.engine = self.engine
-        self.multi_turn = MultiTurn.from_config(rollout.multi_turn, self.tokenizer)
-        self.sampler = Sampler(
-            self.engine,
-            rollout,
-            t.seed,
-            self.tokenizer.pad_token_id,
-            self.batch_sharding,
-            self.train_loader.rows.start or 0,  # this process's share of every batch
-            self.multi_turn,
-            needs_reward_baseline(cfg.algorithm.adv_estimator),
+        first_row = self.train_loader.rows.start or 0  # this process's share of every batch
+        self.weights, self.engine, self.sampler, self.multi_turn = build_rollout(
+            cfg, run, self.models, self.tokenizer, first_row
         )
         judge_mesh = local_mesh(run.role_meshes.get("reward_model", self.meshes.generate))
         self.reward = RewardStage.from_config(
@@ -156,11 +128,25 @@ class RLTrainer:
             self.pool_batch_shardings.get("reward_model"),
             build.build_judge(cfg, judge_mesh, t.seed),
         )
-        self.rollout_ahead = self._rollout_ahead()  # None when trainer.rollout_mode is sync
+        self.thread = None  # the rollout thread (trainer.rollout_mode one_step_off / async)
+        if t.rollout_mode != "sync":
+            self.thread = RolloutThread(
+                cfg,
+                self.sampler,
+                self.engine,
+                self.reward,
+                self.train_loader,
+                self.total_steps,
+                self.batch_sharding,
+                self.tokenizer.pad_token_id,
+            )
+        self.rollout_ahead = None if self.thread is None else self.thread.ahead
+        self.partial = None if self.thread is None else self.thread.partial
         self.weights.rollout_ahead = self.rollout_ahead
         if self.rollout_ahead is not None:
             self._update_weights(0)  # the thread's first weights
-            self.rollout_ahead.score_enabled = self._can_score_ahead()
+            apart = self.models.reward_model is None or "reward_model" in run.pool_batch_shardings
+            self.rollout_ahead.score_enabled = can_score_ahead(self.pipeline, apart)
         self.checkpointer = Checkpointer(
             t.default_local_dir, t.max_actor_ckpt_to_keep, read_only=read_only
         )
@@ -210,102 +196,6 @@ class RLTrainer:
         version = self.global_step if version is None else version
         return self.weights.update(self.actor_state.params, version)
 
-    # --------------------------------------------------------- placement and asynchrony (issue 16)
-
-    def _rollout_ahead(self) -> RolloutAhead | None:
-        """The rollout thread of `trainer.rollout_mode` one_step_off / async (see async_rollout)."""
-        t = self.cfg.trainer
-        self.partial = None
-        if t.rollout_mode == "sync":
-            return None
-        lag = 1 if t.rollout_mode == "one_step_off" else t.staleness_threshold
-
-        def generate(prompts, n):
-            batch, host, greedy = self.sampler.sample(prompts, n)
-            return (prompts, batch, host, greedy), len(host.response_lengths)
-
-        set_weights = lambda params, version: self.engine.update_weights(params)  # noqa: E731
-        if t.partial_rollout:  # carried tokens lag one round more (hybridjax.rl.partial_rollout)
-            generate, set_weights, lag = self._partial_rollout()
-
-        def score(output, n):  # while the actor trains the step before
-            _, batch, host, greedy = output
-            greedy_scoring = None if greedy is None else self.reward.submit(*greedy, n)
-            return self.reward.submit(batch, host, n), greedy_scoring
-
-        self._data_states = []  # loader state before each batch drawn ahead, oldest first
-        self._prompts_in_flight = 0  # partial rollouts: queued, not yet handed to a step
-
-        def next_prompts():
-            self._data_states = self._data_states[-lag:] + [self.train_loader.get_state()]
-            if self.partial is None:
-                return next(self.train_loader)
-            # partial rollouts queue one batch ahead, so that freed slots take its prompts
-            # while the batch's long tail runs: each request tops the prompts in flight up to
-            # this step's batch and the next one's (this step's alone at the last step),
-            # counted from those a checkpoint put back (none after a run's last step)
-            size = self.cfg.data.train_batch_size
-            last = self.rollout_ahead.requested == self.total_steps
-            batches = []
-            while self._prompts_in_flight + len(batches) * size < size * (1 if last else 2):
-                batches.append(next(self.train_loader))
-            self._prompts_in_flight += len(batches) * size - size  # this step takes `size`
-            return batches
-
-        return RolloutAhead(generate, set_weights, next_prompts, lag, self.total_steps, score)
-
-    def _partial_rollout(self):
-        """(generate, set_weights, lag) of the rollout thread with `trainer.partial_rollout`:
-        one `PartialRollout` round per step, requested one step ahead (on demand with
-        staleness_threshold 1: a carried token lags one version more than a fresh one)."""
-        if jax.process_count() > 1:
-            raise ValueError("trainer.partial_rollout runs in one process; unset it")
-        t = self.cfg.trainer
-        self.partial = partial = PartialRollout(
-            self.engine,
-            self.cfg.actor_rollout_ref.rollout,
-            t.seed,
-            self.tokenizer.pad_token_id,
-            self.batch_sharding,
-            t.staleness_threshold,
-            kv=t.partial_rollout_kv,
-        )
-
-        size = self.cfg.data.train_batch_size
-
-        def generate(batches, n):
-            for prompts in batches:
-                partial.add(prompts, n)
-            prompts, batch, host, versions = partial.batch(n, size)
-            return (prompts, batch, host, None), versions
-
-        return generate, partial.set_weights, min(1, t.staleness_threshold - 1)
-
-    def _can_score_ahead(self) -> bool:
-        """Whether the rollout thread starts scoring each batch right after generating it, so
-        the rule functions (and a reward model on its own pool) score batch k+1 while step k
-        trains: with a rollout ahead, when the pipeline's `reward` stage is the default one and
-        directly follows `gen` (no stage in between may change the batch), and a reward model
-        on devices has a pool other than the actor's (else its forward would share the devices
-        of the actor's update). The scores are the same either way."""
-        if self.rollout_ahead is None or "reward" not in self.pipeline.names:
-            return False
-        i = self.pipeline.names.index("reward")
-        default = self.pipeline.stages[i] in (step.REWARD, step.REWARD_WITH_BASELINE)
-        after_gen = i > 0 and self.pipeline.names[i - 1] == "gen"
-        model_apart = self.models.reward_model is None or "reward_model" in (
-            self.pool_batch_shardings
-        )
-        return default and after_gen and model_apart
-
-    def _data_state(self) -> Any:
-        """The loader state after the last trained batch: batches drawn ahead of training are
-        drawn again after a restore."""
-        ahead = self.rollout_ahead.requested - self.global_step if self.rollout_ahead else 0
-        if ahead > 0:
-            return self._data_states[-ahead]
-        return self.train_loader.get_state()
-
     def sampling(self, step: int, validate: bool = False, gen_batch: int = 0) -> SamplingParams:
         """Sampling of step `step`'s generation batch `gen_batch` (several with dynamic
         sampling), or of validation: each with its own seed."""
@@ -321,11 +211,11 @@ class RLTrainer:
         prompts = next(self.train_loader) if self.rollout_ahead is None else None
         state = step.StepState(self.models, self.kl_coef)
         preemptions = self.engine.num_preemptions
-        state, metrics, ctx = step.train_step(state, prompts, self.deps, n)
+        state, metrics, sampled, reward = step.train_step(state, prompts, self.deps, n)
         self.models, self.kl_coef = state.models, state.kl_coef
-        self.policy_versions, self.token_versions = ctx.policy_versions, ctx.token_versions
+        self.policy_versions, self.token_versions = sampled.policy_versions, sampled.token_versions
         self.nan_guard.count(int(metrics.pop("nan_skipped", 0)), n)
-        self.reward_guard.count(ctx.reward, n)  # raises before a checkpoint of failed steps
+        self.reward_guard.count(reward, n)  # raises before a checkpoint of failed steps
         metrics |= {
             "training/global_step": float(n),
             "training/epoch": float(epoch),
@@ -343,16 +233,12 @@ class RLTrainer:
         if self.val_loader is None:
             return {}
         sampling = self.sampling(self.global_step, validate=True)
-        if self.rollout_ahead is None:
+        if self.thread is None:
             return self._validate(sampling)
-        with self.rollout_ahead.engine_lock:  # waits for the batch being generated
+        with self.thread.engine_paused():  # the batch being generated first; partial ones wait
             params = self.weights.generation_params(self.actor_state.params)[0]
-            if self.partial is None:
-                self.engine.update_weights(params)  # each request sets its own
-                return self._validate(sampling)
-            with self.partial.paused():  # sequences in flight wait, then come back
-                self.engine.update_weights(params)
-                return self._validate(sampling)
+            self.engine.update_weights(params)  # each request sets its own
+            return self._validate(sampling)
 
     def _validate(self, sampling: SamplingParams) -> dict[str, Any]:
         return validate(
@@ -369,6 +255,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------ checkpoints
 
+    def _meta_problems(self, meta: dict) -> list[str]:
+        """How a checkpoint's data-iterator state (and prompts in flight) misfit this run."""
+        partial = self.partial is not None and not self.checkpointer.read_only
+        return checkpoint_problems(meta, self.train_loader.get_state(), partial)
+
     def _state_tree(self) -> dict[str, Any]:
         tree = {"actor": build.checkpointed(self.actor_state), "kl_coef": self.kl_coef}
         if self.critic_state is not None:
@@ -379,7 +270,11 @@ class RLTrainer:
         """Checkpoints the current step (asynchronously; refused if any value is non-finite)."""
         meta = {
             "global_step": self.global_step,
-            "data": self._data_state(),
+            "data": (
+                self.train_loader.get_state()
+                if self.thread is None
+                else self.thread.data_state(self.global_step)
+            ),
             "nan_consecutive": self.nan_guard.consecutive,
             "nan_total": self.nan_guard.total,
         }
@@ -418,16 +313,10 @@ class RLTrainer:
         )
         self.kl_coef = tree["kl_coef"]
         self.train_loader.set_state(meta["data"])
-        if self.partial is not None and "partial_rollout" in meta:  # (an export needs none)
-            with self.rollout_ahead.engine_lock:
-                self.partial.load_state(meta["partial_rollout"])
-            self._prompts_in_flight = len(self.partial.groups)
-        elif in_flight := len(meta.get("partial_rollout", {}).get("groups", [])):
-            log.warning(
-                "the checkpoint of step %d holds %d prompts in flight of a partial-rollout run; "
-                "with trainer.partial_rollout off they are not trained (the data order goes on "
-                "after them)", step, in_flight,
-            )  # fmt: skip
+        if self.thread is not None:  # partial rollouts: the prompts in flight
+            self.thread.load_partial(meta, step)
+        else:
+            warn_partial_dropped(meta, step)
         self.global_step = meta["global_step"]
         self.nan_guard.consecutive, self.nan_guard.total = (
             meta["nan_consecutive"],
@@ -436,28 +325,6 @@ class RLTrainer:
         self._update_weights()
         announce(log, f"resumed from step {step} of {self.cfg.trainer.default_local_dir}")
         return step
-
-    def _meta_problems(self, meta: dict) -> list[str]:
-        """How a checkpoint's data-iterator state does not fit this run's loader."""
-        saved, mine = meta.get("data", {}), self.train_loader.get_state()
-        keys = {
-            "num_rows": "rows after filtering: data.train_files, data.filter_overlong_prompts",
-            "batch_size": "data.train_batch_size",
-            "seed": "data.seed",
-        }
-        problems = [
-            f"data iterator {key}: {saved.get(key)} in the checkpoint, {mine[key]} with this "
-            f"config ({why})"
-            for key, why in keys.items()
-            if saved.get(key) != mine[key]
-        ]
-        resumes = self.partial is not None and not self.checkpointer.read_only
-        if resumes and "partial_rollout" not in meta:
-            problems.append(
-                "trainer.partial_rollout: the checkpoint has no prompts in flight (saved "
-                "without partial rollouts, or by an older version)"
-            )
-        return problems
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -534,8 +401,8 @@ class RLTrainer:
         }
 
     def close(self) -> None:
-        if self.rollout_ahead is not None:
-            self.rollout_ahead.close()
+        if self.thread is not None:
+            self.thread.close()
         self.checkpointer.close()
         self.reward.close()
         if self.run_lock is not None:

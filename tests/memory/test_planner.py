@@ -15,6 +15,7 @@ from hybridjax.config.run import resolve_dtypes
 from hybridjax.memory import planner as plan
 from hybridjax.memory.resident import kv_pool
 from hybridjax.rl.checks import validate
+from hybridjax.rl.step import default_pipeline
 from hybridjax.sharding import MeshConfig, make_meshes
 from hybridjax.training import build
 
@@ -68,6 +69,20 @@ def test_resident_states_are_the_shard_bytes(tiny):
     # re-layout writes the one new copy of the rollout weights into the sleeping engine
     assert stages["reshard"]["new rollout weights"] == params
     assert "rollout weights" not in stages["reshard"]
+
+
+def test_the_plan_has_the_steps_device_stages_in_its_order(tiny):
+    c, actor, _ = tiny
+    c = c.copy_and_resolve_references()
+    c.algorithm.adv_estimator, c.critic.enable = "gae", True
+    c.actor_rollout_ref.actor.use_kl_loss = True
+    c.actor_rollout_ref.actor.ppo_mini_batch_size = 2  # two mini-batches: old_log_prob runs
+    p = plan.plan_memory(c, actor, 2, capacity_bytes=10**9, target="cpu", compile_stages=False)
+    unplanned = {"sleep", "reward", "filter_groups", "adv", "onload"}  # reward: with a model
+    expected = [name for name in default_pipeline(c).names if name not in unplanned]
+    assert [s.name for s in p.stages] == expected
+    assert expected == ["gen", "old_log_prob", "ref", "values", "update_critic", "update_actor",
+                        "reshard"]  # fmt: skip
 
 
 def test_a_kept_engine_holds_its_pool_and_two_copies_in_reshard(tiny):

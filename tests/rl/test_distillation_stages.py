@@ -16,7 +16,6 @@ from flax import nnx
 
 from hybridjax.models.decoder import CausalLM
 from hybridjax.rl import step
-from hybridjax.rl.pipeline import StepContext
 from hybridjax.sharding.mesh import TRAIN_AXES
 from hybridjax.training import build, passes
 from tests.rl.test_trainer_on_policy import (
@@ -27,6 +26,7 @@ from tests.rl.test_trainer_on_policy import (
     _batch,
     _config,
     one_pool_run,
+    run_device_stages,
 )
 from tests.rl.tiny_run import load_config_file
 
@@ -50,13 +50,10 @@ def _run(teacher_seed: int, topk: int = 0):
         teacher=teacher,
     )  # fmt: skip
     deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
-    ctx = StepContext(step=1, deps=deps, models=models, kl_coef=jnp.float32(0.0))
-    pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
-    pipeline = pipeline.remove("sleep").remove("reshard").remove("update_actor")
-    names = pipeline.names
+    names = step.default_pipeline(cfg).names
     assert topk or names.index("teacher") == names.index("old_log_prob") + 1
-    batch = pipeline.run(ctx, _batch(1))
-    return batch, {k: float(v) for k, v in ctx.metrics.items()}
+    batch, _, rec = run_device_stages(cfg, deps, models, _batch(1), 1, FIXED_REWARD, "adv")
+    return batch, {k: float(v) for k, v in rec.metrics.items()}
 
 
 def test_teacher_equal_to_student_gives_zero_distillation_reward():

@@ -1,8 +1,8 @@
-"""Offloaded model states are on the devices only in the stages that use them (`Stage.uses`,
-`step.place_offloaded`): each stage of the default PPO step with a reference, a teacher and a
-critic, every offload key on, sees exactly its own states in device memory; the bytes and the
-moves are counted; a state no key names never moves; a stage that declares nothing moves
-nothing."""
+"""Offloaded model states are on the devices only in the stages that use them (`Stage.uses`;
+`step.place_offloaded` before each stage `train_step` calls): each stage of the default PPO
+step with a reference, a teacher and a critic, every offload key on, sees exactly its own
+states in device memory; the bytes and the moves are counted; a state no key names never
+moves; a stage that declares nothing moves nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from hybridjax.config.schema import base_config
 from hybridjax.rl import step
-from hybridjax.rl.pipeline import PipelineError, Stage, StepContext
+from hybridjax.rl.pipeline import PipelineError, Record, Stage
 from hybridjax.training.build import Models
 from hybridjax.training.offload import offload_configs
 
@@ -71,9 +71,19 @@ def _config(*offloaded: str):
     return c
 
 
-def _ctx(cfg) -> StepContext:
-    deps = dataclasses.make_dataclass("Deps", ["offload"])(offload_configs(cfg))
-    return StepContext(1, deps, _models())
+class _Placing:
+    """The models of one step and its record, placed stage after stage as `train_step` does."""
+
+    def __init__(self, cfg):
+        self.offload, self.models, self.rec = offload_configs(cfg), _models(), Record()
+        self.metrics, self.timing = self.rec.metrics, self.rec.timing
+
+    def place(self, stage: Stage) -> None:
+        self.models = step.place_offloaded(self.models, stage.uses, self.offload, self.rec)
+
+
+def _ctx(cfg) -> _Placing:
+    return _Placing(cfg)
 
 
 def test_each_stage_holds_on_the_devices_only_the_states_it_uses():
@@ -82,7 +92,7 @@ def test_each_stage_holds_on_the_devices_only_the_states_it_uses():
     assert pipeline.names[-1] == "onload"
     ctx, seen = _ctx(cfg), {}
     for stage in pipeline.stages:
-        step.place_offloaded(stage, ctx)
+        ctx.place(stage)
         seen[stage.name] = {k for k, v in _where(ctx.models).items() if v == "device"}
     assert seen["gen"] == seen["reward"] == set()
     assert seen["old_log_prob"] == {"actor"}
@@ -107,7 +117,7 @@ def test_only_what_a_key_names_moves():
     cfg = _config("actor_rollout_ref.actor.fsdp_config.optimizer_offload")
     ctx = _ctx(cfg)
     for stage in step.default_pipeline(cfg).stages:
-        step.place_offloaded(stage, ctx)
+        ctx.place(stage)
         on_host = {k for k, v in _where(ctx.models).items() if v == "host"}
         used = stage.name in ("update_actor", "onload")
         assert on_host == (set() if used else {"actor_optimizer"}), stage.name
@@ -116,8 +126,8 @@ def test_only_what_a_key_names_moves():
 def test_a_stage_that_declares_nothing_moves_nothing():
     cfg = _config(*OFFLOAD_KEYS)
     ctx = _ctx(cfg)
-    step.place_offloaded(step.GEN, ctx)  # all in host memory
-    step.place_offloaded(Stage("mine", lambda b, c: b), ctx)
+    ctx.place(step.GEN)  # all in host memory
+    ctx.place(Stage("mine", lambda b, c: b))
     assert set(_where(ctx.models).values()) == {"host"}
     with pytest.raises(PipelineError, match="unknown model states.*valid: actor"):
         Stage("mine", lambda b, c: b, uses=("actors",))

@@ -13,13 +13,18 @@ from flax import nnx
 
 from hybridjax.config.checks import ConfigError
 from hybridjax.models.decoder import CausalLM
-from hybridjax.rl import step
 from hybridjax.rl.checks import validate
-from hybridjax.rl.pipeline import Stage, StepContext
+from hybridjax.rl.pipeline import Stage
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
 from hybridjax.training import build
 from hybridjax.training.batch import make_batch
-from tests.rl.test_trainer_on_policy import GRPO, MODEL, _config, one_pool_run
+from tests.rl.test_trainer_on_policy import (
+    GRPO,
+    MODEL,
+    _config,
+    one_pool_run,
+    run_device_stages,
+)
 
 PARITY = {
     "actor_rollout_ref.model.batch_invariant": True,
@@ -56,14 +61,10 @@ def test_without_the_old_log_prob_pass_the_ratio_to_the_rollout_is_exactly_one()
         jnp.asarray(out.rollout_log_probs), uid_B=jnp.asarray([0, 0, 1, 1]),
     )  # fmt: skip
     deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
-    ctx = StepContext(step=1, deps=deps, models=models, kl_coef=jnp.float32(0.0))
     reward = Stage("reward", _reward, writes=("token_level_scores",))
-    pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", reward)
-    if "sleep" in pipeline.names:  # no engine in the pipeline: the batch is given
-        pipeline = pipeline.remove("sleep")
-    pipeline.remove("reshard").run(ctx, batch)
-    metrics = {k: float(v) for k, v in ctx.metrics.items()}
-    assert "old_log_prob" not in ctx.timing
+    _, _, rec = run_device_stages(cfg, deps, models, batch, 1, reward)
+    metrics = {k: float(v) for k, v in rec.metrics.items()}
+    assert "old_log_prob" not in rec.timing
     assert metrics["rollout_corr/max_abs_log_prob_diff"] == 0.0
     assert metrics["rollout_corr/token_ratio_mean"] == 1.0
     assert metrics["rollout_corr/kl"] == 0.0 and metrics["training/rollout_probs_diff_max"] == 0.0

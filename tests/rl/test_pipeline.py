@@ -175,6 +175,14 @@ def test_default_pipelines_follow_the_config():
     assert "reward_baselines" in remax.stages[2].writes  # after gen and sleep
 
 
+def test_default_stages_stay_in_the_steps_order():
+    dapo = step.default_pipeline(_config(**{"algorithm.filter_groups.enable": True}))
+    assert step.check_order(dapo) is dapo  # sleep after filter_groups
+    moved = step.default_pipeline(_config()).remove("reshard").insert_before("adv", step.RESHARD)
+    with pytest.raises(PipelineError, match="the default stages run in the step's order"):
+        step.check_order(moved)
+
+
 def test_config_problems_name_their_keys(tmp_path):
     c = _config(**{
         "algorithm.filter_groups.enable": True,

@@ -1,5 +1,6 @@
-"""The shape of the step: `train_step` names the stages in the diagram's order, and no stage
-reaches into the trainer (stages read `StepDeps` and replace what they change on the context)."""
+"""The shape of the step: `train_step` calls the stages in the diagram's order, `STAGES` and the
+docs list them so, and no stage reaches into the trainer (stages read `StepDeps` and return
+what they change)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,24 @@ DIAGRAM = (
     "gen sleep reward filter_groups old_log_prob ref teacher values adv update_critic "
     "update_actor reshard onload"
 ).split()
-STAGE_MODULES = ("rl/step.py", "rl/pipeline.py", "rl/dynamic_sampling.py", "rl/reward.py")
+STAGE_MODULES = (
+    "rl/step.py",
+    "rl/host_stages.py",
+    "rl/pipeline.py",
+    "rl/dynamic_sampling.py",
+    "rl/reward.py",
+)
 REPO = pathlib.Path(hybridjax.__file__).parents[1]
 
 
-def _calls_of(fn, name: str) -> list[ast.Call]:
+def _points_of(fn) -> list[str]:
+    """The stages `fn` runs the user's stages before (`user.before(STAGE, ...)`), in the order
+    of its source, each once."""
     tree = ast.parse(inspect.getsource(fn))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-    return [c for c in calls if isinstance(c.func, ast.Name) and c.func.id == name]
+    hooks = [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr == "before"]
+    points = sorted(hooks, key=lambda c: (c.lineno, c.col_offset))
+    return list(dict.fromkeys(c.args[0].id for c in points))
 
 
 def _is_config(node: ast.expr) -> bool:
@@ -33,16 +44,23 @@ def _is_config(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "config"
 
 
-def test_train_step_names_every_default_stage_in_the_diagrams_order():
-    points = [c.args[0].id for c in _calls_of(step.train_step, "at")]
-    stages = [getattr(step, p).name for p in points]
-    assert len(set(points)) == len(points)  # each named once
+def test_train_step_calls_every_default_stage_in_the_diagrams_order():
+    stages = [getattr(step, p).name for p in _points_of(step.train_step)]
     assert stages == DIAGRAM
+    assert [s.name for s in step.STAGES] == DIAGRAM  # the one list of the stages
 
 
-def test_train_step_fits_on_a_screen():
+def test_the_docs_list_the_stages_in_their_order():
+    arrows = [w for name in DIAGRAM for w in (name, "→")][:-1]
+    page = (REPO / "docs" / "architecture.md").read_text()
+    assert page.split("<!-- stages -->")[1].split("<!-- /stages -->")[0].split() == arrows
+    docstring = step.__doc__.split("\n\n")[1]  # the module's own copy, below its first line
+    assert docstring.split() == arrows
+
+
+def test_train_step_reads_top_to_bottom_on_two_screens():
     lines, _ = inspect.getsourcelines(step.train_step)
-    assert len(lines) <= 40, len(lines)
+    assert len(lines) <= 100, len(lines)
 
 
 def test_no_stage_refers_to_the_trainer():

@@ -18,7 +18,7 @@ from hybridjax.models.config import ModelConfig
 from hybridjax.models.decoder import CausalLM, SequenceClassifier
 from hybridjax.rl import step
 from hybridjax.rl.checks import validate
-from hybridjax.rl.pipeline import Stage, StepContext
+from hybridjax.rl.pipeline import Record, Stage, StepContext
 from hybridjax.sharding.mesh import TRAIN_AXES
 from hybridjax.training import build, passes
 from hybridjax.training.batch import make_batch
@@ -86,6 +86,28 @@ def _fixed_reward(batch, ctx):
 FIXED_REWARD = Stage("reward", _fixed_reward, writes=("token_level_scores",))
 
 
+def run_device_stages(cfg, deps, models, batch, n: int, reward: Stage, last="update_actor"):
+    """`reward` (a stage scoring the given `batch`), then the device stages of step `n` that
+    `cfg`'s default pipeline has, in its order, up to `last`, called as `step.train_step`
+    calls them; returns (batch, models, the step's `Record`)."""
+    rec = Record()
+    ctx = StepContext(n, deps, models, jnp.float32(0.0), metrics=rec.metrics, timing=rec.timing)
+    batch, kl_coef = reward.fn(batch, ctx), jnp.float32(0.0)
+    passes_ = {"old_log_prob": step.old_log_prob, "ref": step.ref_log_prob,
+               "teacher": step.teacher_log_prob, "values": step.values}  # fmt: skip
+    updates = {"update_critic": step.update_critic, "update_actor": step.update_actor}
+    for name in step.default_pipeline(cfg).names:
+        if name in passes_:
+            batch = passes_[name](batch, models, deps, rec)
+        elif name == "adv":
+            batch, kl_coef = step.adv(batch, kl_coef, deps, rec)
+        elif name in updates:
+            models = updates[name](batch, models, deps, n, rec)
+        if name == last:
+            break
+    return batch, models, rec
+
+
 def _models(cfg, stage: passes.StageConfig) -> build.Models:
     graphdef, params = nnx.split(CausalLM(MODEL, nnx.Rngs(0)))
     critic_graphdef = critic_state = None
@@ -117,14 +139,9 @@ def _two_steps(cfg, monkeypatch):
         p_old = np.exp(np.asarray(current.old_log_probs))[MASK_BxR > 0]
         diff_mean = float(np.mean(p_old * (1 - np.exp(-0.05))))  # |p − p·e^−0.05|
         deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
-        ctx = StepContext(step=n, deps=deps, models=models, kl_coef=jnp.float32(0.0))
-        pipeline = step.default_pipeline(cfg).remove("gen").replace("reward", FIXED_REWARD)
-        if "sleep" in pipeline.names:  # no engine here: the batch is given
-            pipeline = pipeline.remove("sleep")
-        pipeline.remove("reshard").run(ctx, batch)
-        models = ctx.models
-        metrics = {k: float(v) for k, v in ctx.metrics.items()}
-        out.append((metrics, ctx.timing, diff_mean))
+        _, models, rec = run_device_stages(cfg, deps, models, batch, n, FIXED_REWARD)
+        metrics = {k: float(v) for k, v in rec.metrics.items()}
+        out.append((metrics, rec.timing, diff_mean))
     return models, out
 
 

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import fastapi
@@ -244,6 +245,7 @@ def create_app(
             return {"results": [o.to_json() for o in judge.score(request.rows)]}
 
     else:
+        assert reward_config is not None and scorer is not None  # one of the three, checked above
         health = {"status": "ok", "kind": "rule", "reward_manager": reward_config.reward_manager,
                   "serves": describe_rule(reward_config)}  # fmt: skip
 
@@ -263,7 +265,7 @@ def create_app(
 
 
 def start_local(
-    args: list[str] = (), env: dict[str, str] | None = None, wait_s: float = 120.0
+    args: Sequence[str] = (), env: dict[str, str] | None = None, wait_s: float = 120.0
 ) -> tuple[subprocess.Popen, str]:
     """Starts `python -m hybridjax.rewards.serve *args` on a free port of 127.0.0.1 and waits
     until `/health` answers (for notebooks, tests and benchmarks). Returns (the process, its

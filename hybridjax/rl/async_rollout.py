@@ -150,7 +150,7 @@ class RolloutAhead:
                     gen = end - start
                 self.events.append(("gen", request.step, start, end))
                 scoring = None
-                if self.score_enabled:
+                if self.score_enabled and self._score is not None:
                     scoring = self._score(output, request.step)
                 tokens = rows if isinstance(rows, np.ndarray) else None
                 versions = (

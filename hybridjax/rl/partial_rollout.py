@@ -54,6 +54,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ class Group:
     @classmethod
     def fresh(cls, request: Request, prompt: dict[str, Any]) -> Group:
         n = request.params.n
-        empty = lambda: [[] for _ in range(n)]  # noqa: E731
+        empty: Callable[[], list[list[Any]]] = lambda: [[] for _ in range(n)]  # noqa: E731
         return cls(request, prompt, empty(), empty(), empty(), [None] * n)
 
     @property

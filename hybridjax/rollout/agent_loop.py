@@ -56,7 +56,7 @@ class TurnHandler(Protocol):
         """Whether a call failed (counted in `tool_errors`)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MultiTurnOutput(RolloutOutput):
     """`RolloutOutput` of multi-turn rollouts (response_mask 0 on tool tokens) plus, per row:
 
@@ -65,9 +65,9 @@ class MultiTurnOutput(RolloutOutput):
     calls: per row, (call, result) pairs in order.
     """
 
-    num_turns: np.ndarray = None
-    tool_calls: np.ndarray = None
-    tool_errors: np.ndarray = None
+    num_turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
     turns: tuple = ()
     calls: tuple = ()
 

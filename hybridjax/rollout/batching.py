@@ -198,7 +198,9 @@ def drop_preempted(out, owner: dict[int, int]) -> None:
         del owner[int(slot)]
 
 
-def pad_rows(tokens, masks, log_probs, width: int, pad_token_id: int):
+def pad_rows(
+    tokens, masks, log_probs, width: int, pad_token_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(responses int32, response_mask int32, log-probs float32), each rows×width, from
     per-row lists (right-padded with `pad_token_id`, 0 and 0)."""
     rows = len(tokens)

@@ -66,24 +66,8 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     `preferred_element_type` (None: x's dtype). Returns …×(w's trailing dims)."""
     lead, k = x.shape[:-1], x.shape[-1]
     w_KxM = w.reshape(k, -1)
-    dtype = out_dtype or x.dtype
-
-    def dot(t):
-        # accumulated in float32 and rounded once: XLA:CPU's bfloat16-out dot of a tile is
-        # twice as slow (measured, 16×256 × 256×688)
-        return jnp.dot(t, w_KxM, preferred_element_type=jnp.float32).astype(dtype)
-
-    rows = x.reshape(-1, k)
-    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
-        # XLA:CPU's bfloat16 dot (a YNNPACK kernel, float32 accumulation) rounds a row the
-        # same in every call of ≥ 2 rows (measured: 2 to 2,048 rows, K and M from 256 to
-        # 4,096), so one dot over the rows padded to whole tiles; the barrier keeps it out of
-        # its consumers' fusions (a dot fused with a reduction rounds otherwise)
-        n = rows.shape[0]
-        padded = jnp.pad(rows, [(0, -(-n // TILE_ROWS) * TILE_ROWS - n), (0, 0)])
-        out = jax.lax.optimization_barrier(dot(padded))[:n]
-    else:
-        out = map_rows(dot, rows)
+    dot = lambda t: jnp.dot(t, w_KxM, preferred_element_type=out_dtype)  # noqa: E731
+    out = map_rows(dot, x.reshape(-1, k))
     return out.reshape(*lead, *w.shape[1:])
 
 

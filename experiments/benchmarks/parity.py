@@ -5,7 +5,7 @@ what it costs and what it buys, parity on and off in one run, float32 and bfloat
   tokens each, temperature 1; generated tokens / wall time) and of the `old_log_prob` pass
   (`hybridjax.training.forward.model_log_probs` over those 32 sequences in one call; response
   tokens / wall time), each the median of `--repeats` timed runs after a warm-up (compiles
-  excluded); the ratio on / off;
+  excluded), the two modes' runs in alternation; the ratio on / off;
 * effect: the tokens whose log-prob differs (and max |Δ log p|) between the engine and the
   trainer's pass over the same sequences, and between scoring 8 sequences at batch 8 and at
   batch 1 (`mismatch.batch_invariance`, verl #6280's measurement).
@@ -32,17 +32,22 @@ from experiments.benchmarks.mismatch import ROOT, batch_invariance, quickstart_p
 
 MODEL = ROOT / "hybridjax" / "assets" / "quickstart" / "sft_model"
 SAMPLES, MAX_TOKENS = 4, 32
+STAGES = ("rollout", "old_log_prob")
 
 
-def _median_time(fn, repeats: int) -> float:
-    """Median wall seconds of `fn()` over `repeats` runs after one untimed run."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _alternating_medians(fns: dict, repeats: int) -> dict:
+    """Median wall seconds of each of `fns` (name -> fn) over `repeats` rounds, one run of
+    each per round in turn (so a shared machine's load falls on all alike), after one
+    untimed run of each."""
+    for fn in fns.values():
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _fields(prompts, out):
@@ -67,8 +72,9 @@ def _fields(prompts, out):
     }
 
 
-def measure(dtype: str, on: bool, repeats: int) -> dict:
-    """Rollout and old_log_prob tokens/s and the engine/trainer gap of one mode."""
+def setup(dtype: str, on: bool) -> dict:
+    """One mode's timed work (`rollout`, `old_log_prob`: callables) and its measured
+    engine/trainer gap and batch-1-vs-8 mismatch."""
     from hybridjax.models.hf_io import load_pretrained
     from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
     from hybridjax.training.forward import model_log_probs
@@ -83,21 +89,32 @@ def measure(dtype: str, on: bool, repeats: int) -> dict:
     engine = Engine(model, config)
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, seed=0)
     out = generate(engine, prompts, params)
-    rollout_s = _median_time(lambda: generate(engine, prompts, params).responses, repeats)
     fields = _fields(prompts, out)
     score = jax.jit(lambda f: model_log_probs(model, f, 1.0)[0])
-    log_prob_s = _median_time(lambda: score(fields), repeats)
     mask = out.response_mask > 0
     delta = np.abs(np.asarray(score(fields)) - out.rollout_log_probs)[mask]
-    tokens = int(mask.sum())
     return {
-        "response_tokens": tokens,
-        "rollout_tokens_per_s": tokens / rollout_s,
-        "old_log_prob_tokens_per_s": tokens / log_prob_s,
+        "rollout": lambda: generate(engine, prompts, params).responses,
+        "old_log_prob": lambda: score(fields),
+        "response_tokens": int(mask.sum()),
         "engine_vs_trainer_differing_tokens": int((delta > 0).sum()),
         "engine_vs_trainer_max_abs_log_prob_diff": float(delta.max()),
         "batch_1_vs_8": batch_invariance(dtype, batch_invariant=on),
     }
+
+
+def measure(dtype: str, repeats: int) -> dict:
+    """Both modes of `dtype`: rollout and old_log_prob tokens/s, timed in alternation, the
+    ratios on / off, and each mode's mismatch."""
+    modes = {name: setup(dtype, on) for name, on in (("off", False), ("on", True))}
+    fns = {(mode, work): modes[mode].pop(work) for mode in modes for work in STAGES}
+    seconds = _alternating_medians(fns, repeats)
+    for (mode, work), s in seconds.items():
+        modes[mode][f"{work}_tokens_per_s"] = modes[mode]["response_tokens"] / s
+    for work in STAGES:
+        key = f"{work}_tokens_per_s"
+        modes[f"{key}_on_over_off"] = modes["on"][key] / modes["off"][key]
+    return modes
 
 
 def main(argv=None) -> dict:
@@ -110,11 +127,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"backend": jax.default_backend(), "devices": jax.device_count()}
     for dtype in ("float32", "bfloat16"):
-        modes = {
-            name: measure(dtype, on, args.repeats) for name, on in (("off", False), ("on", True))
-        }
-        for key in ("rollout_tokens_per_s", "old_log_prob_tokens_per_s"):
-            modes[f"{key}_on_over_off"] = modes["on"][key] / modes["off"][key]
+        modes = measure(dtype, args.repeats)
         summary[dtype] = modes
         print(json.dumps({dtype: modes}, indent=2), flush=True)
     (out / "parity.json").write_text(json.dumps(summary, indent=2) + "\n")

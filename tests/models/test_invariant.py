@@ -64,6 +64,16 @@ def _attention_inputs(dtype, b=3, t=21, h=4, kv=2, d=8, seed=0):
     return q, k, v, jnp.asarray(positions), jnp.asarray(valid)
 
 
+def test_bfloat16_tiles_are_not_converted_whole_at_every_step():
+    # XLA:CPU computes a bfloat16 loop output's per-step update in float32: the compiled
+    # loop must carry the tiles as bits, not a float32 copy of all 64 tiles
+    x = jax.ShapeDtypeStruct((64 * invariant.TILE_ROWS, 32), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((32, 48), jnp.bfloat16)
+    hlo = jax.jit(invariant.matmul).lower(x, w).compile().as_text()
+    assert f"f32[64,{invariant.TILE_ROWS},48]" not in hlo
+    assert f"u16[64,{invariant.TILE_ROWS},48]" in hlo
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv, d", [(2, 8), (4, 64)], ids=["gqa", "mha-64"])
 def test_attention_over_pages_equals_attention_over_the_sequence_bit_for_bit(dtype, kv, d):

@@ -1,6 +1,7 @@
 """Parity mode (`actor_rollout_ref.model.batch_invariant`) in a GRPO step without the
 old_log_prob pass: the engine's log-probs are the update's π_old exactly, so the importance
-ratio π_old / π_rollout is 1 on every token with no correction (`rollout_corr/*` metrics)."""
+ratio π_old / π_rollout is 1 on every token with no correction (`rollout_corr/*` metrics),
+also with top-p / top-k sampling, the update scoring each token over its replayed support."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import types
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from hybridjax.config.checks import ConfigError
@@ -42,8 +44,13 @@ def _reward(batch, ctx):
     return batch.replace(token_level_scores=jnp.asarray(scores))
 
 
-def test_without_the_old_log_prob_pass_the_ratio_to_the_rollout_is_exactly_one():
-    cfg = _config(**GRPO, **PARITY)
+@pytest.mark.parametrize(
+    "truncation",
+    [{}] + [pytest.param(t, marks=pytest.mark.slow) for t in ({"top_p": 0.8}, {"top_k": 20})],
+)
+def test_without_the_old_log_prob_pass_the_ratio_to_the_rollout_is_exactly_one(truncation):
+    rollout_keys = {f"actor_rollout_ref.rollout.{k}": v for k, v in truncation.items()}
+    cfg = _config(**GRPO, **PARITY, **rollout_keys)
     sc = build.stage_config(cfg, total_steps=1, data_parallel=1)
     assert not sc.recompute_old_log_prob
     graphdef, params = nnx.split(CausalLM(dataclasses.replace(MODEL, batch_invariant=True),
@@ -54,12 +61,16 @@ def test_without_the_old_log_prob_pass_the_ratio_to_the_rollout_is_exactly_one()
     rollout = RolloutConfig(page_size=4, max_num_seqs=4, prompt_length=3, response_length=4)
     engine = Engine(nnx.merge(graphdef, params), rollout)
     temperature = cfg.actor_rollout_ref.rollout.temperature
-    out = generate(engine, PROMPTS, SamplingParams(n=2, temperature=temperature, max_tokens=4))
+    sampling = SamplingParams(n=2, temperature=temperature, max_tokens=4, **truncation)
+    out = generate(engine, PROMPTS, sampling)
     batch = make_batch(
         jnp.asarray(np.repeat(PROMPTS, 2, axis=0)), jnp.ones((4, 3), jnp.int32),
         jnp.asarray(out.responses), jnp.asarray(out.response_mask),
         jnp.asarray(out.rollout_log_probs), uid_B=jnp.asarray([0, 0, 1, 1]),
     )  # fmt: skip
+    if truncation:  # the support each token was sampled from, replayed by the update
+        assert sc.replay_sampling_mask
+        batch = batch.replace(rollout_logit_threshold=jnp.asarray(out.rollout_logit_threshold))
     deps = types.SimpleNamespace(config=cfg, stage_cfg=sc, run=one_pool_run(sc))
     reward = Stage("reward", _reward, writes=("token_level_scores",))
     _, _, rec = run_device_stages(cfg, deps, models, batch, 1, reward)

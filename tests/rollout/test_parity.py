@@ -1,6 +1,7 @@
 """Parity mode (`ModelConfig.batch_invariant`): the engine's log-prob of each sampled token
 equals the trainer's old_log_prob pass bit for bit, for sequences that were chunk-prefilled,
-preempted and readmitted on cached prefix pages, in float32 and bfloat16."""
+preempted and readmitted on cached prefix pages, in float32 and bfloat16; and with top-p /
+top-k sampling, over the truncated support the trainer replays (`rollout_logit_threshold`)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ from hybridjax.training.forward import model_log_probs
 CONFIG = dataclasses.replace(ENGINE_CONFIG, num_pages=8, max_num_batched_tokens=5)
 
 
-def trainer_log_probs(model, prompts, out, n: int, temperature: float) -> np.ndarray:
+def trainer_log_probs(
+    model, prompts, out, n: int, temperature: float, replay: bool = False
+) -> np.ndarray:
     """The trainer's log-probs of the rollout's responses: one padded batch (left-padded
-    prompts ++ right-padded responses) through `model_log_probs`, all rows in one call."""
+    prompts ++ right-padded responses) through `model_log_probs`, all rows in one call;
+    with `replay`, over each token's sampled support (the rollout's thresholds)."""
     width = max(map(len, prompts))
     rows = [p for p in prompts for _ in range(n)]
     ids = np.array([[0] * (width - len(p)) + list(p) for p in rows], np.int32)
@@ -39,6 +43,8 @@ def trainer_log_probs(model, prompts, out, n: int, temperature: float) -> np.nda
         "position_ids": batch.position_ids,
         "responses": batch.responses,
     }
+    if replay:
+        fields["rollout_logit_threshold"] = jnp.asarray(out.rollout_logit_threshold)
     score = jax.jit(lambda f: model_log_probs(model, f, temperature)[0])
     return np.asarray(score(fields))
 
@@ -65,3 +71,18 @@ def test_engine_log_probs_equal_the_trainers_through_preemption_and_chunks(dtype
     mask = out.response_mask > 0
     assert mask.sum() > 50
     np.testing.assert_array_equal(out.rollout_log_probs[mask], want[mask])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("truncation", [{"top_p": 0.8}, {"top_k": 20}])
+def test_truncated_sampling_log_probs_equal_the_trainers_replayed_support(truncation):
+    model = make_model(dataclasses.replace(TINY, batch_invariant=True))
+    prompts = make_prompts()
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, **truncation)
+    out = generate(Engine(model, CONFIG), prompts, params)
+    mask = out.response_mask > 0
+    assert (out.rollout_logit_threshold[mask] > -np.inf).all()  # every token truncated
+    want = trainer_log_probs(model, prompts, out, 2, 1.0, replay=True)
+    np.testing.assert_array_equal(out.rollout_log_probs[mask], want[mask])
+    full = trainer_log_probs(model, prompts, out, 2, 1.0)  # the kept mass: below, not equal
+    assert (full[mask] < want[mask]).mean() > 0.5

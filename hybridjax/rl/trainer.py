@@ -45,6 +45,7 @@ from hybridjax.rl.partial_rollout import PartialRollout
 from hybridjax.rl.pipeline import Pipeline, timed
 from hybridjax.rl.reward import RewardStage, check_reward_servers
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams
+from hybridjax.rollout.config import run_batch_seqs
 from hybridjax.sharding import (
     ACTOR_GENERATE_RULES,
     state_shardings,
@@ -130,7 +131,7 @@ class RLTrainer:
             gen_shardings, to_dtype(rollout.dtype), engine_mesh, self.placement.co_located
         )
         params = self.weights.generation_params(self.actor_state.params)[0]
-        engine_config = RolloutConfig.from_config(rollout)
+        engine_config = RolloutConfig.from_config(rollout, run_batch_seqs(cfg))
         self.engine = Engine(
             nnx.merge(self.actor_graphdef, params), engine_config, mesh=engine_mesh
         )

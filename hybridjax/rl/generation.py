@@ -274,13 +274,19 @@ class RolloutWeights:
       dtype: `rollout.dtype`.
       engine_mesh: this host's generation replica (`hosts.local_mesh`).
       co_located: the rollout shares the actor's devices; else each move is timed.
+      forward: weights already in the generation layout and dtype are not copied: the engine
+        reads the actor's own arrays (`reshard.update_weights`); only for synchronous rollouts,
+        whose engine is done with them before the next update donates them.
     The trainer sets `engine` once the engine is built from the first `generation_params`,
     and `rollout_ahead` when a rollout thread samples.
     """
 
-    def __init__(self, shardings: Any, dtype: Any, engine_mesh, co_located: bool):
+    def __init__(
+        self, shardings: Any, dtype: Any, engine_mesh, co_located: bool, forward: bool = False
+    ):
         self.shardings, self.dtype = shardings, dtype
         self.engine_mesh, self.co_located = engine_mesh, co_located
+        self.forward = forward
         self.engine: Engine | None = None
         self.rollout_ahead = None
         self.sync_time = 0.0  # seconds of the last move between pools (split pools only)
@@ -289,7 +295,7 @@ class RolloutWeights:
         """(`params` in the generation layout, as this host's replica's arrays, bytes moved).
         Split pools time the move as `sync_time` (`timing_s/update_weights`)."""
         start = time.perf_counter()
-        out, nbytes = sync_weights(params, self.shardings, self.dtype)
+        out, nbytes = sync_weights(params, self.shardings, self.dtype, self.forward)
         if not self.co_located:
             jax.block_until_ready(out)
             self.sync_time = time.perf_counter() - start

@@ -128,7 +128,11 @@ class RLTrainer:
         # one generation replica per host: the engine's host loop sees only local arrays
         engine_mesh = local_mesh(self.meshes.generate)
         self.weights = RolloutWeights(
-            gen_shardings, to_dtype(rollout.dtype), engine_mesh, self.placement.co_located
+            gen_shardings,
+            to_dtype(rollout.dtype),
+            engine_mesh,
+            self.placement.co_located,
+            forward=t.rollout_mode == "sync",  # no rollout thread reads them during updates
         )
         params = self.weights.generation_params(self.actor_state.params)[0]
         engine_config = RolloutConfig.from_config(rollout, run_batch_seqs(cfg))

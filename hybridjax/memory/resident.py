@@ -143,6 +143,7 @@ def resident_states(
     from hybridjax.models.hf_io import read_hf_config
     from hybridjax.rewards import genrm
     from hybridjax.rollout import RolloutConfig
+    from hybridjax.rollout.config import run_batch_seqs
     from hybridjax.sharding import (
         ACTOR_GENERATE_RULES,
         ACTOR_TRAIN_RULES,
@@ -203,7 +204,7 @@ def resident_states(
     _, gen_params = abstract_model(CausalLM, actor_config, gen, ACTOR_GENERATE_RULES, gen_dtype)
     tp = gen.shape["tensor"]
     in_use = sum(resident.values()) + device_bytes(gen_init)
-    r = RolloutConfig.from_config(a.rollout)
+    r = RolloutConfig.from_config(a.rollout, run_batch_seqs(cfg))
     pages, page = kv_pool(r, actor_config, tp, capacity, in_use, target == "gpu")
     resident["rollout weights"] = device_bytes(gen_params)
     resident["KV pool"] = pages * page

@@ -31,6 +31,7 @@ from hybridjax.models.config import to_dtype
 from hybridjax.models.tokenizer import Tokenizer
 from hybridjax.rl.multi_turn import MultiTurn
 from hybridjax.rollout import Engine, RolloutConfig, SamplingParams, generate
+from hybridjax.rollout.config import run_batch_seqs
 from hybridjax.sharding import ACTOR_GENERATE_RULES, state_shardings
 from hybridjax.sharding.hosts import allgather, local_mesh, to_local
 from hybridjax.sharding.pools import sync_weights
@@ -282,13 +283,19 @@ class RolloutWeights:
       dtype: `rollout.dtype`.
       engine_mesh: this host's generation replica (`hosts.local_mesh`).
       co_located: the rollout shares the actor's devices; else each move is timed.
+      forward: weights already in the generation layout and dtype are not copied: the engine
+        reads the actor's own arrays (`reshard.update_weights`); only for synchronous rollouts,
+        whose engine is done with them before the next update donates them.
     The trainer sets `engine` once the engine is built from the first `generation_params`,
     and `rollout_ahead` when a rollout thread samples.
     """
 
-    def __init__(self, shardings: Any, dtype: Any, engine_mesh, co_located: bool):
+    def __init__(
+        self, shardings: Any, dtype: Any, engine_mesh, co_located: bool, forward: bool = False
+    ):
         self.shardings, self.dtype = shardings, dtype
         self.engine_mesh, self.co_located = engine_mesh, co_located
+        self.forward = forward
         self.engine: Engine | None = None
         self.rollout_ahead = None
         self.sync_time = 0.0  # seconds of the last move between pools (split pools only)
@@ -297,7 +304,7 @@ class RolloutWeights:
         """(`params` in the generation layout, as this host's replica's arrays, bytes moved).
         Split pools time the move as `sync_time` (`timing_s/update_weights`)."""
         start = time.perf_counter()
-        out, nbytes = sync_weights(params, self.shardings, self.dtype)
+        out, nbytes = sync_weights(params, self.shardings, self.dtype, self.forward)
         if not self.co_located:
             jax.block_until_ready(out)
             self.sync_time = time.perf_counter() - start
@@ -326,10 +333,15 @@ def build_rollout(
     shardings = state_shardings(params, generate_mesh, ACTOR_GENERATE_RULES)
     engine_mesh = local_mesh(generate_mesh)
     weights = RolloutWeights(
-        shardings, to_dtype(rollout.dtype), engine_mesh, run.placement.co_located
+        shardings,
+        to_dtype(rollout.dtype),
+        engine_mesh,
+        run.placement.co_located,
+        forward=cfg.trainer.rollout_mode == "sync",  # no rollout thread reads them during updates
     )
     model = nnx.merge(models.actor_graphdef, weights.generation_params(params)[0])
-    engine = Engine(model, RolloutConfig.from_config(rollout), mesh=engine_mesh)
+    engine_config = RolloutConfig.from_config(rollout, run_batch_seqs(cfg))
+    engine = Engine(model, engine_config, mesh=engine_mesh)
     weights.engine = engine
     multi_turn = MultiTurn.from_config(rollout.multi_turn, tokenizer)
     sampler = Sampler(

@@ -81,7 +81,8 @@ class RolloutConfig:
 
     page_size: tokens per KV page. num_pages: pages per layer in the pool; None sizes the pool
       from `gpu_memory_utilization` × free device memory, and where the backend reports no
-      memory statistics (CPU) to `max_num_seqs` full-length sequences (`default_num_pages`).
+      memory statistics (CPU) to full-length sequences for the slots a rollout can fill
+      (`default_num_pages`).
     max_num_seqs: decode slots (the decode batch). prompt_length / response_length: the longest
       prompt and response a slot holds; they fix the page-table width.
     attention_impl: the decode kernel: "auto" ("pallas" when the generation mesh's devices are
@@ -109,6 +110,11 @@ class RolloutConfig:
     enable_rollout_routing_replay: a MoE model's engine records the experts every prompt and
       generated token used in each MoE layer (`Engine.routing_of`), for the training passes
       to replay (verl's key; `actor.router_replay.mode` "R3").
+    batch_seqs: the most sequences one `generate` call of the trainer submits (its rows:
+      prompts × n, the larger of training and validation), or None when unknown. It bounds
+      only the pool sized without memory statistics (`default_num_pages`): slots beyond it
+      never fill, so their pages would be allocated, and zeroed at every wake-up after
+      `sleep`, for nothing.
     """
 
     page_size: int = 16
@@ -125,6 +131,7 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     enable_rollout_routing_replay: bool = False
     watermark: float = 0.01
+    batch_seqs: int | None = None
 
     def __post_init__(self):
         if self.page_allocation not in PAGE_ALLOCATIONS:
@@ -142,6 +149,8 @@ class RolloutConfig:
             )
         if self.page_size < 1 or self.max_num_seqs < 1 or self.decode_steps_per_call < 1:
             raise ValueError(f"page_size, max_num_seqs, decode_steps_per_call must be >= 1: {self}")
+        if self.batch_seqs is not None and self.batch_seqs < 1:
+            raise ValueError(f"batch_seqs must be >= 1 or None, got {self.batch_seqs}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -162,14 +171,17 @@ class RolloutConfig:
 
     @property
     def default_num_pages(self) -> int:
-        """Pool size when no memory statistics exist: every slot at full length."""
-        return self.max_num_seqs * self.pages_per_seq
+        """Pool size when no memory statistics exist: every slot a rollout can fill
+        (`max_num_seqs`, at most `batch_seqs`) at full length, so nothing is preempted."""
+        return min(self.max_num_seqs, self.batch_seqs or self.max_num_seqs) * self.pages_per_seq
 
     @classmethod
-    def from_config(cls, rollout: Any) -> RolloutConfig:
-        """From `actor_rollout_ref.rollout` (`num_pages` <= 0 means "size from memory")."""
+    def from_config(cls, rollout: Any, batch_seqs: int | None = None) -> RolloutConfig:
+        """From `actor_rollout_ref.rollout` (`num_pages` <= 0 means "size from memory") and
+        the run's `batch_seqs` (`run_batch_seqs`; None: unknown)."""
         num_pages = int(rollout.get("num_pages", -1))
         return cls(
+            batch_seqs=batch_seqs,
             page_size=int(rollout.get("page_size", 16)),
             num_pages=num_pages if num_pages > 0 else None,
             gpu_memory_utilization=float(rollout.get("gpu_memory_utilization", 0.5)),
@@ -185,3 +197,15 @@ class RolloutConfig:
             watermark=float(rollout.get("watermark", 0.01)),
             enable_rollout_routing_replay=bool(rollout.get("enable_rollout_routing_replay", False)),
         )
+
+
+def run_batch_seqs(cfg: Any) -> int:
+    """`RolloutConfig.batch_seqs` of the trainer's engine for the run config `cfg`: the rows
+    of one generation call, the larger of a training batch (`data.train_batch_size` ×
+    `rollout.n`) and a validation batch (`data.val_batch_size`, -1: `train_batch_size`, ×
+    `rollout.val_kwargs.n`); a reward baseline's greedy rows and a dynamic sampling batch are
+    no more. Sequences beyond the pool (partial rollouts carried over) wait for pages or are
+    preempted, as with any pool."""
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    val = data.val_batch_size if data.val_batch_size > 0 else data.train_batch_size
+    return max(data.train_batch_size * rollout.n, val * rollout.val_kwargs.n)

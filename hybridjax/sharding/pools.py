@@ -282,7 +282,9 @@ def _written_bytes(tree: Any) -> int:
     return total
 
 
-def sync_weights(params: Any, shardings: Any, dtype: Any = None) -> tuple[Any, int]:
+def sync_weights(
+    params: Any, shardings: Any, dtype: Any = None, forward: bool = False
+) -> tuple[Any, int]:
     """The actor's weights in the rollout's generation layout, across pools or within one.
 
     Within one device set this is `update_weights` (one jitted re-layout per leaf). Across
@@ -296,6 +298,8 @@ def sync_weights(params: Any, shardings: Any, dtype: Any = None) -> tuple[Any, i
       shardings: matching pytree of destination `Sharding`s (e.g. `state_shardings(params,
         rollout_generate_mesh, ACTOR_GENERATE_RULES)`).
       dtype: destination dtype of floating leaves, or None to keep them.
+      forward: within one device set, leaves already in their destination layout and dtype
+        come back as they are, sharing the source's buffers (`update_weights`).
     Returns:
       (the moved pytree, bytes written summed over every destination device: `perf/reshard_bytes`).
     Raises:
@@ -308,7 +312,7 @@ def sync_weights(params: Any, shardings: Any, dtype: Any = None) -> tuple[Any, i
     if all(
         leaf.sharding.device_set == t.device_set for leaf, t in zip(leaves, targets, strict=True)
     ):
-        return update_weights(params, shardings, dtype)
+        return update_weights(params, shardings, dtype, forward=forward)
 
     def cast(x):
         floating = jnp.issubdtype(x.dtype, np.floating)

@@ -18,6 +18,12 @@ waits for device threads held by another program). With `donate=True` each sourc
 deleted as soon as its move lands: peak ≈ max(source, destination) + one leaf, for a move whose
 source is no longer needed.
 
+With `forward=True` a leaf already in its destination layout and dtype (one device, or the
+same layout both sides) is returned as it is: no program, no copy, no host sync. The result
+then shares those buffers with `params` (XLA copies even an identity program's output), so
+it is for a consumer done with them before `params` change: the synchronous rollout engine,
+which reads them until the next actor update donates them and `reshard` brings the new ones.
+
 LoRA (`hybridjax.models.lora`): when `params` holds adapters, each adapted weight is merged as it
 moves (W + scale·A·B, computed in the jitted move, written straight into the destination
 layout), and the destination's `LoRAScale` is 0: the generation copy is the merged model, with
@@ -78,12 +84,19 @@ def _bytes_on_all_devices(array: jax.Array) -> int:
     return int(np.prod(shard_shape)) * array.dtype.itemsize * len(array.sharding.device_set)
 
 
+def _in_place(leaf: jax.Array, target: Sharding, cast: Any) -> bool:
+    """Whether `leaf` already has `target`'s layout and the dtype `cast` (None: any)."""
+    same_dtype = cast is None or leaf.dtype == jnp.dtype(cast)
+    return same_dtype and leaf.sharding.is_equivalent_to(target, leaf.ndim)
+
+
 def update_weights(
     params: Any,
     shardings: Any,
     dtype: Any = None,
     *,
     donate: bool = False,
+    forward: bool = False,
 ) -> tuple[Any, int]:
     """Re-lays `params` out as `shardings`, optionally casting floating leaves to `dtype`.
 
@@ -94,11 +107,13 @@ def update_weights(
       dtype: destination dtype for floating-point leaves (e.g. `jnp.bfloat16` for decoding),
         or None to keep each leaf's dtype. Integer leaves are never cast.
       donate: delete each source leaf once moved (the source must not be used afterwards).
+      forward: return leaves already in their destination layout and dtype as they are,
+        sharing their buffers (see the module docstring); never deleted by `donate`.
 
     Returns:
       (the re-laid-out pytree, bytes written): the destination's bytes summed over every device
-      that holds a shard (so a copy replicated 4× over `data` counts 4×). Log it as
-      `perf/reshard_bytes`.
+      that holds a shard (so a copy replicated 4× over `data` counts 4×; a forwarded leaf
+      writes none). Log it as `perf/reshard_bytes`.
 
     Raises:
       ValueError: `shardings` does not match the structure of `params`.
@@ -116,6 +131,9 @@ def update_weights(
     for i, (leaf, target) in enumerate(zip(leaves, targets, strict=True)):
         floating = jnp.issubdtype(leaf.dtype, np.floating)
         cast = dtype if dtype is not None and floating else None
+        if forward and i not in lora and _in_place(leaf, target, cast):
+            out.append(leaf)  # already where and what the destination wants: nothing written
+            continue
         if isinstance(lora.get(i), tuple):
             moved = _merging_mover(target, cast)(leaf, *lora[i])
         else:

@@ -7,7 +7,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from hybridjax.rollout.allocator import OutOfPagesError, PageAllocator
-from hybridjax.rollout.config import RolloutConfig, SamplingParams
+from hybridjax.rollout.config import RolloutConfig, SamplingParams, run_batch_seqs
 from hybridjax.rollout.sampling import (
     first_argmax,
     inverse_cdf_sample,
@@ -142,7 +142,22 @@ def test_configs_from_verl_keys():
     assert (rc.num_pages, rc.page_size, rc.max_num_seqs, rc.max_seq_len) == (None, 8, 16, 96)
     assert rc.pages_per_seq == 12  # positions 0..94
     assert rc.default_num_pages == 16 * 12
+    # without memory statistics the pool holds the slots a rollout can fill, at full length
+    assert RolloutConfig.from_config(rollout, batch_seqs=6).default_num_pages == 6 * 12
+    assert RolloutConfig.from_config(rollout, batch_seqs=100).default_num_pages == 16 * 12
+    with pytest.raises(ValueError, match="batch_seqs"):
+        RolloutConfig(batch_seqs=0)
     with pytest.raises(ValueError, match="attention_impl"):
         RolloutConfig(attention_impl="flash")
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_run_batch_seqs_is_the_larger_generation_call():
+    from hybridjax.config.schema import base_config
+
+    cfg = base_config()
+    cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n = 8, 4
+    assert run_batch_seqs(cfg) == 32  # validation: batches of train_batch_size, n = 1
+    cfg.data.val_batch_size, cfg.actor_rollout_ref.rollout.val_kwargs.n = 20, 2
+    assert run_batch_seqs(cfg) == 40

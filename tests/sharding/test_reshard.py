@@ -128,3 +128,25 @@ def test_stacked_layers_move_like_any_leaf(meshes, actor):
     scanned = jax.jit(lambda s: nnx.merge(graphdef, s)(ids_BxT, mask_BxT))(gen)
     loop = jax.jit(lambda s: nnx.merge(actor[0], s)(ids_BxT, mask_BxT))(actor[1])
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=1e-5)
+
+
+def test_forward_returns_leaves_already_in_place_without_a_copy(meshes, actor, gen_params):
+    # generation → generation: every leaf is where it goes; with `forward` nothing is written
+    moved, _ = gen_params
+    same = jax.tree.map(lambda x: x.sharding, moved)
+    out, nbytes = update_weights(moved, same, forward=True, donate=True)
+    assert nbytes == 0
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(out), strict=True):
+        assert b is a and not a.is_deleted()  # shared, so never deleted by `donate`
+    # a cast or another layout still moves (and copies) the leaf
+    cast, _ = update_weights(moved, same, dtype=jnp.bfloat16, forward=True)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(cast))
+    _, params = actor
+    train = state_shardings(params, meshes.train, ACTOR_TRAIN_RULES)
+    back, nbytes = update_weights(moved, train, forward=True)
+    assert nbytes > 0
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    without, _ = update_weights(moved, same)  # the default copies: XLA never forwards
+    pairs = zip(jax.tree.leaves(moved), jax.tree.leaves(without), strict=True)
+    assert not any(b is a for a, b in pairs)
